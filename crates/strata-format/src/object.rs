@@ -1,0 +1,179 @@
+//! Immutable objects: data split into fixed-size frames, followed by a trailer of frame hashes.
+//!
+//! ```text
+//! [ data: data_len bytes, frames of FRAME_SIZE (the last may be short) ]
+//! [ frame hashes: n_frames x 32 bytes (BLAKE3 of each frame)            ]
+//! [ footer, 32 bytes: "STRATAOB" | version u32 | frame_size u32 |
+//!                     data_len u64 | n_frames u32 | reserved u32 (0)    ]
+//! ```
+//!
+//! The object id is the BLAKE3 hash of the trailer (frame hashes + footer). The trailer is
+//! self-verifying against the id, and every frame against the trailer, so any byte range can be
+//! fetched and verified without reading the whole object. Identical data gives an identical id
+//! (content addressing), and the footer binds the data length into the id.
+
+use crate::{Error, Hash, Reader};
+
+pub const FRAME_SIZE: u32 = 64 * 1024;
+pub const FOOTER_LEN: u64 = 32;
+pub const OBJECT_VERSION: u32 = 1;
+const MAGIC: &[u8; 8] = b"STRATAOB";
+/// Objects larger than this are refused by decoders (bounded memory for frame tables).
+pub const MAX_DATA_LEN: u64 = 1 << 36;
+
+/// Number of frames for an object holding `data_len` bytes.
+pub fn n_frames(data_len: u64) -> u64 {
+    data_len.div_ceil(FRAME_SIZE as u64)
+}
+
+/// Byte length of the trailer for `data_len` bytes of data.
+pub fn trailer_len(data_len: u64) -> u64 {
+    n_frames(data_len) * 32 + FOOTER_LEN
+}
+
+/// Encodes `data` as an object; returns its id and the full object bytes.
+pub fn encode(data: &[u8]) -> (Hash, Vec<u8>) {
+    let data_len = data.len() as u64;
+    let mut out = Vec::with_capacity(data.len() + trailer_len(data_len) as usize);
+    out.extend_from_slice(data);
+    let trailer_start = out.len();
+    for frame in data.chunks(FRAME_SIZE as usize) {
+        out.extend_from_slice(blake3::hash(frame).as_bytes());
+    }
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&OBJECT_VERSION.to_le_bytes());
+    out.extend_from_slice(&FRAME_SIZE.to_le_bytes());
+    out.extend_from_slice(&data_len.to_le_bytes());
+    out.extend_from_slice(&(n_frames(data_len) as u32).to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    let id = Hash::of(&out[trailer_start..]);
+    (id, out)
+}
+
+/// The verified frame hashes of one object.
+#[derive(Clone, Debug)]
+pub struct FrameTable {
+    pub data_len: u64,
+    hashes: Vec<[u8; 32]>,
+}
+
+impl FrameTable {
+    /// Decodes and verifies a trailer fetched for object `id` expected to hold `data_len` bytes.
+    pub fn decode(id: &Hash, data_len: u64, trailer: &[u8]) -> Result<FrameTable, Error> {
+        const WHAT: &str = "object trailer";
+        if data_len > MAX_DATA_LEN {
+            return Err(Error::invalid(WHAT, "object too large"));
+        }
+        if trailer.len() as u64 != trailer_len(data_len) {
+            return Err(Error::Truncated {
+                what: WHAT,
+                need: trailer_len(data_len),
+                have: trailer.len() as u64,
+            });
+        }
+        if Hash::of(trailer) != *id {
+            return Err(Error::Checksum { what: WHAT });
+        }
+        let n = n_frames(data_len) as usize;
+        let mut r = Reader::new(trailer, WHAT);
+        let mut hashes = Vec::with_capacity(n);
+        for _ in 0..n {
+            hashes.push(r.array::<32>()?);
+        }
+        if r.take(8)? != MAGIC {
+            return Err(Error::BadMagic { what: WHAT });
+        }
+        let version = r.u32()?;
+        if version != OBJECT_VERSION {
+            return Err(Error::UnsupportedVersion {
+                what: WHAT,
+                version,
+            });
+        }
+        let (fs, dl, nf) = (r.u32()?, r.u64()?, r.u32()?);
+        if fs != FRAME_SIZE || dl != data_len || nf as usize != n {
+            return Err(Error::invalid(WHAT, "footer disagrees with manifest"));
+        }
+        Ok(FrameTable { data_len, hashes })
+    }
+
+    pub fn n_frames(&self) -> usize {
+        self.hashes.len()
+    }
+
+    /// Verifies `data`, which must be exactly frames `first..first+k` of the object.
+    pub fn verify(&self, first: usize, data: &[u8]) -> Result<(), Error> {
+        const WHAT: &str = "object frame";
+        let start = first as u64 * FRAME_SIZE as u64;
+        let end = start + data.len() as u64;
+        if start >= self.data_len && !data.is_empty() || end > self.data_len {
+            return Err(Error::invalid(WHAT, "range outside object"));
+        }
+        let mut i = first;
+        for frame in data.chunks(FRAME_SIZE as usize) {
+            let full = (self.data_len - i as u64 * FRAME_SIZE as u64).min(FRAME_SIZE as u64);
+            if frame.len() as u64 != full {
+                return Err(Error::invalid(WHAT, "range does not end on a frame boundary"));
+            }
+            if blake3::hash(frame).as_bytes() != &self.hashes[i] {
+                return Err(Error::Checksum { what: WHAT });
+            }
+            i += 1;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trailer(obj: &[u8], data_len: u64) -> &[u8] {
+        &obj[data_len as usize..]
+    }
+
+    #[test]
+    fn encode_verify_round_trip() {
+        let data: Vec<u8> = (0..(FRAME_SIZE as usize * 2 + 100)).map(|i| i as u8).collect();
+        let (id, obj) = encode(&data);
+        let ft = FrameTable::decode(&id, data.len() as u64, trailer(&obj, data.len() as u64)).unwrap();
+        assert_eq!(ft.n_frames(), 3);
+        ft.verify(0, &data).unwrap();
+        ft.verify(1, &data[FRAME_SIZE as usize..]).unwrap();
+        ft.verify(2, &data[2 * FRAME_SIZE as usize..]).unwrap();
+        let mut bad = data.clone();
+        bad[FRAME_SIZE as usize + 5] ^= 1;
+        assert_eq!(ft.verify(1, &bad[FRAME_SIZE as usize..]), Err(Error::Checksum { what: "object frame" }));
+        assert!(ft.verify(1, &data[FRAME_SIZE as usize..FRAME_SIZE as usize + 10]).is_err());
+    }
+
+    #[test]
+    fn same_content_same_id_and_length_is_bound() {
+        let (a, _) = encode(b"hello");
+        let (b, _) = encode(b"hello");
+        assert_eq!(a, b);
+        let (c, _) = encode(b"hello\0");
+        assert_ne!(a, c);
+        let (_, obj) = encode(b"hello");
+        assert!(FrameTable::decode(&a, 6, &obj[5..]).is_err());
+    }
+
+    #[test]
+    fn corrupt_trailer_is_refused() {
+        let (id, mut obj) = encode(&[7u8; 1000]);
+        let n = obj.len();
+        obj[n - 10] ^= 0xff;
+        assert!(matches!(FrameTable::decode(&id, 1000, &obj[1000..]), Err(Error::Checksum { .. })));
+        assert!(FrameTable::decode(&id, 1000, &obj[1001..]).is_err());
+    }
+
+    #[test]
+    fn golden_empty_and_small() {
+        // Freezes the v1 layout: changing it must change OBJECT_VERSION.
+        let (id, obj) = encode(b"strata");
+        assert_eq!(obj.len(), 6 + 32 + 32);
+        assert_eq!(&obj[38..46], b"STRATAOB");
+        assert_eq!(id.to_hex(), "9ae761c889b28a28fc9df9ce5c560b1101a51f1a36ecac1cdfa60a3f65460dd8");
+        assert_eq!(&obj[6..38], blake3::hash(b"strata").as_bytes());
+    }
+}
