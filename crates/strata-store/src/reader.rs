@@ -1,0 +1,263 @@
+//! The object read path: node cache, then verified, single-flight, unit-aligned range GETs.
+//!
+//! A read of bytes `[off, off+len)` of an object is split into *units* (aligned groups of
+//! frames, 256 KiB by default): small misses are coalesced into one larger aligned GET, and
+//! concurrent misses on the same unit share one GET (single flight). Every fetched unit is
+//! verified against the object's frame table (itself verified against the object id) before it
+//! is served or cached; a mismatch is re-fetched once, then reported as corrupt. Wrong bytes are
+//! never returned.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::hash::Hash as StdHash;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use strata_format::manifest::ObjectRef;
+use strata_format::object::{self, FrameTable, FRAME_SIZE};
+use strata_format::Hash;
+use tokio::sync::OnceCell;
+
+use crate::cache::{Key, NodeCache};
+use crate::{Result, Store, StoreError};
+
+type Flights<K, V> = Mutex<HashMap<K, Arc<OnceCell<Result<V>>>>>;
+
+/// Counters of the read path (monotonic).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ReaderStats {
+    pub gets: u64,
+    pub bytes_fetched: u64,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    pub verify_failures: u64,
+    pub puts: u64,
+    pub bytes_put: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    gets: AtomicU64,
+    bytes_fetched: AtomicU64,
+    cache_hits: AtomicU64,
+    cache_misses: AtomicU64,
+    verify_failures: AtomicU64,
+    puts: AtomicU64,
+    bytes_put: AtomicU64,
+}
+
+pub struct ObjectReader {
+    store: Store,
+    cache: NodeCache,
+    unit: u64,
+    tables: Mutex<HashMap<(String, Hash), Arc<FrameTable>>>,
+    table_flights: Flights<(String, Hash), Arc<FrameTable>>,
+    unit_flights: Flights<Key, Bytes>,
+    counters: Counters,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+async fn single_flight<K, V, F>(map: &Flights<K, V>, key: K, f: F) -> Result<V>
+where
+    K: StdHash + Eq + Clone,
+    V: Clone,
+    F: Future<Output = Result<V>>,
+{
+    let cell = lock(map).entry(key.clone()).or_default().clone();
+    let r = cell.get_or_init(|| f).await.clone();
+    let mut m = lock(map);
+    if m.get(&key).is_some_and(|c| Arc::ptr_eq(c, &cell)) {
+        m.remove(&key);
+    }
+    r
+}
+
+impl ObjectReader {
+    /// `unit` is the fetch granularity in bytes, a multiple of the 64 KiB frame size.
+    pub fn new(store: Store, cache: NodeCache, unit: u64) -> ObjectReader {
+        let unit = unit.max(FRAME_SIZE as u64) / FRAME_SIZE as u64 * FRAME_SIZE as u64;
+        ObjectReader {
+            store,
+            cache,
+            unit,
+            tables: Mutex::default(),
+            table_flights: Mutex::default(),
+            unit_flights: Mutex::default(),
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub fn cache(&self) -> &NodeCache {
+        &self.cache
+    }
+
+    pub fn stats(&self) -> ReaderStats {
+        let c = &self.counters;
+        ReaderStats {
+            gets: c.gets.load(Relaxed),
+            bytes_fetched: c.bytes_fetched.load(Relaxed),
+            cache_hits: c.cache_hits.load(Relaxed),
+            cache_misses: c.cache_misses.load(Relaxed),
+            verify_failures: c.verify_failures.load(Relaxed),
+            puts: c.puts.load(Relaxed),
+            bytes_put: c.bytes_put.load(Relaxed),
+        }
+    }
+
+    /// Uploads `data` as an object and fills the node cache with it (write-through), so data
+    /// that just left the journal is read back locally, not from the store.
+    pub async fn put_object(&self, tenant: &str, data: &[u8]) -> Result<ObjectRef> {
+        let (r, encoded) = self.store.put_object(tenant, data).await?;
+        self.counters.puts.fetch_add(1, Relaxed);
+        self.counters
+            .bytes_put
+            .fetch_add(encoded.len() as u64, Relaxed);
+        if let Ok(table) = FrameTable::decode(&r.id, r.data_len, &encoded[data.len()..]) {
+            lock(&self.tables).insert((tenant.to_string(), r.id), Arc::new(table));
+        }
+        let mut u = 0;
+        while u * self.unit < r.data_len {
+            let end = ((u + 1) * self.unit).min(r.data_len);
+            let key = Key {
+                tenant: tenant.to_string(),
+                id: r.id,
+                unit: u,
+            };
+            self.cache.insert(&key, &data[(u * self.unit) as usize..end as usize]);
+            u += 1;
+        }
+        Ok(r)
+    }
+
+    async fn table(&self, tenant: &str, obj: &ObjectRef) -> Result<Arc<FrameTable>> {
+        let k = (tenant.to_string(), obj.id);
+        if let Some(t) = lock(&self.tables).get(&k) {
+            return Ok(t.clone());
+        }
+        let t = single_flight(&self.table_flights, k.clone(), async {
+            let key = Store::object_key(tenant, &obj.id);
+            let range = obj.data_len..obj.data_len + object::trailer_len(obj.data_len);
+            let mut last = String::new();
+            for _ in 0..2 {
+                let bytes = self.store.get_range(&key, range.clone()).await?;
+                self.counters.gets.fetch_add(1, Relaxed);
+                self.counters
+                    .bytes_fetched
+                    .fetch_add(bytes.len() as u64, Relaxed);
+                match FrameTable::decode(&obj.id, obj.data_len, &bytes) {
+                    Ok(t) => return Ok(Arc::new(t)),
+                    Err(e) => {
+                        self.counters.verify_failures.fetch_add(1, Relaxed);
+                        tracing::warn!(object = %obj.id, error = %e, "object trailer failed verification");
+                        last = e.to_string();
+                    }
+                }
+            }
+            Err(StoreError::Corrupt(format!("object {}: {last}", obj.id)))
+        })
+        .await?;
+        lock(&self.tables).insert(k, t.clone());
+        Ok(t)
+    }
+
+    async fn fetch_unit(&self, key: Key, obj: ObjectRef) -> Result<Bytes> {
+        let table = self.table(&key.tenant, &obj).await?;
+        let start = key.unit * self.unit;
+        let end = (start + self.unit).min(obj.data_len);
+        let okey = Store::object_key(&key.tenant, &obj.id);
+        for _ in 0..2 {
+            let bytes = self.store.get_range(&okey, start..end).await?;
+            self.counters.gets.fetch_add(1, Relaxed);
+            self.counters
+                .bytes_fetched
+                .fetch_add(bytes.len() as u64, Relaxed);
+            let first = (start / FRAME_SIZE as u64) as usize;
+            if bytes.len() as u64 == end - start && table.verify(first, &bytes).is_ok() {
+                self.cache.insert(&key, &bytes);
+                return Ok(bytes);
+            }
+            self.counters.verify_failures.fetch_add(1, Relaxed);
+            tracing::warn!(object = %obj.id, start, end, "object range failed verification; re-fetching");
+        }
+        Err(StoreError::Corrupt(format!(
+            "object {} bytes {start}..{end} do not match their hash",
+            obj.id
+        )))
+    }
+
+    /// Reads bytes `[off, off + len)` of `unit` from the cache, verifying an entry left by a
+    /// previous run before trusting it. `None` is a miss.
+    async fn cached(&self, key: &Key, obj: &ObjectRef, off: u64, len: usize) -> Option<Vec<u8>> {
+        let hit = self.cache.get(key)?;
+        if hit.verified {
+            return NodeCache::read_at(&hit.path, off, len);
+        }
+        let table = self.table(&key.tenant, obj).await.ok()?;
+        let data = std::fs::read(&hit.path).ok()?;
+        let first = (key.unit * self.unit / FRAME_SIZE as u64) as usize;
+        let expect = ((key.unit + 1) * self.unit).min(obj.data_len) - key.unit * self.unit;
+        if data.len() as u64 != expect || table.verify(first, &data).is_err() {
+            tracing::warn!(object = %obj.id, unit = key.unit, "dropping node cache entry that failed re-verification");
+            self.cache.remove(key);
+            return None;
+        }
+        self.cache.mark_verified(key);
+        Some(data[off as usize..off as usize + len].to_vec())
+    }
+
+    /// Reads `buf.len()` bytes at `offset` of object `obj` into `buf`, verified.
+    pub async fn read_into(
+        &self,
+        tenant: &str,
+        obj: &ObjectRef,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let end = offset + buf.len() as u64;
+        if end > obj.data_len {
+            return Err(StoreError::Corrupt(format!(
+                "read {offset}..{end} past the end of object {} ({} bytes)",
+                obj.id, obj.data_len
+            )));
+        }
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let first = offset / self.unit;
+        let last = (end - 1) / self.unit;
+        let parts = futures::future::join_all((first..=last).map(|u| {
+            let ustart = u * self.unit;
+            let a = offset.max(ustart);
+            let b = end.min(ustart + self.unit);
+            let key = Key {
+                tenant: tenant.to_string(),
+                id: obj.id,
+                unit: u,
+            };
+            async move {
+                if let Some(v) = self.cached(&key, obj, a - ustart, (b - a) as usize).await {
+                    self.counters.cache_hits.fetch_add(1, Relaxed);
+                    return Ok::<_, StoreError>((a, Bytes::from(v)));
+                }
+                self.counters.cache_misses.fetch_add(1, Relaxed);
+                let unit = single_flight(&self.unit_flights, key.clone(), self.fetch_unit(key, *obj)).await?;
+                Ok((a, unit.slice((a - ustart) as usize..(b - ustart) as usize)))
+            }
+        }))
+        .await;
+        for p in parts {
+            let (a, bytes) = p?;
+            let at = (a - offset) as usize;
+            buf[at..at + bytes.len()].copy_from_slice(&bytes);
+        }
+        Ok(())
+    }
+}

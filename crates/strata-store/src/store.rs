@@ -1,0 +1,153 @@
+//! The object store and its key layout.
+//!
+//! ```text
+//! {prefix}/t/{tenant}/obj/{hh}/{hash}   immutable framed objects (see strata_format::object)
+//! {prefix}/t/{tenant}/man/{hash}        immutable manifests
+//! ```
+//! Tenant names are validated (strata_format::name) so no key can leave its tenant's prefix.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use object_store::local::LocalFileSystem;
+use object_store::memory::InMemory;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use strata_format::manifest::{Manifest, ObjectRef};
+use strata_format::{object, Hash};
+
+use crate::{Result, StoreError};
+
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<dyn ObjectStore>,
+    url: String,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Store({})", self.url)
+    }
+}
+
+impl Store {
+    /// Opens a store by URL: `file:DIR` (local directory, fsync on), `memory:` (tests).
+    pub fn open(url: &str) -> Result<Store> {
+        let inner: Arc<dyn ObjectStore> = if let Some(dir) = url.strip_prefix("file:") {
+            let dir = dir.strip_prefix("//").unwrap_or(dir);
+            std::fs::create_dir_all(dir)?;
+            Arc::new(
+                LocalFileSystem::new_with_prefix(dir)
+                    .map_err(|e| StoreError::BadUrl(url.into(), e.to_string()))?
+                    .with_fsync(true),
+            )
+        } else if url == "memory:" {
+            Arc::new(InMemory::new())
+        } else {
+            return Err(StoreError::BadUrl(
+                url.into(),
+                "expected file:DIR or memory:".into(),
+            ));
+        };
+        Ok(Store {
+            inner,
+            url: url.into(),
+        })
+    }
+
+    /// Wraps any `object_store` implementation (fault-injecting wrappers in tests).
+    pub fn from_object_store(inner: Arc<dyn ObjectStore>, url: &str) -> Store {
+        Store {
+            inner,
+            url: url.into(),
+        }
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub fn inner(&self) -> &Arc<dyn ObjectStore> {
+        &self.inner
+    }
+
+    pub fn object_key(tenant: &str, id: &Hash) -> Path {
+        let hex = id.to_hex();
+        Path::from(format!("t/{tenant}/obj/{}/{hex}", &hex[..2]))
+    }
+
+    pub fn manifest_key(tenant: &str, id: &Hash) -> Path {
+        Path::from(format!("t/{tenant}/man/{}", id.to_hex()))
+    }
+
+    /// Uploads `data` as a framed, content-addressed object. Idempotent: the same data always
+    /// lands at the same key with the same bytes. Returns the reference and the encoded object.
+    pub async fn put_object(&self, tenant: &str, data: &[u8]) -> Result<(ObjectRef, Bytes)> {
+        let (id, encoded) = object::encode(data);
+        let encoded = Bytes::from(encoded);
+        let key = Self::object_key(tenant, &id);
+        self.put_verified(&key, encoded.clone()).await?;
+        Ok((
+            ObjectRef {
+                id,
+                data_len: data.len() as u64,
+            },
+            encoded,
+        ))
+    }
+
+    /// Puts immutable bytes; after a failed attempt the key is checked (HEAD) before retrying,
+    /// so an upload whose reply was lost is recognised rather than assumed.
+    async fn put_verified(&self, key: &Path, bytes: Bytes) -> Result<()> {
+        let mut last = None;
+        for attempt in 0..3u32 {
+            if attempt > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(50 << attempt)).await;
+                if let Ok(meta) = self.inner.head(key).await {
+                    if meta.size == bytes.len() as u64 {
+                        return Ok(());
+                    }
+                }
+            }
+            match self.inner.put(key, PutPayload::from(bytes.clone())).await {
+                Ok(_) => return Ok(()),
+                Err(e) => {
+                    tracing::warn!(%key, attempt, error = %e, "put failed");
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.map_or_else(|| StoreError::Backend("put failed".into()), Into::into))
+    }
+
+    pub async fn put_manifest(&self, tenant: &str, m: &Manifest) -> Result<Hash> {
+        let bytes = m.encode();
+        let id = Hash::of(&bytes);
+        self.put_verified(&Self::manifest_key(tenant, &id), Bytes::from(bytes))
+            .await?;
+        Ok(id)
+    }
+
+    /// Fetches and verifies a manifest: its bytes must hash to `id` and decode cleanly.
+    pub async fn get_manifest(&self, tenant: &str, id: &Hash) -> Result<Manifest> {
+        let key = Self::manifest_key(tenant, id);
+        let bytes = self.inner.get(&key).await?.bytes().await?;
+        if Hash::of(&bytes) != *id {
+            return Err(StoreError::Corrupt(format!("manifest {id}: hash mismatch")));
+        }
+        Manifest::decode(&bytes).map_err(|e| StoreError::Corrupt(format!("manifest {id}: {e}")))
+    }
+
+    pub async fn get_range(&self, key: &Path, range: Range<u64>) -> Result<Bytes> {
+        Ok(self.inner.get_range(key, range).await?)
+    }
+
+    pub async fn exists(&self, key: &Path) -> Result<bool> {
+        match self.inner.head(key).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
