@@ -1,1 +1,106 @@
+//! The catalog: strata's durable control-plane graph.
+//!
+//! Tenants, templates, workspaces and their heads, checkpoints (the receipts of published
+//! heads), leases with epochs, and which objects every manifest references (for GC). Every
+//! backend implements [`Catalog`] and passes the same [`conformance`] suite.
+//!
+//! The one invariant everything else leans on: a head moves only through
+//! [`Catalog::advance_head`], a compare-and-set on the expected version *and* the caller's
+//! lease epoch, in one transaction with the checkpoint row that records it. A writer whose lease
+//! was taken over (a higher epoch exists) can never move the head.
 
+pub mod conformance;
+mod sqlite;
+mod types;
+
+pub use sqlite::SqliteCatalog;
+pub use types::*;
+
+use async_trait::async_trait;
+use strata_format::manifest::ObjectRef;
+use strata_format::Hash;
+
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum CatalogError {
+    #[error("{what} {name:?} not found")]
+    NotFound { what: &'static str, name: String },
+    #[error("{what} {name:?} already exists")]
+    AlreadyExists { what: &'static str, name: String },
+    #[error("head moved: expected version {expected}, found {actual}")]
+    Conflict { expected: u64, actual: u64 },
+    #[error("lease lost: this writer holds epoch {held}, the lease is now epoch {current} held by {holder:?}")]
+    Fenced {
+        held: u64,
+        current: u64,
+        holder: Option<String>,
+    },
+    #[error("workspace is attached by node {holder:?} (lease epoch {epoch}, expires in {expires_in_ms} ms)")]
+    LeaseHeld {
+        holder: String,
+        epoch: u64,
+        expires_in_ms: u64,
+    },
+    #[error("{0}")]
+    InUse(String),
+    #[error("catalog backend: {0}")]
+    Backend(String),
+}
+
+impl CatalogError {
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, CatalogError::Backend(_))
+    }
+}
+
+pub type Result<T, E = CatalogError> = std::result::Result<T, E>;
+
+#[async_trait]
+pub trait Catalog: Send + Sync + 'static {
+    async fn create_tenant(&self, tenant: &str) -> Result<()>;
+    async fn tenant_exists(&self, tenant: &str) -> Result<bool>;
+
+    /// Records that `manifest` exists and references `objects` (idempotent).
+    async fn record_manifest(&self, tenant: &str, manifest: Hash, objects: &[ObjectRef]) -> Result<()>;
+
+    async fn create_template(&self, t: &Template) -> Result<()>;
+    async fn get_template(&self, tenant: &str, name: &str) -> Result<Template>;
+    async fn list_templates(&self, tenant: &str) -> Result<Vec<Template>>;
+    async fn delete_template(&self, tenant: &str, name: &str) -> Result<()>;
+
+    /// Creates a workspace whose head is version 1 at `w.manifest`, with its checkpoint row.
+    async fn create_workspace(&self, w: &NewWorkspace) -> Result<Workspace>;
+    async fn get_workspace(&self, tenant: &str, name: &str) -> Result<Workspace>;
+    async fn list_workspaces(&self, tenant: &str) -> Result<Vec<Workspace>>;
+    /// Deletes the workspace and its history. Refused while a live lease is held.
+    async fn delete_workspace(&self, tenant: &str, name: &str) -> Result<()>;
+
+    /// Compare-and-set of the head: from `expected` to `expected + 1` at `cp.manifest`, only if
+    /// `lease` is the current lease (holder and epoch). Records the checkpoint in the same
+    /// transaction. Returns the new version.
+    async fn advance_head(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        expected: u64,
+        lease: &LeaseGrant,
+        cp: &NewCheckpoint,
+    ) -> Result<u64>;
+    async fn list_checkpoints(&self, tenant: &str, workspace: &str) -> Result<Vec<Checkpoint>>;
+    async fn get_checkpoint(&self, tenant: &str, workspace: &str, version: u64) -> Result<Checkpoint>;
+
+    /// Takes the lease for `node`: allowed when free, expired, or already held by `node`.
+    /// Always increments the epoch, fencing every earlier holder.
+    async fn acquire_lease(&self, tenant: &str, workspace: &str, node: &str, ttl_ms: u64) -> Result<LeaseGrant>;
+    /// Extends a held lease; fails with `Fenced` if it was taken over.
+    async fn renew_lease(&self, tenant: &str, workspace: &str, lease: &LeaseGrant, ttl_ms: u64) -> Result<()>;
+    /// Releases a held lease (no-op if already taken over).
+    async fn release_lease(&self, tenant: &str, workspace: &str, lease: &LeaseGrant) -> Result<()>;
+    async fn get_lease(&self, tenant: &str, workspace: &str) -> Result<Lease>;
+}
+
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,500 @@
+//! The embedded catalog: one SQLite file (WAL, synchronous=FULL) under the data directory.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use strata_format::manifest::ObjectRef;
+use strata_format::Hash;
+
+use crate::*;
+
+/// Schema migrations; `PRAGMA user_version` records how many have been applied.
+const MIGRATIONS: &[&str] = &[r#"
+CREATE TABLE tenants (id TEXT PRIMARY KEY, created_ms INTEGER NOT NULL);
+CREATE TABLE templates (
+    tenant TEXT NOT NULL, name TEXT NOT NULL, manifest TEXT NOT NULL,
+    disk_size INTEGER NOT NULL, stored_bytes INTEGER NOT NULL, created_ms INTEGER NOT NULL,
+    PRIMARY KEY (tenant, name));
+CREATE TABLE workspaces (
+    tenant TEXT NOT NULL, name TEXT NOT NULL, mode TEXT NOT NULL, disk_size INTEGER NOT NULL,
+    head_version INTEGER NOT NULL, head_manifest TEXT NOT NULL, source TEXT NOT NULL,
+    created_ms INTEGER NOT NULL, ttl_ms INTEGER,
+    PRIMARY KEY (tenant, name));
+CREATE TABLE checkpoints (
+    tenant TEXT NOT NULL, workspace TEXT NOT NULL, version INTEGER NOT NULL,
+    manifest TEXT NOT NULL, label TEXT, kind TEXT NOT NULL, created_ms INTEGER NOT NULL,
+    bytes INTEGER NOT NULL, cut_seq INTEGER NOT NULL, journal_id TEXT, epoch INTEGER NOT NULL,
+    PRIMARY KEY (tenant, workspace, version));
+CREATE TABLE leases (
+    tenant TEXT NOT NULL, workspace TEXT NOT NULL, holder TEXT, epoch INTEGER NOT NULL,
+    expires_ms INTEGER NOT NULL,
+    PRIMARY KEY (tenant, workspace));
+CREATE TABLE manifests (tenant TEXT NOT NULL, id TEXT NOT NULL, created_ms INTEGER NOT NULL,
+    PRIMARY KEY (tenant, id));
+CREATE TABLE manifest_objects (tenant TEXT NOT NULL, manifest TEXT NOT NULL, object TEXT NOT NULL,
+    PRIMARY KEY (tenant, manifest, object));
+CREATE TABLE objects (tenant TEXT NOT NULL, id TEXT NOT NULL, data_len INTEGER NOT NULL,
+    created_ms INTEGER NOT NULL, PRIMARY KEY (tenant, id));
+"#];
+
+pub struct SqliteCatalog {
+    conn: Arc<Mutex<Connection>>,
+}
+
+fn be(e: rusqlite::Error) -> CatalogError {
+    CatalogError::Backend(e.to_string())
+}
+
+fn hash(s: String) -> rusqlite::Result<Hash> {
+    s.parse().map_err(|e: strata_format::Error| {
+        rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, Box::new(e))
+    })
+}
+
+fn ws_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Workspace> {
+    Ok(Workspace {
+        tenant: r.get(0)?,
+        name: r.get(1)?,
+        mode: r.get::<_, String>(2)?.parse().unwrap_or_default(),
+        disk_size: r.get::<_, i64>(3)? as u64,
+        head_version: r.get::<_, i64>(4)? as u64,
+        head_manifest: hash(r.get(5)?)?,
+        source: r.get(6)?,
+        created_ms: r.get::<_, i64>(7)? as u64,
+        ttl_ms: r.get::<_, Option<i64>>(8)?.map(|v| v as u64),
+    })
+}
+
+const WS_COLS: &str = "tenant, name, mode, disk_size, head_version, head_manifest, source, created_ms, ttl_ms";
+const CP_COLS: &str = "workspace, version, manifest, label, kind, created_ms, bytes, cut_seq, journal_id, epoch";
+
+fn cp_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Checkpoint> {
+    Ok(Checkpoint {
+        workspace: r.get(0)?,
+        version: r.get::<_, i64>(1)? as u64,
+        manifest: hash(r.get(2)?)?,
+        label: r.get(3)?,
+        kind: CheckpointKind::parse(&r.get::<_, String>(4)?).unwrap_or(CheckpointKind::Auto),
+        created_ms: r.get::<_, i64>(5)? as u64,
+        bytes: r.get::<_, i64>(6)? as u64,
+        cut_seq: r.get::<_, i64>(7)? as u64,
+        journal_id: r.get(8)?,
+        epoch: r.get::<_, i64>(9)? as u64,
+    })
+}
+
+fn tpl_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Template> {
+    Ok(Template {
+        tenant: r.get(0)?,
+        name: r.get(1)?,
+        manifest: hash(r.get(2)?)?,
+        disk_size: r.get::<_, i64>(3)? as u64,
+        stored_bytes: r.get::<_, i64>(4)? as u64,
+        created_ms: r.get::<_, i64>(5)? as u64,
+    })
+}
+
+fn lease_of(c: &Connection, tenant: &str, ws: &str) -> rusqlite::Result<Lease> {
+    Ok(c.query_row(
+        "SELECT holder, epoch, expires_ms FROM leases WHERE tenant = ?1 AND workspace = ?2",
+        params![tenant, ws],
+        |r| {
+            Ok(Lease {
+                holder: r.get(0)?,
+                epoch: r.get::<_, i64>(1)? as u64,
+                expires_ms: r.get::<_, i64>(2)? as u64,
+            })
+        },
+    )
+    .optional()?
+    .unwrap_or(Lease {
+        holder: None,
+        epoch: 0,
+        expires_ms: 0,
+    }))
+}
+
+fn get_ws(c: &Connection, tenant: &str, name: &str) -> Result<Workspace> {
+    c.query_row(
+        &format!("SELECT {WS_COLS} FROM workspaces WHERE tenant = ?1 AND name = ?2"),
+        params![tenant, name],
+        ws_row,
+    )
+    .optional()
+    .map_err(be)?
+    .ok_or_else(|| CatalogError::NotFound {
+        what: "workspace",
+        name: name.into(),
+    })
+}
+
+impl SqliteCatalog {
+    pub fn open(path: &Path) -> Result<SqliteCatalog> {
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| CatalogError::Backend(e.to_string()))?;
+        }
+        let mut conn = Connection::open(path).map_err(be)?;
+        conn.busy_timeout(std::time::Duration::from_secs(10)).map_err(be)?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(be)?;
+        conn.pragma_update(None, "synchronous", "FULL").map_err(be)?;
+        conn.pragma_update(None, "foreign_keys", "ON").map_err(be)?;
+        let applied: i64 = conn
+            .pragma_query_value(None, "user_version", |r| r.get(0))
+            .map_err(be)?;
+        if applied as usize > MIGRATIONS.len() {
+            return Err(CatalogError::Backend(format!(
+                "catalog schema version {applied} is newer than this strata ({})",
+                MIGRATIONS.len()
+            )));
+        }
+        for (i, m) in MIGRATIONS.iter().enumerate().skip(applied as usize) {
+            let tx = conn.transaction().map_err(be)?;
+            tx.execute_batch(m).map_err(be)?;
+            tx.pragma_update(None, "user_version", (i + 1) as i64).map_err(be)?;
+            tx.commit().map_err(be)?;
+        }
+        Ok(SqliteCatalog {
+            conn: Arc::new(Mutex::new(conn)),
+        })
+    }
+
+    /// Runs `f` on the connection in a blocking thread.
+    async fn run<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection) -> Result<T> + Send + 'static,
+    {
+        let conn = self.conn.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut c = conn.lock().unwrap_or_else(|p| p.into_inner());
+            f(&mut c)
+        })
+        .await
+        .map_err(|e| CatalogError::Backend(format!("catalog task failed: {e}")))?
+    }
+}
+
+fn is_unique(e: &rusqlite::Error) -> bool {
+    matches!(e, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::ConstraintViolation)
+}
+
+#[async_trait]
+impl Catalog for SqliteCatalog {
+    async fn create_tenant(&self, tenant: &str) -> Result<()> {
+        let t = tenant.to_string();
+        self.run(move |c| {
+            c.execute("INSERT INTO tenants (id, created_ms) VALUES (?1, ?2)", params![t, now_ms() as i64])
+                .map_err(|e| if is_unique(&e) {
+                    CatalogError::AlreadyExists { what: "tenant", name: t.clone() }
+                } else { be(e) })?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn tenant_exists(&self, tenant: &str) -> Result<bool> {
+        let t = tenant.to_string();
+        self.run(move |c| {
+            c.query_row("SELECT 1 FROM tenants WHERE id = ?1", params![t], |_| Ok(()))
+                .optional()
+                .map(|r| r.is_some())
+                .map_err(be)
+        })
+        .await
+    }
+
+    async fn record_manifest(&self, tenant: &str, manifest: Hash, objects: &[ObjectRef]) -> Result<()> {
+        let t = tenant.to_string();
+        let objects = objects.to_vec();
+        self.run(move |c| {
+            let tx = c.transaction().map_err(be)?;
+            let now = now_ms() as i64;
+            let m = manifest.to_hex();
+            tx.execute(
+                "INSERT OR IGNORE INTO manifests (tenant, id, created_ms) VALUES (?1, ?2, ?3)",
+                params![t, m, now],
+            )
+            .map_err(be)?;
+            {
+                let mut obj = tx
+                    .prepare_cached("INSERT OR IGNORE INTO objects (tenant, id, data_len, created_ms) VALUES (?1, ?2, ?3, ?4)")
+                    .map_err(be)?;
+                let mut link = tx
+                    .prepare_cached("INSERT OR IGNORE INTO manifest_objects (tenant, manifest, object) VALUES (?1, ?2, ?3)")
+                    .map_err(be)?;
+                for o in &objects {
+                    let id = o.id.to_hex();
+                    obj.execute(params![t, id, o.data_len as i64, now]).map_err(be)?;
+                    link.execute(params![t, m, id]).map_err(be)?;
+                }
+            }
+            tx.commit().map_err(be)
+        })
+        .await
+    }
+
+    async fn create_template(&self, tpl: &Template) -> Result<()> {
+        let tpl = tpl.clone();
+        self.run(move |c| {
+            c.execute(
+                "INSERT INTO templates (tenant, name, manifest, disk_size, stored_bytes, created_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                params![tpl.tenant, tpl.name, tpl.manifest.to_hex(), tpl.disk_size as i64, tpl.stored_bytes as i64, tpl.created_ms as i64],
+            )
+            .map_err(|e| if is_unique(&e) {
+                CatalogError::AlreadyExists { what: "template", name: tpl.name.clone() }
+            } else { be(e) })?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn get_template(&self, tenant: &str, name: &str) -> Result<Template> {
+        let (t, n) = (tenant.to_string(), name.to_string());
+        self.run(move |c| {
+            c.query_row(
+                "SELECT tenant, name, manifest, disk_size, stored_bytes, created_ms FROM templates WHERE tenant = ?1 AND name = ?2",
+                params![t, n],
+                tpl_row,
+            )
+            .optional()
+            .map_err(be)?
+            .ok_or(CatalogError::NotFound { what: "template", name: n })
+        })
+        .await
+    }
+
+    async fn list_templates(&self, tenant: &str) -> Result<Vec<Template>> {
+        let t = tenant.to_string();
+        self.run(move |c| {
+            let mut s = c
+                .prepare("SELECT tenant, name, manifest, disk_size, stored_bytes, created_ms FROM templates WHERE tenant = ?1 ORDER BY name")
+                .map_err(be)?;
+            let rows = s.query_map(params![t], tpl_row).map_err(be)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
+        })
+        .await
+    }
+
+    async fn delete_template(&self, tenant: &str, name: &str) -> Result<()> {
+        let (t, n) = (tenant.to_string(), name.to_string());
+        self.run(move |c| {
+            let users: Vec<String> = {
+                let mut s = c
+                    .prepare("SELECT name FROM workspaces WHERE tenant = ?1 AND source = ?2 ORDER BY name")
+                    .map_err(be)?;
+                let rows = s
+                    .query_map(params![t, format!("template:{n}")], |r| r.get(0))
+                    .map_err(be)?;
+                rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)?
+            };
+            if !users.is_empty() {
+                return Err(CatalogError::InUse(format!(
+                    "template {n:?} is used by workspaces: {}",
+                    users.join(", ")
+                )));
+            }
+            let k = c
+                .execute("DELETE FROM templates WHERE tenant = ?1 AND name = ?2", params![t, n])
+                .map_err(be)?;
+            if k == 0 {
+                return Err(CatalogError::NotFound { what: "template", name: n });
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn create_workspace(&self, w: &NewWorkspace) -> Result<Workspace> {
+        let w = w.clone();
+        self.run(move |c| {
+            let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
+            let now = now_ms() as i64;
+            tx.execute(
+                &format!("INSERT INTO workspaces ({WS_COLS}) VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?8)"),
+                params![w.tenant, w.name, w.mode.as_str(), w.disk_size as i64, w.manifest.to_hex(), w.source, now, w.ttl_ms.map(|v| v as i64)],
+            )
+            .map_err(|e| if is_unique(&e) {
+                CatalogError::AlreadyExists { what: "workspace", name: w.name.clone() }
+            } else { be(e) })?;
+            // A leftover checkpoint history of a deleted workspace of the same name is gone
+            // (delete removes it); the lease row is kept so epochs never go backwards.
+            tx.execute(
+                &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES (?1, ?2, 1, ?3, NULL, ?4, ?5, 0, 0, NULL, 0)"),
+                params![w.tenant, w.name, w.manifest.to_hex(), w.kind.as_str(), now],
+            )
+            .map_err(be)?;
+            let ws = get_ws(&tx, &w.tenant, &w.name)?;
+            tx.commit().map_err(be)?;
+            Ok(ws)
+        })
+        .await
+    }
+
+    async fn get_workspace(&self, tenant: &str, name: &str) -> Result<Workspace> {
+        let (t, n) = (tenant.to_string(), name.to_string());
+        self.run(move |c| get_ws(c, &t, &n)).await
+    }
+
+    async fn list_workspaces(&self, tenant: &str) -> Result<Vec<Workspace>> {
+        let t = tenant.to_string();
+        self.run(move |c| {
+            let mut s = c
+                .prepare(&format!("SELECT {WS_COLS} FROM workspaces WHERE tenant = ?1 ORDER BY name"))
+                .map_err(be)?;
+            let rows = s.query_map(params![t], ws_row).map_err(be)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
+        })
+        .await
+    }
+
+    async fn delete_workspace(&self, tenant: &str, name: &str) -> Result<()> {
+        let (t, n) = (tenant.to_string(), name.to_string());
+        self.run(move |c| {
+            let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
+            get_ws(&tx, &t, &n)?;
+            let l = lease_of(&tx, &t, &n).map_err(be)?;
+            if let Some(h) = l.holder.filter(|_| l.expires_ms > now_ms()) {
+                return Err(CatalogError::LeaseHeld {
+                    holder: h,
+                    epoch: l.epoch,
+                    expires_in_ms: l.expires_ms.saturating_sub(now_ms()),
+                });
+            }
+            tx.execute("DELETE FROM checkpoints WHERE tenant = ?1 AND workspace = ?2", params![t, n]).map_err(be)?;
+            tx.execute("DELETE FROM workspaces WHERE tenant = ?1 AND name = ?2", params![t, n]).map_err(be)?;
+            tx.execute("UPDATE leases SET holder = NULL, expires_ms = 0 WHERE tenant = ?1 AND workspace = ?2", params![t, n]).map_err(be)?;
+            tx.commit().map_err(be)
+        })
+        .await
+    }
+
+    async fn advance_head(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        expected: u64,
+        lease: &LeaseGrant,
+        cp: &NewCheckpoint,
+    ) -> Result<u64> {
+        let (t, n, lease, cp) = (tenant.to_string(), workspace.to_string(), lease.clone(), cp.clone());
+        self.run(move |c| {
+            let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
+            let ws = get_ws(&tx, &t, &n)?;
+            let l = lease_of(&tx, &t, &n).map_err(be)?;
+            if l.epoch != lease.epoch || l.holder.as_deref() != Some(lease.node.as_str()) {
+                return Err(CatalogError::Fenced { held: lease.epoch, current: l.epoch, holder: l.holder });
+            }
+            if ws.head_version != expected {
+                return Err(CatalogError::Conflict { expected, actual: ws.head_version });
+            }
+            let v = expected + 1;
+            tx.execute(
+                "UPDATE workspaces SET head_version = ?3, head_manifest = ?4 WHERE tenant = ?1 AND name = ?2 AND head_version = ?5",
+                params![t, n, v as i64, cp.manifest.to_hex(), expected as i64],
+            )
+            .map_err(be)?;
+            tx.execute(
+                &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"),
+                params![t, n, v as i64, cp.manifest.to_hex(), cp.label, cp.kind.as_str(), now_ms() as i64,
+                    cp.bytes as i64, cp.cut_seq as i64, cp.journal_id, lease.epoch as i64],
+            )
+            .map_err(be)?;
+            tx.commit().map_err(be)?;
+            Ok(v)
+        })
+        .await
+    }
+
+    async fn list_checkpoints(&self, tenant: &str, workspace: &str) -> Result<Vec<Checkpoint>> {
+        let (t, n) = (tenant.to_string(), workspace.to_string());
+        self.run(move |c| {
+            get_ws(c, &t, &n)?;
+            let mut s = c
+                .prepare(&format!("SELECT {CP_COLS} FROM checkpoints WHERE tenant = ?1 AND workspace = ?2 ORDER BY version"))
+                .map_err(be)?;
+            let rows = s.query_map(params![t, n], cp_row).map_err(be)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
+        })
+        .await
+    }
+
+    async fn get_checkpoint(&self, tenant: &str, workspace: &str, version: u64) -> Result<Checkpoint> {
+        let (t, n) = (tenant.to_string(), workspace.to_string());
+        self.run(move |c| {
+            c.query_row(
+                &format!("SELECT {CP_COLS} FROM checkpoints WHERE tenant = ?1 AND workspace = ?2 AND version = ?3"),
+                params![t, n, version as i64],
+                cp_row,
+            )
+            .optional()
+            .map_err(be)?
+            .ok_or(CatalogError::NotFound { what: "checkpoint", name: format!("{n}@{version}") })
+        })
+        .await
+    }
+
+    async fn acquire_lease(&self, tenant: &str, workspace: &str, node: &str, ttl_ms: u64) -> Result<LeaseGrant> {
+        let (t, n, node) = (tenant.to_string(), workspace.to_string(), node.to_string());
+        self.run(move |c| {
+            let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
+            get_ws(&tx, &t, &n)?;
+            let now = now_ms();
+            let l = lease_of(&tx, &t, &n).map_err(be)?;
+            if let Some(h) = l.holder.as_ref().filter(|h| **h != node && l.expires_ms > now) {
+                return Err(CatalogError::LeaseHeld {
+                    holder: h.clone(),
+                    epoch: l.epoch,
+                    expires_in_ms: l.expires_ms - now,
+                });
+            }
+            let grant = LeaseGrant { node, epoch: l.epoch + 1, expires_ms: now + ttl_ms };
+            tx.execute(
+                "INSERT INTO leases (tenant, workspace, holder, epoch, expires_ms) VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT (tenant, workspace) DO UPDATE SET holder = ?3, epoch = ?4, expires_ms = ?5",
+                params![t, n, grant.node, grant.epoch as i64, grant.expires_ms as i64],
+            )
+            .map_err(be)?;
+            tx.commit().map_err(be)?;
+            Ok(grant)
+        })
+        .await
+    }
+
+    async fn renew_lease(&self, tenant: &str, workspace: &str, lease: &LeaseGrant, ttl_ms: u64) -> Result<()> {
+        let (t, n, lease) = (tenant.to_string(), workspace.to_string(), lease.clone());
+        self.run(move |c| {
+            let k = c
+                .execute(
+                    "UPDATE leases SET expires_ms = ?5 WHERE tenant = ?1 AND workspace = ?2 AND holder = ?3 AND epoch = ?4",
+                    params![t, n, lease.node, lease.epoch as i64, (now_ms() + ttl_ms) as i64],
+                )
+                .map_err(be)?;
+            if k == 0 {
+                let l = lease_of(c, &t, &n).map_err(be)?;
+                return Err(CatalogError::Fenced { held: lease.epoch, current: l.epoch, holder: l.holder });
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn release_lease(&self, tenant: &str, workspace: &str, lease: &LeaseGrant) -> Result<()> {
+        let (t, n, lease) = (tenant.to_string(), workspace.to_string(), lease.clone());
+        self.run(move |c| {
+            c.execute(
+                "UPDATE leases SET holder = NULL, expires_ms = 0 WHERE tenant = ?1 AND workspace = ?2 AND holder = ?3 AND epoch = ?4",
+                params![t, n, lease.node, lease.epoch as i64],
+            )
+            .map_err(be)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn get_lease(&self, tenant: &str, workspace: &str) -> Result<Lease> {
+        let (t, n) = (tenant.to_string(), workspace.to_string());
+        self.run(move |c| lease_of(c, &t, &n).map_err(be)).await
+    }
+}

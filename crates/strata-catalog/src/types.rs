@@ -1,0 +1,167 @@
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use strata_format::Hash;
+
+/// A workspace's durability mode (see docs/DURABILITY.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// FLUSH returns at once; nothing is promised.
+    Ephemeral,
+    /// FLUSH returns when the local journal is fsync'd; uploads run in the background.
+    #[default]
+    Durable,
+    /// FLUSH returns when the data is committed in the object store.
+    Sync,
+}
+
+impl Mode {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Mode::Ephemeral => "ephemeral",
+            Mode::Durable => "durable",
+            Mode::Sync => "sync",
+        }
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "ephemeral" => Ok(Mode::Ephemeral),
+            "durable" => Ok(Mode::Durable),
+            "sync" => Ok(Mode::Sync),
+            _ => Err(format!("unknown mode {s:?}: use ephemeral, durable or sync")),
+        }
+    }
+}
+
+/// Why a head version exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointKind {
+    /// Version 1 of a workspace created from a template.
+    Create,
+    /// Version 1 of a workspace forked from another's checkpoint.
+    Fork,
+    /// Published by the background uploader or a sync-mode flush.
+    Auto,
+    /// Asked for by a user (usually labelled).
+    Checkpoint,
+    /// A new version pointing at an older version's manifest.
+    Rollback,
+    /// Published when a workspace was detached.
+    Detach,
+}
+
+impl CheckpointKind {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            CheckpointKind::Create => "create",
+            CheckpointKind::Fork => "fork",
+            CheckpointKind::Auto => "auto",
+            CheckpointKind::Checkpoint => "checkpoint",
+            CheckpointKind::Rollback => "rollback",
+            CheckpointKind::Detach => "detach",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "create" => CheckpointKind::Create,
+            "fork" => CheckpointKind::Fork,
+            "auto" => CheckpointKind::Auto,
+            "checkpoint" => CheckpointKind::Checkpoint,
+            "rollback" => CheckpointKind::Rollback,
+            "detach" => CheckpointKind::Detach,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Template {
+    pub tenant: String,
+    pub name: String,
+    pub manifest: Hash,
+    pub disk_size: u64,
+    pub stored_bytes: u64,
+    pub created_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewWorkspace {
+    pub tenant: String,
+    pub name: String,
+    pub mode: Mode,
+    pub disk_size: u64,
+    pub manifest: Hash,
+    /// Where it came from: `template:NAME` or `ws:NAME@VERSION`.
+    pub source: String,
+    pub kind: CheckpointKind,
+    pub ttl_ms: Option<u64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Workspace {
+    pub tenant: String,
+    pub name: String,
+    pub mode: Mode,
+    pub disk_size: u64,
+    pub head_version: u64,
+    pub head_manifest: Hash,
+    pub source: String,
+    pub created_ms: u64,
+    pub ttl_ms: Option<u64>,
+}
+
+/// What a head move records.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewCheckpoint {
+    pub manifest: Hash,
+    pub label: Option<String>,
+    pub kind: CheckpointKind,
+    /// Bytes uploaded to publish this version.
+    pub bytes: u64,
+    /// Journal sequence number of the cut: every write at or below it is in `manifest`.
+    pub cut_seq: u64,
+    /// Identity of the local journal that produced it (restart on the same node uses it).
+    pub journal_id: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub workspace: String,
+    pub version: u64,
+    pub manifest: Hash,
+    pub label: Option<String>,
+    pub kind: CheckpointKind,
+    pub created_ms: u64,
+    pub bytes: u64,
+    pub cut_seq: u64,
+    pub journal_id: Option<String>,
+    pub epoch: u64,
+}
+
+/// Proof of holding a workspace's lease at one epoch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseGrant {
+    pub node: String,
+    pub epoch: u64,
+    pub expires_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    pub holder: Option<String>,
+    pub epoch: u64,
+    pub expires_ms: u64,
+}

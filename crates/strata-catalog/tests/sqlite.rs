@@ -1,0 +1,20 @@
+use std::sync::Arc;
+
+use strata_catalog::{conformance, SqliteCatalog};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_passes_the_conformance_suite() {
+    let d = tempfile::tempdir().unwrap();
+    let cat = SqliteCatalog::open(&d.path().join("catalog.db")).unwrap();
+    conformance::run_all(Arc::new(cat)).await;
+}
+
+#[tokio::test]
+async fn reopen_keeps_state_and_schema_version() {
+    use strata_catalog::Catalog;
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("catalog.db");
+    SqliteCatalog::open(&p).unwrap().create_tenant("a").await.unwrap();
+    let c = SqliteCatalog::open(&p).unwrap();
+    assert!(c.tenant_exists("a").await.unwrap());
+}
