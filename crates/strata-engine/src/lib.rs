@@ -1,1 +1,34 @@
+//! strata's volume engine.
+//!
+//! An [`Engine`] is one node: a catalog, an object store with its node cache, and the volumes
+//! attached here. A [`Volume`] serves one workspace: writes go to a local journal, FLUSH is a
+//! group commit, reads resolve journal → node cache → object store, and publishing (checkpoint,
+//! background upload, sync flush) turns the journal into immutable objects and a new manifest
+//! and moves the head by compare-and-set. See docs/ARCHITECTURE.md for the map.
 
+mod config;
+mod engine;
+mod error;
+pub mod fs;
+mod journal;
+mod local;
+mod overlay;
+mod pack;
+pub mod simfs;
+pub mod template;
+mod volume;
+
+pub use config::{cache_unsafe, cache_unsafe_from_env, EngineConfig, UNSAFE_ENV};
+pub use engine::{Engine, Source};
+pub use error::{Error, Result};
+pub use local::LocalState;
+pub use volume::{Published, Volume, VolumeOptions, VolumeStats};
+
+pub use strata_catalog::{Checkpoint, CheckpointKind, Mode, Template, Workspace};
+
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,67 @@
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The one opt-out that turns off a durable workspace's flushes. Only the exact value `1`
+/// counts: `true`, `yes`, empty or ` 1` leave durability on.
+pub const UNSAFE_ENV: &str = "STRATA_VOLUME_CACHE_UNSAFE";
+
+/// Whether `value` (of [`UNSAFE_ENV`]) disables flushes.
+pub fn cache_unsafe(value: Option<&str>) -> bool {
+    value == Some("1")
+}
+
+/// Reads [`UNSAFE_ENV`] from the environment.
+pub fn cache_unsafe_from_env() -> bool {
+    cache_unsafe(std::env::var(UNSAFE_ENV).ok().as_deref())
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Holds `catalog.db`, `objects/`, `cache/`, `volumes/` and `node-id` in the embedded setup.
+    pub data_dir: PathBuf,
+    /// This node's name in leases; read from `data_dir/node-id` (created once) if `None`.
+    pub node_id: Option<String>,
+    /// Durable mode: publish at least this often while there is unpublished data (the RPO bound).
+    pub upload_interval: Duration,
+    /// Durable mode: publish as soon as this many bytes are unpublished.
+    pub upload_max_bytes: u64,
+    pub lease_ttl: Duration,
+    pub cache_capacity: u64,
+    /// Object read granularity (misses are fetched in aligned units of this size).
+    pub fetch_unit: u64,
+    pub segment_max_bytes: u64,
+    /// Target size of packed objects.
+    pub object_target_bytes: u64,
+    /// `STRATA_VOLUME_CACHE_UNSAFE=1`: durable flushes are not honoured.
+    pub cache_unsafe: bool,
+}
+
+impl EngineConfig {
+    pub fn new(data_dir: impl Into<PathBuf>) -> EngineConfig {
+        EngineConfig {
+            data_dir: data_dir.into(),
+            node_id: None,
+            upload_interval: Duration::from_secs(10),
+            upload_max_bytes: 64 << 20,
+            lease_ttl: Duration::from_secs(30),
+            cache_capacity: 8 << 30,
+            fetch_unit: 256 << 10,
+            segment_max_bytes: 64 << 20,
+            object_target_bytes: 8 << 20,
+            cache_unsafe: cache_unsafe_from_env(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_exact_one_disables_flushes() {
+        assert!(cache_unsafe(Some("1")));
+        for v in [None, Some(""), Some("true"), Some("yes"), Some(" 1"), Some("1 "), Some("01"), Some("0")] {
+            assert!(!cache_unsafe(v), "{v:?} must leave durability on");
+        }
+    }
+}

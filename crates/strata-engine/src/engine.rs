@@ -1,0 +1,450 @@
+//! The engine: one node's catalog, store, node cache and attached volumes.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use strata_catalog::{
+    Catalog, CatalogError, Checkpoint, CheckpointKind, Mode, NewWorkspace, SqliteCatalog, Template, Workspace,
+};
+use strata_format::manifest::Manifest;
+use strata_format::name;
+use strata_store::{NodeCache, ObjectReader, Store};
+use tokio::task::JoinHandle;
+
+use crate::fs::{Fs, RealFs};
+use crate::template;
+use crate::volume::{Published, Volume, VolumeOptions, VolumeParts};
+use crate::{EngineConfig, Error, Result};
+
+/// Where a new workspace starts.
+#[derive(Clone, Debug)]
+pub enum Source {
+    Template(String),
+    /// Another workspace's checkpoint (its head when `version` is `None`).
+    Checkpoint { workspace: String, version: Option<u64> },
+    /// An all-zero disk of this many bytes.
+    Empty { size: u64 },
+}
+
+struct Attached {
+    vol: Arc<Volume>,
+    task: JoinHandle<()>,
+}
+
+pub struct Engine {
+    cfg: EngineConfig,
+    node: String,
+    fs: Arc<dyn Fs>,
+    catalog: Arc<dyn Catalog>,
+    reader: Arc<ObjectReader>,
+    volumes: tokio::sync::Mutex<HashMap<(String, String), Attached>>,
+}
+
+fn node_id(data_dir: &Path) -> Result<String> {
+    let p = data_dir.join("node-id");
+    if let Ok(s) = std::fs::read_to_string(&p) {
+        let s = s.trim().to_string();
+        name::validate("node id", &s)?;
+        return Ok(s);
+    }
+    let id = format!("node-{}", &crate::local::new_journal_id()[..12]);
+    std::fs::create_dir_all(data_dir).map_err(Error::io("creating data directory"))?;
+    std::fs::write(&p, &id).map_err(Error::io("writing node-id"))?;
+    Ok(id)
+}
+
+impl Engine {
+    /// The embedded default: `catalog.db` (SQLite) and `objects/` (local directory) under the
+    /// data directory, plus the node cache and volumes.
+    pub async fn open_embedded(cfg: EngineConfig) -> Result<Arc<Engine>> {
+        let catalog = SqliteCatalog::open(&cfg.data_dir.join("catalog.db"))?;
+        let store = Store::open(&format!("file:{}", cfg.data_dir.join("objects").display()))?;
+        Engine::open_with(cfg, Arc::new(catalog), store, Arc::new(RealFs))
+    }
+
+    /// An engine over any catalog, store and file layer (tests inject a power-loss file system).
+    pub fn open_with(cfg: EngineConfig, catalog: Arc<dyn Catalog>, store: Store, fs: Arc<dyn Fs>) -> Result<Arc<Engine>> {
+        let node = match &cfg.node_id {
+            Some(n) => {
+                name::validate("node id", n)?;
+                n.clone()
+            }
+            None => node_id(&cfg.data_dir)?,
+        };
+        let cache = NodeCache::open(&cfg.data_dir.join("cache"), cfg.cache_capacity)
+            .map_err(Error::io("opening node cache"))?;
+        let reader = Arc::new(ObjectReader::new(store, cache, cfg.fetch_unit));
+        Ok(Arc::new(Engine {
+            cfg,
+            node,
+            fs,
+            catalog,
+            reader,
+            volumes: tokio::sync::Mutex::new(HashMap::new()),
+        }))
+    }
+
+    pub fn node_id(&self) -> &str {
+        &self.node
+    }
+    pub fn catalog(&self) -> &Arc<dyn Catalog> {
+        &self.catalog
+    }
+    pub fn reader(&self) -> &Arc<ObjectReader> {
+        &self.reader
+    }
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    fn volume_dir(&self, tenant: &str, ws: &str) -> PathBuf {
+        self.cfg.data_dir.join("volumes").join(tenant).join(ws)
+    }
+
+    fn opts(&self) -> VolumeOptions {
+        VolumeOptions {
+            upload_interval: self.cfg.upload_interval,
+            upload_max_bytes: self.cfg.upload_max_bytes,
+            segment_max_bytes: self.cfg.segment_max_bytes,
+            object_target_bytes: self.cfg.object_target_bytes,
+            lease_ttl: self.cfg.lease_ttl,
+            cache_unsafe: self.cfg.cache_unsafe,
+        }
+    }
+
+    /// Creates the tenant if it does not exist.
+    pub async fn ensure_tenant(&self, tenant: &str) -> Result<()> {
+        name::validate("tenant name", tenant)?;
+        match self.catalog.create_tenant(tenant).await {
+            Ok(()) | Err(CatalogError::AlreadyExists { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn publish_template(&self, tenant: &str, name: &str, m: Manifest, stored: u64) -> Result<Template> {
+        let id = self.reader.store().put_manifest(tenant, &m).await?;
+        self.catalog.record_manifest(tenant, id, &m.objects).await?;
+        let t = Template {
+            tenant: tenant.into(),
+            name: name.into(),
+            manifest: id,
+            disk_size: m.disk_size,
+            stored_bytes: stored,
+            created_ms: crate::now_ms(),
+        };
+        self.catalog.create_template(&t).await?;
+        Ok(t)
+    }
+
+    async fn check_new_template(&self, tenant: &str, name: &str) -> Result<()> {
+        name::validate("template name", name)?;
+        match self.catalog.get_template(tenant, name).await {
+            Ok(_) => Err(CatalogError::AlreadyExists { what: "template", name: name.into() }.into()),
+            Err(CatalogError::NotFound { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Builds a template from a raw or qcow2 image file.
+    pub async fn build_template_from_image(
+        &self,
+        tenant: &str,
+        name: &str,
+        image: &Path,
+        progress: template::Progress<'_>,
+    ) -> Result<Template> {
+        self.check_new_template(tenant, name).await?;
+        let tmp = tempdir_in(&self.cfg.data_dir)?;
+        let raw = tmp.join("image.raw");
+        let path = if template::to_raw(image, &raw)? { raw.as_path() } else { image };
+        let res = template::import_raw(&self.reader, tenant, path, progress).await;
+        let _ = std::fs::remove_dir_all(&tmp);
+        let (m, stored) = res?;
+        self.publish_template(tenant, name, m, stored).await
+    }
+
+    /// Builds an ext4 template from a directory (`mkfs.ext4 -d`); size derived if not given.
+    pub async fn build_template_from_dir(
+        &self,
+        tenant: &str,
+        name: &str,
+        dir: &Path,
+        size: Option<u64>,
+        progress: template::Progress<'_>,
+    ) -> Result<Template> {
+        self.check_new_template(tenant, name).await?;
+        let size = match size {
+            Some(s) => s.div_ceil(strata_format::BLOCK_SIZE) * strata_format::BLOCK_SIZE,
+            None => template::derive_size(dir)?,
+        };
+        let tmp = tempdir_in(&self.cfg.data_dir)?;
+        let img = tmp.join("image.raw");
+        let res = async {
+            template::mkfs_from_dir(dir, &img, size)?;
+            template::import_raw(&self.reader, tenant, &img, progress).await
+        }
+        .await;
+        let _ = std::fs::remove_dir_all(&tmp);
+        let (m, stored) = res?;
+        self.publish_template(tenant, name, m, stored).await
+    }
+
+    pub async fn create_workspace(
+        &self,
+        tenant: &str,
+        ws: &str,
+        source: Source,
+        mode: Mode,
+        ttl: Option<Duration>,
+    ) -> Result<Workspace> {
+        name::validate("workspace name", ws)?;
+        let (manifest, disk_size, source, kind) = match source {
+            Source::Template(t) => {
+                let t = self.catalog.get_template(tenant, &t).await?;
+                (t.manifest, t.disk_size, format!("template:{}", t.name), CheckpointKind::Create)
+            }
+            Source::Checkpoint { workspace, version } => {
+                let (cp, w) = self.resolve_checkpoint(tenant, &workspace, version).await?;
+                (cp.manifest, w.disk_size, format!("ws:{workspace}@{}", cp.version), CheckpointKind::Fork)
+            }
+            Source::Empty { size } => {
+                let m = Manifest::empty(size.div_ceil(strata_format::BLOCK_SIZE) * strata_format::BLOCK_SIZE)?;
+                let id = self.reader.store().put_manifest(tenant, &m).await?;
+                self.catalog.record_manifest(tenant, id, &[]).await?;
+                (id, m.disk_size, "empty".to_string(), CheckpointKind::Create)
+            }
+        };
+        Ok(self
+            .catalog
+            .create_workspace(&NewWorkspace {
+                tenant: tenant.into(),
+                name: ws.into(),
+                mode,
+                disk_size,
+                manifest,
+                source,
+                kind,
+                ttl_ms: ttl.map(|d| d.as_millis() as u64),
+            })
+            .await?)
+    }
+
+    async fn resolve_checkpoint(&self, tenant: &str, ws: &str, version: Option<u64>) -> Result<(Checkpoint, Workspace)> {
+        let w = self.catalog.get_workspace(tenant, ws).await?;
+        let cp = self
+            .catalog
+            .get_checkpoint(tenant, ws, version.unwrap_or(w.head_version))
+            .await?;
+        Ok((cp, w))
+    }
+
+    /// Attaches a workspace on this node (idempotent): takes the lease, replays any local
+    /// journal, and starts background uploads and lease renewal.
+    pub async fn attach(self: &Arc<Self>, tenant: &str, ws: &str) -> Result<Arc<Volume>> {
+        name::validate("workspace name", ws)?;
+        let mut vols = self.volumes.lock().await;
+        let key = (tenant.to_string(), ws.to_string());
+        if let Some(a) = vols.get(&key) {
+            return Ok(a.vol.clone());
+        }
+        let ttl = self.cfg.lease_ttl.as_millis() as u64;
+        let lease = self.catalog.acquire_lease(tenant, ws, &self.node, ttl).await?;
+        let opened = Volume::open(VolumeParts {
+            tenant: tenant.into(),
+            name: ws.into(),
+            dir: self.volume_dir(tenant, ws),
+            fs: self.fs.clone(),
+            reader: self.reader.clone(),
+            catalog: self.catalog.clone(),
+            lease: lease.clone(),
+            opts: self.opts(),
+        })
+        .await;
+        let vol = match opened {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = self.catalog.release_lease(tenant, ws, &lease).await;
+                return Err(e);
+            }
+        };
+        let task = tokio::spawn(background(Arc::downgrade(&vol), self.cfg.upload_interval, self.cfg.lease_ttl));
+        vols.insert(key, Attached { vol: vol.clone(), task });
+        tracing::info!(tenant, workspace = ws, epoch = lease.epoch, "attached");
+        Ok(vol)
+    }
+
+    pub async fn volume(&self, tenant: &str, ws: &str) -> Option<Arc<Volume>> {
+        self.volumes
+            .lock()
+            .await
+            .get(&(tenant.to_string(), ws.to_string()))
+            .map(|a| a.vol.clone())
+    }
+
+    /// Detaches: publishes what is unpublished (durable and sync; an ephemeral workspace's
+    /// unpublished writes are discarded on purpose), releases the lease, removes local state.
+    pub async fn detach(&self, tenant: &str, ws: &str) -> Result<Option<Published>> {
+        let key = (tenant.to_string(), ws.to_string());
+        let Some(a) = self.volumes.lock().await.remove(&key) else {
+            return Err(Error::Invalid(format!("workspace {ws:?} is not attached on this node")));
+        };
+        a.task.abort();
+        let vol = a.vol;
+        let published = if vol.mode() == Mode::Ephemeral {
+            None
+        } else {
+            match vol.publish_kind(CheckpointKind::Detach).await {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    // Keep it attached: nothing may be lost.
+                    let task = tokio::spawn(background(Arc::downgrade(&vol), self.cfg.upload_interval, self.cfg.lease_ttl));
+                    self.volumes.lock().await.insert(key, Attached { vol, task });
+                    return Err(e);
+                }
+            }
+        };
+        vol.close();
+        self.fs
+            .remove_dir_all(vol.dir())
+            .map_err(Error::io("removing local volume state"))?;
+        self.catalog.release_lease(tenant, ws, &vol.lease()).await?;
+        Ok(published)
+    }
+
+    /// Drops every attached volume without publishing or releasing leases, as a crash would
+    /// (tests), or before a restart that resumes them.
+    pub async fn abandon(&self) {
+        for (_, a) in self.volumes.lock().await.drain() {
+            a.task.abort();
+            a.vol.close();
+        }
+    }
+
+    /// Runs `f` on the workspace's volume, attaching it for the call if it is not attached.
+    async fn with_volume<T>(
+        self: &Arc<Self>,
+        tenant: &str,
+        ws: &str,
+        f: impl AsyncFnOnce(&Volume) -> Result<T>,
+    ) -> Result<T> {
+        if let Some(v) = self.volume(tenant, ws).await {
+            return f(&v).await;
+        }
+        let v = self.attach(tenant, ws).await?;
+        let r = f(&v).await;
+        self.detach(tenant, ws).await?;
+        r
+    }
+
+    /// Checkpoints everything acknowledged so far, with an optional label.
+    pub async fn checkpoint(self: &Arc<Self>, tenant: &str, ws: &str, label: Option<String>) -> Result<Published> {
+        if let Some(l) = &label {
+            name::validate_label(l)?;
+        }
+        self.with_volume(tenant, ws, async |v| v.checkpoint(label).await).await
+    }
+
+    /// Rolls back to `version` as a new head version; the current state is kept in history.
+    pub async fn rollback(self: &Arc<Self>, tenant: &str, ws: &str, version: u64) -> Result<Published> {
+        self.with_volume(tenant, ws, async |v| v.rollback(version).await).await
+    }
+
+    /// Forks `src` (at `version`, or its current state) into a new workspace. O(1): no data is
+    /// copied. Forking an attached workspace without a version checkpoints it first, so the
+    /// fork holds every write acknowledged before the call.
+    pub async fn fork(
+        self: &Arc<Self>,
+        tenant: &str,
+        src: &str,
+        version: Option<u64>,
+        new: &str,
+        mode: Option<Mode>,
+    ) -> Result<Workspace> {
+        let version = match (version, self.volume(tenant, src).await) {
+            (None, Some(v)) => Some(v.checkpoint(None).await?.version),
+            (v, _) => v,
+        };
+        let mode = match mode {
+            Some(m) => m,
+            None => self.catalog.get_workspace(tenant, src).await?.mode,
+        };
+        self.create_workspace(tenant, new, Source::Checkpoint { workspace: src.into(), version }, mode, None)
+            .await
+    }
+
+    pub async fn delete_workspace(&self, tenant: &str, ws: &str) -> Result<()> {
+        let key = (tenant.to_string(), ws.to_string());
+        if let Some(a) = self.volumes.lock().await.remove(&key) {
+            a.task.abort();
+            a.vol.close();
+            self.catalog.release_lease(tenant, ws, &a.vol.lease()).await?;
+        }
+        self.catalog.delete_workspace(tenant, ws).await?;
+        self.fs
+            .remove_dir_all(&self.volume_dir(tenant, ws))
+            .map_err(Error::io("removing local volume state"))?;
+        Ok(())
+    }
+
+    pub async fn workspace(&self, tenant: &str, ws: &str) -> Result<Workspace> {
+        Ok(self.catalog.get_workspace(tenant, ws).await?)
+    }
+    pub async fn list_workspaces(&self, tenant: &str) -> Result<Vec<Workspace>> {
+        Ok(self.catalog.list_workspaces(tenant).await?)
+    }
+    pub async fn log(&self, tenant: &str, ws: &str) -> Result<Vec<Checkpoint>> {
+        Ok(self.catalog.list_checkpoints(tenant, ws).await?)
+    }
+
+    /// Reads a whole checkpoint (the head by default) straight from the object store into a
+    /// raw file, without attaching: what another node restoring it would see.
+    pub async fn export(&self, tenant: &str, ws: &str, version: Option<u64>, out: &Path) -> Result<u64> {
+        use std::os::unix::fs::FileExt;
+        let (cp, w) = self.resolve_checkpoint(tenant, ws, version).await?;
+        let m = self.reader.store().get_manifest(tenant, &cp.manifest).await?;
+        let f = std::fs::File::create(out).map_err(Error::io(format!("creating {}", out.display())))?;
+        f.set_len(w.disk_size).map_err(Error::io("sizing export"))?;
+        for e in &m.extents {
+            let o = m.objects[e.object as usize];
+            let mut buf = vec![0u8; e.len as usize * strata_format::BLOCK_SIZE as usize];
+            self.reader.read_into(tenant, &o, e.offset, &mut buf).await?;
+            f.write_all_at(&buf, e.lba * strata_format::BLOCK_SIZE)
+                .map_err(Error::io("writing export"))?;
+        }
+        f.sync_all().map_err(Error::io("syncing export"))?;
+        Ok(w.disk_size)
+    }
+}
+
+/// Per-volume background work: lease renewal and window-bounded uploads.
+async fn background(vol: Weak<Volume>, interval: Duration, ttl: Duration) {
+    let tick = (interval / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    let renew_every = ttl / 3;
+    let mut renewed = Instant::now();
+    let mut backoff = Duration::ZERO;
+    loop {
+        tokio::time::sleep(tick + backoff).await;
+        let Some(v) = vol.upgrade() else { return };
+        if renewed.elapsed() >= renew_every {
+            match v.renew_lease().await {
+                Ok(()) => renewed = Instant::now(),
+                Err(e) => tracing::warn!(workspace = v.name(), error = %e, "lease renewal failed"),
+            }
+        }
+        match v.maybe_upload().await {
+            Ok(_) => backoff = Duration::ZERO,
+            Err(e) => {
+                backoff = (backoff * 2).clamp(Duration::from_millis(100), Duration::from_secs(30));
+                tracing::warn!(workspace = v.name(), error = %e, retry_in = ?backoff, "background upload failed");
+            }
+        }
+    }
+}
+
+fn tempdir_in(dir: &Path) -> Result<PathBuf> {
+    let p = dir.join("tmp").join(crate::local::new_journal_id());
+    std::fs::create_dir_all(&p).map_err(Error::io("creating temp directory"))?;
+    Ok(p)
+}

@@ -1,0 +1,114 @@
+//! The file layer under the journal and local state, injectable so tests can lose power.
+//!
+//! Only what the volume needs: positional reads and writes, `fdatasync`, directory listing,
+//! atomic replace and directory `fsync`. [`RealFs`] is the operating system; [`crate::simfs`]
+//! is an in-memory model that keeps un-synced data apart and can drop it.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub trait FsFile: Send + Sync {
+    fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()>;
+    /// Reads exactly `buf.len()` bytes or fails.
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()>;
+    fn sync_data(&self) -> io::Result<()>;
+    fn set_len(&self, len: u64) -> io::Result<()>;
+    fn len(&self) -> io::Result<u64>;
+}
+
+pub trait Fs: Send + Sync {
+    /// Opens a file read-write, creating it (empty) if `create`.
+    fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn FsFile>>;
+    fn remove(&self, path: &Path) -> io::Result<()>;
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    /// File names in `dir` (not paths), unsorted.
+    fn list(&self, dir: &Path) -> io::Result<Vec<String>>;
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()>;
+    /// Makes the directory's entries (creations, renames, removals) durable.
+    fn sync_dir(&self, dir: &Path) -> io::Result<()>;
+    fn exists(&self, path: &Path) -> bool;
+    fn remove_dir_all(&self, dir: &Path) -> io::Result<()>;
+
+    /// Reads a whole file.
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
+        let f = self.open(path, false)?;
+        let mut buf = vec![0; f.len()? as usize];
+        f.read_at(&mut buf, 0)?;
+        Ok(buf)
+    }
+
+    /// Durably replaces `path` with `data`: temp file, fdatasync, rename, directory fsync.
+    fn write_atomic(&self, path: &Path, data: &[u8]) -> io::Result<()> {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let tmp: PathBuf = path.with_extension("tmp");
+        let f = self.open(&tmp, true)?;
+        f.set_len(0)?;
+        f.write_at(data, 0)?;
+        f.sync_data()?;
+        drop(f);
+        self.rename(&tmp, path)?;
+        self.sync_dir(dir)
+    }
+}
+
+/// The real file system.
+pub struct RealFs;
+
+struct RealFile(std::fs::File);
+
+impl FsFile for RealFile {
+    fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        std::os::unix::fs::FileExt::write_all_at(&self.0, buf, off)
+    }
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
+        std::os::unix::fs::FileExt::read_exact_at(&self.0, buf, off)
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        self.0.sync_data()
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.0.set_len(len)
+    }
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.0.metadata()?.len())
+    }
+}
+
+impl Fs for RealFs {
+    fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn FsFile>> {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(create)
+            .truncate(false)
+            .open(path)?;
+        Ok(Arc::new(RealFile(f)))
+    }
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        std::fs::remove_file(path)
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        std::fs::rename(from, to)
+    }
+    fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
+        std::fs::read_dir(dir)?
+            .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+            .collect()
+    }
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        std::fs::create_dir_all(dir)
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        std::fs::File::open(dir)?.sync_all()
+    }
+    fn exists(&self, path: &Path) -> bool {
+        path.exists()
+    }
+    fn remove_dir_all(&self, dir: &Path) -> io::Result<()> {
+        match std::fs::remove_dir_all(dir) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            r => r,
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! The local journal: append-only segment files of checksummed records.
+//!
+//! Ordering invariants:
+//! - sequence numbers strictly increase across records and segments;
+//! - a write is acknowledged only after its record is written (page cache) and the overlay
+//!   points at it; it is durable after a flush has `fdatasync`ed every dirty segment and, if a
+//!   segment was created since, `fsync`ed the directory;
+//! - recovery replays records in order and stops at the first invalid one (torn tail), truncates
+//!   there and deletes every later segment, so the journal is always a clean prefix;
+//! - a segment is deleted only when every record in it is covered by a published manifest
+//!   recorded in the durable local state (see `volume.rs`).
+//!
+//! Files: `{dir}/{id:016x}.seg`, records per `strata_format::journal`.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use strata_format::journal::{self as rec, Kind, HEADER_LEN};
+
+use crate::fs::{Fs, FsFile};
+
+pub(crate) struct Replayed {
+    pub seq: u64,
+    pub kind: Kind,
+    pub lba: u64,
+    pub nblocks: u64,
+    pub seg: u64,
+    pub data_off: u64,
+}
+
+struct SegMeta {
+    file: Arc<dyn FsFile>,
+    len: u64,
+    last_seq: u64,
+}
+
+pub(crate) struct Journal {
+    fs: Arc<dyn Fs>,
+    dir: PathBuf,
+    segments: BTreeMap<u64, SegMeta>,
+    active: u64,
+    next_seq: u64,
+    dirty: BTreeMap<u64, Arc<dyn FsFile>>,
+    dir_dirty: bool,
+    max_segment: u64,
+}
+
+/// What a flush must make durable, taken from the journal in one step.
+pub(crate) struct SyncBatch {
+    pub files: Vec<Arc<dyn FsFile>>,
+    pub dir: Option<PathBuf>,
+    pub upto: u64,
+}
+
+fn seg_path(dir: &Path, id: u64) -> PathBuf {
+    dir.join(format!("{id:016x}.seg"))
+}
+
+impl Journal {
+    /// Opens the journal in `dir`, replaying every valid record with `seq > skip_upto` through
+    /// `apply`, and starts a fresh active segment. Returns the journal and how many bytes of torn
+    /// tail were discarded.
+    pub fn open(
+        fs: Arc<dyn Fs>,
+        dir: &Path,
+        skip_upto: u64,
+        max_segment: u64,
+        mut apply: impl FnMut(Replayed, &Arc<dyn FsFile>),
+    ) -> io::Result<(Journal, u64)> {
+        fs.create_dir_all(dir)?;
+        let mut ids: Vec<u64> = fs
+            .list(dir)?
+            .iter()
+            .filter_map(|n| n.strip_suffix(".seg"))
+            .filter_map(|h| u64::from_str_radix(h, 16).ok())
+            .collect();
+        ids.sort_unstable();
+        let mut segments = BTreeMap::new();
+        let mut last_seq = skip_upto;
+        let mut prev_seq = 0u64;
+        let mut discarded = 0u64;
+        let mut torn = false;
+        let mut dir_dirty = false;
+        for &id in &ids {
+            let path = seg_path(dir, id);
+            if torn {
+                discarded += fs.open(&path, false)?.len()?;
+                fs.remove(&path)?;
+                dir_dirty = true;
+                continue;
+            }
+            let file = fs.open(&path, false)?;
+            let len = file.len()?;
+            let mut pos = 0u64;
+            let mut seg_last = 0u64;
+            let mut head = [0u8; HEADER_LEN];
+            while pos < len {
+                let ok = (|| {
+                    if pos + HEADER_LEN as u64 > len {
+                        return None;
+                    }
+                    file.read_at(&mut head, pos).ok()?;
+                    let h = rec::decode_header(&head).ok()?;
+                    if pos + h.total_len() > len || h.seq <= prev_seq {
+                        return None;
+                    }
+                    let mut payload = vec![0u8; h.payload_len as usize];
+                    file.read_at(&mut payload, pos + HEADER_LEN as u64).ok()?;
+                    rec::verify(&head, &h, &payload).then_some(h)
+                })();
+                let Some(h) = ok else {
+                    torn = true;
+                    break;
+                };
+                if h.seq > skip_upto {
+                    apply(
+                        Replayed {
+                            seq: h.seq,
+                            kind: h.kind,
+                            lba: h.lba,
+                            nblocks: h.nblocks as u64,
+                            seg: id,
+                            data_off: pos + HEADER_LEN as u64,
+                        },
+                        &file,
+                    );
+                }
+                seg_last = h.seq;
+                prev_seq = h.seq;
+                last_seq = last_seq.max(h.seq);
+                pos += h.total_len();
+            }
+            if torn {
+                discarded += len - pos;
+                file.set_len(pos)?;
+                file.sync_data()?;
+            }
+            if seg_last <= skip_upto {
+                // Empty, or entirely covered by the published base: garbage.
+                fs.remove(&path)?;
+                dir_dirty = true;
+                continue;
+            }
+            segments.insert(
+                id,
+                SegMeta {
+                    file,
+                    len: pos,
+                    last_seq: seg_last,
+                },
+            );
+        }
+        if dir_dirty {
+            fs.sync_dir(dir)?;
+        }
+        let mut j = Journal {
+            fs,
+            dir: dir.to_path_buf(),
+            segments,
+            active: ids.last().copied().unwrap_or(0),
+            next_seq: last_seq + 1,
+            dirty: BTreeMap::new(),
+            dir_dirty: false,
+            max_segment,
+        };
+        j.rotate()?;
+        Ok((j, discarded))
+    }
+
+    pub fn last_seq(&self) -> u64 {
+        self.next_seq - 1
+    }
+
+    pub fn active(&self) -> u64 {
+        self.active
+    }
+
+    /// Bytes held by all segments.
+    pub fn bytes(&self) -> u64 {
+        self.segments.values().map(|s| s.len).sum()
+    }
+
+    pub fn file(&self, seg: u64) -> Option<Arc<dyn FsFile>> {
+        self.segments.get(&seg).map(|s| s.file.clone())
+    }
+
+    /// Seals the active segment and starts a new one. Returns the new segment's id and file.
+    pub fn rotate(&mut self) -> io::Result<(u64, Arc<dyn FsFile>)> {
+        let id = self.active + 1;
+        let file = self.fs.open(&seg_path(&self.dir, id), true)?;
+        self.segments.insert(
+            id,
+            SegMeta {
+                file: file.clone(),
+                len: 0,
+                last_seq: 0,
+            },
+        );
+        self.active = id;
+        self.dir_dirty = true;
+        Ok((id, file))
+    }
+
+    /// Appends one record; returns (seq, segment, offset of its payload). Rotates first when
+    /// the active segment is full (the new segment is returned as well).
+    #[allow(clippy::type_complexity)]
+    pub fn append(
+        &mut self,
+        kind: Kind,
+        lba: u64,
+        nblocks: u32,
+        payload: &[u8],
+    ) -> io::Result<(u64, u64, u64, Option<(u64, Arc<dyn FsFile>)>)> {
+        let mut rotated = None;
+        if self.segments[&self.active].len >= self.max_segment {
+            rotated = Some(self.rotate()?);
+        }
+        let seq = self.next_seq;
+        let record = rec::encode(kind, seq, lba, nblocks, payload);
+        let seg = self.segments.get_mut(&self.active).ok_or_else(|| {
+            io::Error::other("journal has no active segment")
+        })?;
+        seg.file.write_at(&record, seg.len)?;
+        let data_off = seg.len + HEADER_LEN as u64;
+        seg.len += record.len() as u64;
+        seg.last_seq = seq;
+        self.dirty.insert(self.active, seg.file.clone());
+        self.next_seq += 1;
+        Ok((seq, self.active, data_off, rotated))
+    }
+
+    /// Everything a flush must sync to make every record so far durable.
+    pub fn take_dirty(&mut self) -> SyncBatch {
+        let files = std::mem::take(&mut self.dirty).into_values().collect();
+        let dir = std::mem::take(&mut self.dir_dirty).then(|| self.dir.clone());
+        SyncBatch {
+            files,
+            dir,
+            upto: self.last_seq(),
+        }
+    }
+
+    /// Deletes every sealed segment whose records are all `<= seq`. Returns the deleted ids.
+    pub fn delete_through(&mut self, seq: u64) -> io::Result<Vec<u64>> {
+        let victims: Vec<u64> = self
+            .segments
+            .iter()
+            .filter(|(id, s)| **id != self.active && s.last_seq <= seq)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &victims {
+            self.segments.remove(id);
+            self.dirty.remove(id);
+            self.fs.remove(&seg_path(&self.dir, *id))?;
+        }
+        Ok(victims)
+    }
+}

@@ -1,0 +1,59 @@
+//! The volume's durable local state: which published head its journal sits on.
+//!
+//! `state.json`, replaced atomically (temp, fdatasync, rename, directory fsync):
+//! `{ "format": 1, "tenant", "workspace", "journal_id", "base_version", "base_manifest",
+//!    "base_seq" }`. Every journal record with `seq <= base_seq` is already in `base_manifest`.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use strata_format::Hash;
+
+use crate::fs::Fs;
+use crate::{Error, Result};
+
+pub const LOCAL_FORMAT: u32 = 1;
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LocalState {
+    pub format: u32,
+    pub tenant: String,
+    pub workspace: String,
+    pub journal_id: String,
+    pub base_version: u64,
+    pub base_manifest: Hash,
+    pub base_seq: u64,
+}
+
+impl LocalState {
+    pub fn load(fs: &dyn Fs, dir: &Path) -> Result<Option<LocalState>> {
+        let p = dir.join("state.json");
+        if !fs.exists(&p) {
+            return Ok(None);
+        }
+        let bytes = fs.read(&p).map_err(Error::io(format!("reading {}", p.display())))?;
+        match serde_json::from_slice::<LocalState>(&bytes) {
+            Ok(s) if s.format == LOCAL_FORMAT => Ok(Some(s)),
+            Ok(s) => Err(Error::Invalid(format!(
+                "{}: unsupported local state format {}",
+                p.display(),
+                s.format
+            ))),
+            Err(e) => Err(Error::Invalid(format!("{}: corrupt local state: {e}", p.display()))),
+        }
+    }
+
+    pub fn store(&self, fs: &dyn Fs, dir: &Path) -> Result<()> {
+        let bytes = serde_json::to_vec_pretty(self)
+            .map_err(|e| Error::Invalid(format!("encoding local state: {e}")))?;
+        fs.write_atomic(&dir.join("state.json"), &bytes)
+            .map_err(Error::io(format!("writing {}/state.json", dir.display())))
+    }
+}
+
+pub fn new_journal_id() -> String {
+    use rand::Rng;
+    let mut b = [0u8; 16];
+    rand::rng().fill(&mut b);
+    strata_format::Hash::of(&b).to_hex()[..32].to_string()
+}

@@ -1,0 +1,200 @@
+//! The overlay: blocks written locally since the base manifest, as a sorted map of runs.
+//!
+//! A volume reads through up to three layers: the *active* overlay (writes since the last cut),
+//! a *frozen* overlay (a cut being published), and the base manifest. Each overlay maps
+//! non-overlapping block runs to where their newest bytes are: a journal record, or zeros.
+//! Memory is per run, not per block of disk size.
+
+use std::collections::BTreeMap;
+
+use strata_format::BLOCK_SIZE;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Loc {
+    /// Bytes at `off` of journal segment `seg`.
+    Journal { seg: u64, off: u64 },
+    /// Reads as zeros.
+    Zero,
+}
+
+impl Loc {
+    fn advance(self, blocks: u64) -> Loc {
+        match self {
+            Loc::Journal { seg, off } => Loc::Journal {
+                seg,
+                off: off + blocks * BLOCK_SIZE,
+            },
+            Loc::Zero => Loc::Zero,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Run {
+    pub len: u64,
+    pub seq: u64,
+    pub loc: Loc,
+}
+
+#[derive(Clone, Default, Debug)]
+pub(crate) struct Overlay {
+    map: BTreeMap<u64, Run>,
+    blocks: u64,
+}
+
+/// Where a piece of a read comes from, from one overlay's point of view.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Hit {
+    Here(Run),
+    /// Not in this layer: look below.
+    Below,
+}
+
+impl Overlay {
+    pub fn runs(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Blocks covered by journal data (not zeros).
+    pub fn data_blocks(&self) -> u64 {
+        self.blocks
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u64, Run)> + '_ {
+        self.map.iter().map(|(k, v)| (*k, *v))
+    }
+
+    fn count(&mut self, r: &Run, add: bool) {
+        if matches!(r.loc, Loc::Journal { .. }) {
+            if add {
+                self.blocks += r.len;
+            } else {
+                self.blocks -= r.len;
+            }
+        }
+    }
+
+    fn put(&mut self, lba: u64, r: Run) {
+        self.count(&r, true);
+        self.map.insert(lba, r);
+    }
+
+    fn take(&mut self, lba: u64) -> Option<Run> {
+        let r = self.map.remove(&lba)?;
+        self.count(&r, false);
+        Some(r)
+    }
+
+    /// Makes blocks `lba..lba+len` map to `loc` (written at `seq`), replacing what was there.
+    pub fn insert(&mut self, lba: u64, len: u64, seq: u64, loc: Loc) {
+        let end = lba + len;
+        // A run starting before `lba` that reaches into the range: keep its head (and tail).
+        if let Some((&s, &r)) = self.map.range(..lba).next_back() {
+            if s + r.len > lba {
+                self.take(s);
+                self.put(s, Run { len: lba - s, ..r });
+                if s + r.len > end {
+                    self.put(
+                        end,
+                        Run {
+                            len: s + r.len - end,
+                            loc: r.loc.advance(end - s),
+                            ..r
+                        },
+                    );
+                }
+            }
+        }
+        // Runs starting inside the range: drop them, keeping any tail past `end`.
+        let inside: Vec<u64> = self.map.range(lba..end).map(|(k, _)| *k).collect();
+        for s in inside {
+            if let Some(r) = self.take(s) {
+                if s + r.len > end {
+                    self.put(
+                        end,
+                        Run {
+                            len: s + r.len - end,
+                            loc: r.loc.advance(end - s),
+                            ..r
+                        },
+                    );
+                }
+            }
+        }
+        self.put(lba, Run { len, seq, loc });
+    }
+
+    /// Splits `lba..lba+len` into pieces: runs of this layer (trimmed to the range) or gaps.
+    pub fn resolve(&self, lba: u64, len: u64, out: &mut Vec<(u64, u64, Hit)>) {
+        let end = lba + len;
+        let mut cur = lba;
+        let start_key = match self.map.range(..=lba).next_back() {
+            Some((&s, r)) if s + r.len > lba => s,
+            _ => lba,
+        };
+        for (&s, &r) in self.map.range(start_key..end) {
+            if s > cur {
+                out.push((cur, s - cur, Hit::Below));
+                cur = s;
+            }
+            let stop = (s + r.len).min(end);
+            if stop <= cur {
+                continue;
+            }
+            let trimmed = Run {
+                len: stop - cur,
+                loc: r.loc.advance(cur - s),
+                ..r
+            };
+            out.push((cur, stop - cur, Hit::Here(trimmed)));
+            cur = stop;
+        }
+        if cur < end {
+            out.push((cur, end - cur, Hit::Below));
+        }
+    }
+
+    /// Lays `self` over `lower`: the result has `lower`'s runs wherever `self` has none.
+    pub fn over(self, lower: &Overlay) -> Overlay {
+        let mut merged = lower.clone();
+        for (lba, r) in self.map {
+            merged.insert(lba, r.len, r.seq, r.loc);
+        }
+        merged
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn matches_a_block_model(ops in proptest::collection::vec((0u64..64, 1u64..16, any::<bool>()), 1..40)) {
+            let mut o = Overlay::default();
+            let mut model: Vec<Option<Loc>> = vec![None; 80];
+            for (seq, (lba, len, zero)) in ops.into_iter().enumerate() {
+                let loc = if zero { Loc::Zero } else { Loc::Journal { seg: seq as u64, off: 0 } };
+                o.insert(lba, len, seq as u64, loc);
+                for i in 0..len {
+                    model[(lba + i) as usize] = Some(loc.advance(i));
+                }
+            }
+            let mut pieces = vec![];
+            o.resolve(0, 80, &mut pieces);
+            let mut lba = 0;
+            for (s, n, hit) in pieces {
+                prop_assert_eq!(s, lba);
+                for i in 0..n {
+                    let got = match hit { Hit::Here(r) => Some(r.loc.advance(i)), Hit::Below => None };
+                    prop_assert_eq!(got, model[(s + i) as usize]);
+                }
+                lba += n;
+            }
+            prop_assert_eq!(lba, 80);
+            let data = model.iter().filter(|l| matches!(l, Some(Loc::Journal { .. }))).count() as u64;
+            prop_assert_eq!(o.data_blocks(), data);
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! Packing: turning a frozen overlay into immutable objects and manifest changes.
+//!
+//! Live journal runs are read in block order, all-zero blocks become holes (they store nothing),
+//! and the rest is packed into objects of about `target` bytes, uploaded with bounded
+//! concurrency. The result is the sorted, non-overlapping change list a manifest applies.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use strata_format::manifest::{Change, ObjectRef};
+use strata_format::BLOCK_SIZE;
+use strata_store::ObjectReader;
+
+use crate::fs::FsFile;
+use crate::overlay::{Loc, Overlay};
+use crate::{Error, Result};
+
+const MAX_IN_FLIGHT: usize = 4;
+const READ_CHUNK_BLOCKS: u64 = 256;
+
+pub(crate) struct Packed {
+    pub changes: Vec<Change>,
+    pub bytes_uploaded: u64,
+}
+
+enum Planned {
+    Zero { lba: u64, len: u64 },
+    Data { lba: u64, len: u64, obj: usize, off: u64 },
+}
+
+pub(crate) async fn pack(
+    reader: &ObjectReader,
+    tenant: &str,
+    frozen: &Overlay,
+    files: &HashMap<u64, Arc<dyn FsFile>>,
+    target: u64,
+) -> Result<Packed> {
+    let mut planned: Vec<Planned> = Vec::new();
+    let mut uploads = FuturesUnordered::new();
+    let mut done: HashMap<usize, ObjectRef> = HashMap::new();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut n_objects = 0usize;
+    let mut bytes_uploaded = 0u64;
+    let mut chunk = vec![0u8; (READ_CHUNK_BLOCKS * BLOCK_SIZE) as usize];
+
+    let upload = |idx: usize, data: Vec<u8>| async move {
+        let r = reader.put_object(tenant, &data).await;
+        (idx, data.len() as u64, r)
+    };
+
+    for (lba, run) in frozen.iter() {
+        let (seg, off) = match run.loc {
+            Loc::Zero => {
+                planned.push(Planned::Zero { lba, len: run.len });
+                continue;
+            }
+            Loc::Journal { seg, off } => (seg, off),
+        };
+        let file = files
+            .get(&seg)
+            .ok_or_else(|| Error::Invalid(format!("journal segment {seg} missing while packing")))?;
+        let mut b = 0u64;
+        while b < run.len {
+            let n = (run.len - b).min(READ_CHUNK_BLOCKS);
+            let data = &mut chunk[..(n * BLOCK_SIZE) as usize];
+            file.read_at(data, off + b * BLOCK_SIZE)
+                .map_err(Error::io(format!("reading journal segment {seg}")))?;
+            for (i, block) in data.chunks(BLOCK_SIZE as usize).enumerate() {
+                let blba = lba + b + i as u64;
+                let zero = block.iter().all(|&x| x == 0);
+                if zero {
+                    match planned.last_mut() {
+                        Some(Planned::Zero { lba: l, len }) if *l + *len == blba => *len += 1,
+                        _ => planned.push(Planned::Zero { lba: blba, len: 1 }),
+                    }
+                    continue;
+                }
+                let o = buf.len() as u64;
+                buf.extend_from_slice(block);
+                match planned.last_mut() {
+                    Some(Planned::Data { lba: l, len, obj, off })
+                        if *l + *len == blba && *obj == n_objects && *off + *len * BLOCK_SIZE == o =>
+                    {
+                        *len += 1
+                    }
+                    _ => planned.push(Planned::Data { lba: blba, len: 1, obj: n_objects, off: o }),
+                }
+                if buf.len() as u64 >= target {
+                    if uploads.len() >= MAX_IN_FLIGHT {
+                        collect(uploads.next().await, &mut done, &mut bytes_uploaded)?;
+                    }
+                    uploads.push(upload(n_objects, std::mem::take(&mut buf)));
+                    n_objects += 1;
+                }
+            }
+            b += n;
+        }
+    }
+    if !buf.is_empty() {
+        uploads.push(upload(n_objects, std::mem::take(&mut buf)));
+    }
+    while let Some(r) = uploads.next().await {
+        collect(Some(r), &mut done, &mut bytes_uploaded)?;
+    }
+    let mut changes = Vec::with_capacity(planned.len());
+    for p in planned {
+        changes.push(match p {
+            Planned::Zero { lba, len } => Change { lba, len, at: None },
+            Planned::Data { lba, len, obj, off } => Change {
+                lba,
+                len,
+                at: Some((done[&obj], off)),
+            },
+        });
+    }
+    Ok(Packed {
+        changes,
+        bytes_uploaded,
+    })
+}
+
+type UploadResult = (usize, u64, strata_store::Result<ObjectRef>);
+
+fn collect(r: Option<UploadResult>, done: &mut HashMap<usize, ObjectRef>, bytes: &mut u64) -> Result<()> {
+    if let Some((idx, n, r)) = r {
+        done.insert(idx, r?);
+        *bytes += n;
+    }
+    Ok(())
+}

@@ -1,0 +1,223 @@
+//! An in-memory file system that models power loss, for crash tests.
+//!
+//! Every file keeps two images: what a reader sees now, and what is *durable* (as of its last
+//! `sync_data`). Directory entries are likewise durable only after `sync_dir` of their directory.
+//! [`SimFs::power_loss`] throws away everything not durable, except that each file keeps a random
+//! subset of its un-synced writes, the last kept one possibly torn at a random byte: the disk may
+//! have written some of them, in any order, before the lights went out.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use crate::fs::{Fs, FsFile};
+
+#[derive(Default)]
+struct Inode {
+    data: Vec<u8>,
+    durable: Vec<u8>,
+    /// Writes (offset, bytes) and truncations (offset, empty, Some(len)) since the last sync.
+    pending: Vec<(u64, Vec<u8>, Option<u64>)>,
+}
+
+#[derive(Default)]
+struct State {
+    /// path -> inode, as visible now.
+    names: BTreeMap<PathBuf, Arc<Mutex<Inode>>>,
+    /// path -> inode, as durable.
+    durable_names: BTreeMap<PathBuf, Arc<Mutex<Inode>>>,
+    dirs: Vec<PathBuf>,
+}
+
+#[derive(Clone, Default)]
+pub struct SimFs {
+    state: Arc<Mutex<State>>,
+    counters: Arc<Mutex<HashMap<&'static str, u64>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct SimFile(Arc<Mutex<Inode>>, SimFs);
+
+impl FsFile for SimFile {
+    fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        let mut i = lock(&self.0);
+        let end = off as usize + buf.len();
+        if i.data.len() < end {
+            i.data.resize(end, 0);
+        }
+        i.data[off as usize..end].copy_from_slice(buf);
+        i.pending.push((off, buf.to_vec(), None));
+        Ok(())
+    }
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
+        let i = lock(&self.0);
+        let end = off as usize + buf.len();
+        if end > i.data.len() {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read past end"));
+        }
+        buf.copy_from_slice(&i.data[off as usize..end]);
+        Ok(())
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        let mut i = lock(&self.0);
+        i.durable = i.data.clone();
+        i.pending.clear();
+        self.1.count("sync_data");
+        Ok(())
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        let mut i = lock(&self.0);
+        i.data.resize(len as usize, 0);
+        i.pending.push((0, vec![], Some(len)));
+        Ok(())
+    }
+    fn len(&self) -> io::Result<u64> {
+        Ok(lock(&self.0).data.len() as u64)
+    }
+}
+
+fn not_found(p: &Path) -> io::Error {
+    io::Error::new(io::ErrorKind::NotFound, format!("{} not found", p.display()))
+}
+
+impl SimFs {
+    pub fn new() -> SimFs {
+        SimFs::default()
+    }
+
+    fn count(&self, what: &'static str) {
+        *lock(&self.counters).entry(what).or_default() += 1;
+    }
+
+    /// How many times an operation ran (`sync_data`, `sync_dir`).
+    pub fn counter(&self, what: &'static str) -> u64 {
+        lock(&self.counters).get(what).copied().unwrap_or(0)
+    }
+
+    /// Simulates a power cut: see the module docs. `tear` allows torn and partially kept writes.
+    pub fn power_loss(&self, seed: u64, tear: bool) {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let mut st = lock(&self.state);
+        st.names = st.durable_names.clone();
+        let inodes: Vec<_> = st.names.values().cloned().collect();
+        for ino in inodes {
+            let mut i = lock(&ino);
+            let mut img = i.durable.clone();
+            if tear {
+                let pending = std::mem::take(&mut i.pending);
+                for (off, bytes, trunc) in pending {
+                    if !rng.random_bool(0.5) {
+                        continue;
+                    }
+                    if let Some(len) = trunc {
+                        img.resize(len as usize, 0);
+                        continue;
+                    }
+                    let keep = if rng.random_bool(0.2) {
+                        rng.random_range(0..=bytes.len())
+                    } else {
+                        bytes.len()
+                    };
+                    let end = off as usize + keep;
+                    if img.len() < end {
+                        img.resize(end, 0);
+                    }
+                    img[off as usize..end].copy_from_slice(&bytes[..keep]);
+                }
+            }
+            i.pending.clear();
+            i.data = img.clone();
+            i.durable = img;
+        }
+    }
+
+    /// Sum of visible file sizes (for space checks).
+    pub fn total_bytes(&self) -> u64 {
+        let st = lock(&self.state);
+        st.names.values().map(|i| lock(i).data.len() as u64).sum()
+    }
+}
+
+impl Fs for SimFs {
+    fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn FsFile>> {
+        let mut st = lock(&self.state);
+        let ino = match st.names.get(path) {
+            Some(i) => i.clone(),
+            None if create => {
+                let parent = path.parent().map(Path::to_path_buf).unwrap_or_default();
+                if !st.dirs.contains(&parent) {
+                    return Err(not_found(&parent));
+                }
+                let i = Arc::new(Mutex::new(Inode::default()));
+                st.names.insert(path.to_path_buf(), i.clone());
+                i
+            }
+            None => return Err(not_found(path)),
+        };
+        Ok(Arc::new(SimFile(ino, self.clone())))
+    }
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        lock(&self.state).names.remove(path).map(|_| ()).ok_or_else(|| not_found(path))
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        let i = st.names.remove(from).ok_or_else(|| not_found(from))?;
+        st.names.insert(to.to_path_buf(), i);
+        Ok(())
+    }
+    fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
+        let st = lock(&self.state);
+        if !st.dirs.iter().any(|d| d == dir) {
+            return Err(not_found(dir));
+        }
+        Ok(st
+            .names
+            .keys()
+            .filter(|p| p.parent() == Some(dir))
+            .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .collect())
+    }
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        // Directories themselves are modelled as always durable.
+        let mut st = lock(&self.state);
+        let mut d = Some(dir);
+        while let Some(p) = d {
+            if !st.dirs.iter().any(|x| x == p) {
+                st.dirs.push(p.to_path_buf());
+            }
+            d = p.parent();
+        }
+        Ok(())
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        let now: Vec<_> = st
+            .names
+            .iter()
+            .filter(|(p, _)| p.parent() == Some(dir))
+            .map(|(p, i)| (p.clone(), i.clone()))
+            .collect();
+        st.durable_names.retain(|p, _| p.parent() != Some(dir));
+        st.durable_names.extend(now);
+        drop(st);
+        self.count("sync_dir");
+        Ok(())
+    }
+    fn exists(&self, path: &Path) -> bool {
+        let st = lock(&self.state);
+        st.names.contains_key(path) || st.dirs.iter().any(|d| d == path)
+    }
+    fn remove_dir_all(&self, dir: &Path) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        st.names.retain(|p, _| !p.starts_with(dir));
+        st.dirs.retain(|p| !p.starts_with(dir));
+        Ok(())
+    }
+}

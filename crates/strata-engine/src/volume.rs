@@ -1,0 +1,947 @@
+//! A volume: the writable view of one attached workspace.
+//!
+//! ```text
+//! write ─▶ gate (freeze) ─▶ writer lock: RMW edges, append journal record ─▶ overlay ─▶ ack
+//! flush ─▶ group commit: one fdatasync batch covers every write acked before the flush
+//!          (ephemeral: no-op; durable: journal; sync: journal + publish)
+//! read  ─▶ active overlay ─▶ frozen overlay ─▶ base manifest ─▶ journal │ node cache │ store
+//! publish (checkpoint, background upload, sync flush):
+//!   cut (writer lock: rotate segment, freeze active overlay; the only I/O stall)
+//!   ─▶ pack + upload objects ─▶ put manifest ─▶ CAS head (version, lease epoch) + receipt
+//!   ─▶ base := new manifest, local state := (version, manifest, cut seq), drop old segments
+//! ```
+//! Ordering invariants: a head never names data that is not fully in the object store (objects
+//! and manifest are put before the CAS); local state names the new base before any segment it
+//! covers is deleted; a failed publish folds the frozen overlay back under the active one, so
+//! nothing acknowledged is lost; a fenced or failed-fsync volume refuses all further writes.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use strata_catalog::{Catalog, CatalogError, CheckpointKind, LeaseGrant, Mode, NewCheckpoint};
+use strata_format::journal::{Kind, MAX_RECORD_BLOCKS};
+use strata_format::manifest::{Manifest, ObjectRef};
+use strata_format::{Hash, BLOCK_SIZE};
+use strata_store::ObjectReader;
+use tokio::sync::OwnedRwLockWriteGuard;
+
+use crate::fs::{Fs, FsFile};
+use crate::journal::Journal;
+use crate::local::{new_journal_id, LocalState};
+use crate::overlay::{Hit, Loc, Overlay};
+use crate::pack::pack;
+use crate::{Error, Result};
+
+/// Tunables of one volume (from the engine's config).
+#[derive(Clone, Debug)]
+pub struct VolumeOptions {
+    pub upload_interval: Duration,
+    pub upload_max_bytes: u64,
+    pub segment_max_bytes: u64,
+    pub object_target_bytes: u64,
+    pub lease_ttl: Duration,
+    pub cache_unsafe: bool,
+}
+
+/// The receipt of a published version.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Published {
+    pub version: u64,
+    pub manifest: Hash,
+    pub cut_seq: u64,
+    pub bytes_uploaded: u64,
+    /// How long writes were held for the cut.
+    pub stall: Duration,
+    pub total: Duration,
+}
+
+/// Counters and gauges of one volume.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct VolumeStats {
+    pub bytes_written: u64,
+    pub bytes_read: u64,
+    pub flushes: u64,
+    pub fsyncs: u64,
+    pub publishes: u64,
+    pub bytes_uploaded: u64,
+    /// Acknowledged bytes not yet in the object store (the remote window).
+    pub window_bytes: u64,
+    /// Age of the oldest acknowledged byte not yet in the object store.
+    pub window_age_ms: u64,
+    pub journal_bytes: u64,
+    /// Bytes of journal data still live (not overwritten, not yet published).
+    pub journal_live_bytes: u64,
+    pub overlay_runs: u64,
+    pub head_version: u64,
+    pub lease_epoch: u64,
+    pub frozen: bool,
+}
+
+struct State {
+    base: Arc<Manifest>,
+    base_id: Hash,
+    base_version: u64,
+    frozen: Option<Arc<Overlay>>,
+    active: Overlay,
+    files: HashMap<u64, Arc<dyn FsFile>>,
+}
+
+#[derive(Default)]
+struct Window {
+    bytes: u64,
+    since: Option<Instant>,
+    cutting: bool,
+    after_bytes: u64,
+    after_since: Option<Instant>,
+}
+
+#[derive(Default)]
+struct Counters {
+    bytes_written: AtomicU64,
+    bytes_read: AtomicU64,
+    flushes: AtomicU64,
+    fsyncs: AtomicU64,
+    publishes: AtomicU64,
+    bytes_uploaded: AtomicU64,
+}
+
+pub struct Volume {
+    tenant: String,
+    name: String,
+    mode: Mode,
+    disk_size: u64,
+    flush_honoured: bool,
+    dir: PathBuf,
+    fs: Arc<dyn Fs>,
+    reader: Arc<ObjectReader>,
+    catalog: Arc<dyn Catalog>,
+    lease: Mutex<LeaseGrant>,
+    journal_id: String,
+    opts: VolumeOptions,
+    gate: Arc<tokio::sync::RwLock<()>>,
+    freeze_guard: Mutex<Option<OwnedRwLockWriteGuard<()>>>,
+    writer: tokio::sync::Mutex<Journal>,
+    state: RwLock<State>,
+    sync_lock: tokio::sync::Mutex<()>,
+    publish_lock: tokio::sync::Mutex<()>,
+    acked_seq: AtomicU64,
+    synced_seq: AtomicU64,
+    published_seq: AtomicU64,
+    window: Mutex<Window>,
+    failed: Mutex<Option<String>>,
+    closed: AtomicBool,
+    counters: Counters,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A piece of a read plan.
+enum Src {
+    Journal(Arc<dyn FsFile>, u64),
+    Zero,
+    Object(ObjectRef, u64),
+}
+
+/// Everything a volume needs from its engine.
+pub(crate) struct VolumeParts {
+    pub tenant: String,
+    pub name: String,
+    pub dir: PathBuf,
+    pub fs: Arc<dyn Fs>,
+    pub reader: Arc<ObjectReader>,
+    pub catalog: Arc<dyn Catalog>,
+    pub lease: LeaseGrant,
+    pub opts: VolumeOptions,
+}
+
+impl Volume {
+    /// Opens the volume for a workspace whose lease `p.lease` is held: decides whether the local
+    /// journal (if any) still applies to the catalog head, loads the base manifest, replays the
+    /// journal and makes the replayed records durable.
+    pub(crate) async fn open(p: VolumeParts) -> Result<Arc<Volume>> {
+        let ws = p.catalog.get_workspace(&p.tenant, &p.name).await?;
+        let head = p.catalog.get_checkpoint(&p.tenant, &p.name, ws.head_version).await?;
+        let local = LocalState::load(&*p.fs, &p.dir)?;
+        let (journal_id, base_seq) = match local {
+            Some(l) if head.journal_id.as_deref() == Some(l.journal_id.as_str()) => {
+                // We published the head ourselves (possibly without recording it locally).
+                (l.journal_id, head.cut_seq.max(l.base_seq))
+            }
+            Some(l) if l.base_version == ws.head_version && l.base_manifest == ws.head_manifest => {
+                (l.journal_id, l.base_seq)
+            }
+            Some(l) => {
+                tracing::warn!(
+                    tenant = %p.tenant, workspace = %p.name, local_base = l.base_version,
+                    head = ws.head_version,
+                    "local journal is based on a head that has since moved elsewhere; discarding it"
+                );
+                p.fs.remove_dir_all(&p.dir).map_err(Error::io("discarding stale journal"))?;
+                (new_journal_id(), 0)
+            }
+            None => (new_journal_id(), 0),
+        };
+        p.fs.create_dir_all(&p.dir).map_err(Error::io(format!("creating {}", p.dir.display())))?;
+        let base = p.reader.store().get_manifest(&p.tenant, &ws.head_manifest).await?;
+        if base.disk_size != ws.disk_size {
+            return Err(Error::Invalid(format!(
+                "manifest {} describes {} bytes, workspace says {}",
+                ws.head_manifest, base.disk_size, ws.disk_size
+            )));
+        }
+        LocalState {
+            format: crate::local::LOCAL_FORMAT,
+            tenant: p.tenant.clone(),
+            workspace: p.name.clone(),
+            journal_id: journal_id.clone(),
+            base_version: ws.head_version,
+            base_manifest: ws.head_manifest,
+            base_seq,
+        }
+        .store(&*p.fs, &p.dir)?;
+
+        let mut active = Overlay::default();
+        let mut files: HashMap<u64, Arc<dyn FsFile>> = HashMap::new();
+        let mut replayed_bytes = 0u64;
+        let disk_blocks = base.disk_blocks();
+        let (mut journal, discarded) = Journal::open(
+            p.fs.clone(),
+            &p.dir.join("journal"),
+            base_seq,
+            p.opts.segment_max_bytes,
+            |r, file| {
+                if r.lba + r.nblocks > disk_blocks {
+                    tracing::error!(lba = r.lba, "journal record past the end of the disk; ignored");
+                    return;
+                }
+                files.entry(r.seg).or_insert_with(|| file.clone());
+                let loc = match r.kind {
+                    Kind::Write => {
+                        replayed_bytes += r.nblocks * BLOCK_SIZE;
+                        Loc::Journal { seg: r.seg, off: r.data_off }
+                    }
+                    Kind::Zero => Loc::Zero,
+                };
+                active.insert(r.lba, r.nblocks, r.seq, loc);
+            },
+        )
+        .map_err(Error::io("replaying journal"))?;
+        if discarded > 0 {
+            tracing::info!(tenant = %p.tenant, workspace = %p.name, discarded, "dropped torn journal tail");
+        }
+        // What survived a process crash may still be only in the page cache: make it durable
+        // now, so that "replayed" implies "flushed".
+        let batch = journal.take_dirty();
+        for f in files.values() {
+            f.sync_data().map_err(Error::io("syncing replayed journal"))?;
+        }
+        if let Some(d) = &batch.dir {
+            p.fs.sync_dir(d).map_err(Error::io("syncing journal directory"))?;
+        }
+        let active_seg = journal.active();
+        if let Some(f) = journal.file(active_seg) {
+            files.insert(active_seg, f);
+        }
+        let last = journal.last_seq();
+        let flush_honoured = match ws.mode {
+            Mode::Ephemeral => false,
+            Mode::Durable => !p.opts.cache_unsafe,
+            Mode::Sync => true,
+        };
+        let window = Window {
+            bytes: replayed_bytes,
+            since: (replayed_bytes > 0).then(Instant::now),
+            ..Window::default()
+        };
+        Ok(Arc::new(Volume {
+            tenant: p.tenant,
+            name: p.name,
+            mode: ws.mode,
+            disk_size: ws.disk_size,
+            flush_honoured,
+            dir: p.dir,
+            fs: p.fs,
+            reader: p.reader,
+            catalog: p.catalog,
+            lease: Mutex::new(p.lease),
+            journal_id,
+            opts: p.opts,
+            gate: Arc::new(tokio::sync::RwLock::new(())),
+            freeze_guard: Mutex::new(None),
+            writer: tokio::sync::Mutex::new(journal),
+            state: RwLock::new(State {
+                base: Arc::new(base),
+                base_id: ws.head_manifest,
+                base_version: ws.head_version,
+                frozen: None,
+                active,
+                files,
+            }),
+            sync_lock: tokio::sync::Mutex::new(()),
+            publish_lock: tokio::sync::Mutex::new(()),
+            acked_seq: AtomicU64::new(last),
+            synced_seq: AtomicU64::new(last),
+            published_seq: AtomicU64::new(base_seq),
+            window: Mutex::new(window),
+            failed: Mutex::new(None),
+            closed: AtomicBool::new(false),
+            counters: Counters::default(),
+        }))
+    }
+
+    pub fn tenant(&self) -> &str {
+        &self.tenant
+    }
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+    pub fn size(&self) -> u64 {
+        self.disk_size
+    }
+    /// Whether FLUSH does anything (false for ephemeral and for `STRATA_VOLUME_CACHE_UNSAFE=1`).
+    pub fn flush_honoured(&self) -> bool {
+        self.flush_honoured
+    }
+    pub fn lease(&self) -> LeaseGrant {
+        lock(&self.lease).clone()
+    }
+
+    fn st(&self) -> std::sync::RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(|p| p.into_inner())
+    }
+    fn st_mut(&self) -> std::sync::RwLockWriteGuard<'_, State> {
+        self.state.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn usable(&self) -> Result<()> {
+        if self.closed.load(SeqCst) {
+            return Err(Error::Unavailable(self.name.clone(), "detached".into()));
+        }
+        if let Some(why) = lock(&self.failed).clone() {
+            return Err(Error::Unavailable(self.name.clone(), why));
+        }
+        Ok(())
+    }
+
+    fn fail(&self, why: String) {
+        tracing::error!(tenant = %self.tenant, workspace = %self.name, %why, "volume failed; refusing further writes");
+        lock(&self.failed).get_or_insert(why);
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.disk_size => Ok(()),
+            _ => Err(Error::OutOfRange {
+                offset,
+                len,
+                size: self.disk_size,
+            }),
+        }
+    }
+
+    fn plan(&self, lba: u64, n: u64) -> Vec<(u64, u64, Src)> {
+        let st = self.st();
+        let mut out = Vec::new();
+        let mut top = Vec::new();
+        st.active.resolve(lba, n, &mut top);
+        let mut mid = Vec::new();
+        let mut pieces = Vec::new();
+        for (s, len, hit) in top {
+            match hit {
+                Hit::Here(r) => out.push((s, len, self.src_of(&st, r.loc))),
+                Hit::Below => {
+                    mid.clear();
+                    match &st.frozen {
+                        Some(f) => f.resolve(s, len, &mut mid),
+                        None => mid.push((s, len, Hit::Below)),
+                    }
+                    for &(s2, len2, hit2) in &mid {
+                        match hit2 {
+                            Hit::Here(r) => out.push((s2, len2, self.src_of(&st, r.loc))),
+                            Hit::Below => {
+                                pieces.clear();
+                                st.base.resolve(s2, len2, &mut pieces);
+                                for p in &pieces {
+                                    let src = match p.at {
+                                        None => Src::Zero,
+                                        Some((o, off)) => Src::Object(st.base.objects[o as usize], off),
+                                    };
+                                    out.push((p.lba, p.len, src));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn src_of(&self, st: &State, loc: Loc) -> Src {
+        match loc {
+            Loc::Zero => Src::Zero,
+            Loc::Journal { seg, off } => match st.files.get(&seg) {
+                Some(f) => Src::Journal(f.clone(), off),
+                // Unreachable by construction; reading zeros would be wrong data, so fail loudly.
+                None => Src::Journal(Arc::new(MissingSegment(seg)), off),
+            },
+        }
+    }
+
+    /// Reads whole blocks `lba..lba+n` into `buf`.
+    async fn read_blocks(&self, lba: u64, n: u64, buf: &mut [u8]) -> Result<()> {
+        let plan = self.plan(lba, n);
+        let mut remote = Vec::new();
+        for (s, len, src) in plan {
+            let at = ((s - lba) * BLOCK_SIZE) as usize;
+            let bytes = (len * BLOCK_SIZE) as usize;
+            let dst = &mut buf[at..at + bytes];
+            match src {
+                Src::Zero => dst.fill(0),
+                Src::Journal(f, off) => f
+                    .read_at(dst, off)
+                    .map_err(Error::io(format!("reading journal of {}", self.name)))?,
+                Src::Object(o, off) => remote.push((at, bytes, o, off)),
+            }
+        }
+        if remote.is_empty() {
+            return Ok(());
+        }
+        let fetched = futures::future::join_all(remote.iter().map(|&(_, bytes, o, off)| async move {
+            let mut v = vec![0u8; bytes];
+            self.reader.read_into(&self.tenant, &o, off, &mut v).await.map(|_| v)
+        }))
+        .await;
+        for ((at, bytes, _, _), v) in remote.iter().zip(fetched) {
+            buf[*at..*at + *bytes].copy_from_slice(&v?);
+        }
+        Ok(())
+    }
+
+    /// Reads `len` bytes at `offset`.
+    pub async fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
+        self.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let lba = offset / BLOCK_SIZE;
+        let end = (offset + len).div_ceil(BLOCK_SIZE);
+        let mut buf = vec![0u8; ((end - lba) * BLOCK_SIZE) as usize];
+        self.read_blocks(lba, end - lba, &mut buf).await?;
+        self.counters.bytes_read.fetch_add(len, SeqCst);
+        let head = (offset - lba * BLOCK_SIZE) as usize;
+        if head == 0 {
+            buf.truncate(len as usize);
+            return Ok(buf);
+        }
+        Ok(buf[head..head + len as usize].to_vec())
+    }
+
+    /// Appends records for whole blocks and points the overlay at them. Caller holds `writer`.
+    fn append(&self, j: &mut Journal, kind: Kind, lba: u64, n: u64, data: &[u8]) -> Result<()> {
+        let mut done = 0u64;
+        while done < n {
+            let k = (n - done).min(MAX_RECORD_BLOCKS as u64);
+            let payload = match kind {
+                Kind::Write => &data[(done * BLOCK_SIZE) as usize..((done + k) * BLOCK_SIZE) as usize],
+                Kind::Zero => &[][..],
+            };
+            let (seq, seg, off, rotated) = match j.append(kind, lba + done, k as u32, payload) {
+                Ok(r) => r,
+                Err(e) => {
+                    self.fail(format!("journal write failed: {e}"));
+                    return Err(Error::io("appending to journal")(e));
+                }
+            };
+            let loc = match kind {
+                Kind::Write => Loc::Journal { seg, off },
+                Kind::Zero => Loc::Zero,
+            };
+            {
+                let mut st = self.st_mut();
+                if let Some((id, f)) = rotated {
+                    st.files.insert(id, f);
+                }
+                st.active.insert(lba + done, k, seq, loc);
+            }
+            self.acked_seq.store(seq, SeqCst);
+            done += k;
+        }
+        if kind == Kind::Write {
+            let bytes = n * BLOCK_SIZE;
+            self.counters.bytes_written.fetch_add(bytes, SeqCst);
+            let mut w = lock(&self.window);
+            w.bytes += bytes;
+            w.since.get_or_insert_with(Instant::now);
+            if w.cutting {
+                w.after_bytes += bytes;
+                w.after_since.get_or_insert_with(Instant::now);
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset`. Partial blocks are read, merged and rewritten whole. With `fua`
+    /// the call returns only once the write is as durable as a FLUSH would make it.
+    pub async fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_range(offset, data.len() as u64)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        {
+            let _gate = self.gate.read().await;
+            let mut j = self.writer.lock().await;
+            self.usable()?;
+            let lba = offset / BLOCK_SIZE;
+            let end = (offset + data.len() as u64).div_ceil(BLOCK_SIZE);
+            let n = end - lba;
+            if offset % BLOCK_SIZE == 0 && data.len() as u64 % BLOCK_SIZE == 0 {
+                self.append(&mut j, Kind::Write, lba, n, data)?;
+            } else {
+                let mut buf = vec![0u8; (n * BLOCK_SIZE) as usize];
+                let head = (offset - lba * BLOCK_SIZE) as usize;
+                if head != 0 {
+                    self.read_blocks(lba, 1, &mut buf[..BLOCK_SIZE as usize]).await?;
+                }
+                let tail_block = end - 1;
+                if (offset + data.len() as u64) % BLOCK_SIZE != 0 && (tail_block != lba || head == 0) {
+                    let at = ((tail_block - lba) * BLOCK_SIZE) as usize;
+                    self.read_blocks(tail_block, 1, &mut buf[at..at + BLOCK_SIZE as usize]).await?;
+                }
+                buf[head..head + data.len()].copy_from_slice(data);
+                self.append(&mut j, Kind::Write, lba, n, &buf)?;
+            }
+        }
+        if fua {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    /// Makes `len` bytes at `offset` read as zeros without storing zero bytes (whole blocks);
+    /// partial blocks at the edges are written as data.
+    pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let first_full = offset.div_ceil(BLOCK_SIZE);
+        let end_full = (offset + len) / BLOCK_SIZE;
+        if first_full >= end_full {
+            return self.write(offset, &vec![0u8; len as usize], fua).await;
+        }
+        let head = first_full * BLOCK_SIZE - offset;
+        if head > 0 {
+            self.write(offset, &vec![0u8; head as usize], false).await?;
+        }
+        let tail = offset + len - end_full * BLOCK_SIZE;
+        if tail > 0 {
+            self.write(end_full * BLOCK_SIZE, &vec![0u8; tail as usize], false).await?;
+        }
+        {
+            let _gate = self.gate.read().await;
+            let mut j = self.writer.lock().await;
+            self.usable()?;
+            self.append(&mut j, Kind::Zero, first_full, end_full - first_full, &[])?;
+        }
+        if fua {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    /// TRIM: the whole blocks in the range read as zeros afterwards (strata never exposes stale
+    /// data after a trim). Partial blocks are left alone, as the NBD spec allows.
+    pub async fn trim(&self, offset: u64, len: u64) -> Result<()> {
+        self.check_range(offset, len)?;
+        let first_full = offset.div_ceil(BLOCK_SIZE);
+        let end_full = (offset + len) / BLOCK_SIZE;
+        if first_full >= end_full {
+            return Ok(());
+        }
+        let _gate = self.gate.read().await;
+        let mut j = self.writer.lock().await;
+        self.usable()?;
+        self.append(&mut j, Kind::Zero, first_full, end_full - first_full, &[])
+    }
+
+    /// Group commit: one batch of `fdatasync`s covers every write acknowledged before the call.
+    async fn sync_journal(&self) -> Result<()> {
+        let target = self.acked_seq.load(SeqCst);
+        if self.synced_seq.load(SeqCst) >= target {
+            return Ok(());
+        }
+        let _s = self.sync_lock.lock().await;
+        if self.synced_seq.load(SeqCst) >= target {
+            return Ok(());
+        }
+        self.usable()?;
+        let batch = self.writer.lock().await.take_dirty();
+        let fs = self.fs.clone();
+        let n = batch.files.len() as u64;
+        let res = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            for f in &batch.files {
+                f.sync_data()?;
+            }
+            if let Some(d) = &batch.dir {
+                fs.sync_dir(d)?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| std::io::Error::other(e.to_string()))
+        .and_then(|r| r);
+        if let Err(e) = res {
+            // After a failed fsync the page cache may have dropped the data: never pretend.
+            self.fail(format!("fsync failed: {e}"));
+            return Err(Error::io("fsync of journal")(e));
+        }
+        self.counters.fsyncs.fetch_add(n, SeqCst);
+        self.synced_seq.fetch_max(batch.upto, SeqCst);
+        Ok(())
+    }
+
+    /// FLUSH: returns when every write acknowledged before it is as safe as the mode promises.
+    pub async fn flush(&self) -> Result<()> {
+        self.counters.flushes.fetch_add(1, SeqCst);
+        if !self.flush_honoured {
+            return Ok(());
+        }
+        self.sync_journal().await?;
+        if self.mode == Mode::Sync {
+            let target = self.acked_seq.load(SeqCst);
+            if self.published_seq.load(SeqCst) < target {
+                self.publish_inner(CheckpointKind::Auto, None, Some(target)).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Publishes everything acknowledged so far as a new head version (a checkpoint).
+    pub async fn checkpoint(&self, label: Option<String>) -> Result<Published> {
+        self.publish_inner(CheckpointKind::Checkpoint, label, None).await
+    }
+
+    /// Background upload: publishes if the remote window exceeds its bounds.
+    pub async fn maybe_upload(&self) -> Result<Option<Published>> {
+        let due = {
+            let w = lock(&self.window);
+            w.bytes > 0
+                && (w.bytes >= self.opts.upload_max_bytes
+                    || w.since.is_some_and(|s| s.elapsed() >= self.opts.upload_interval))
+        };
+        if !due || self.mode == Mode::Ephemeral {
+            return Ok(None);
+        }
+        let target = self.acked_seq.load(SeqCst);
+        self.publish_inner(CheckpointKind::Auto, None, Some(target)).await.map(Some)
+    }
+
+    pub(crate) async fn publish_kind(&self, kind: CheckpointKind) -> Result<Published> {
+        self.publish_inner(kind, None, None).await
+    }
+
+    /// The checkpoint protocol (see the module docs). With `upto`, returns early if an earlier
+    /// publish already covered that sequence number (group commit for sync-mode flushes).
+    async fn publish_inner(&self, kind: CheckpointKind, label: Option<String>, upto: Option<u64>) -> Result<Published> {
+        let started = Instant::now();
+        let _p = self.publish_lock.lock().await;
+        self.usable()?;
+        if let Some(t) = upto {
+            if self.published_seq.load(SeqCst) >= t {
+                let st = self.st();
+                return Ok(Published {
+                    version: st.base_version,
+                    manifest: st.base_id,
+                    cut_seq: self.published_seq.load(SeqCst),
+                    bytes_uploaded: 0,
+                    stall: Duration::ZERO,
+                    total: started.elapsed(),
+                });
+            }
+        }
+        // 1. Cut.
+        let stall_start = Instant::now();
+        let (cut, frozen, base, base_version) = {
+            let mut j = self.writer.lock().await;
+            let cut = j.last_seq();
+            let (id, f) = j.rotate().map_err(Error::io("rotating journal segment"))?;
+            let mut st = self.st_mut();
+            st.files.insert(id, f);
+            let frozen = Arc::new(std::mem::take(&mut st.active));
+            st.frozen = Some(frozen.clone());
+            let mut w = lock(&self.window);
+            w.cutting = true;
+            w.after_bytes = 0;
+            w.after_since = None;
+            (cut, frozen, st.base.clone(), st.base_version)
+        };
+        let stall = stall_start.elapsed();
+        let res = self.publish_cut(&frozen, &base, base_version, cut, kind, label).await;
+        match res {
+            Ok((version, manifest, m, bytes)) => {
+                {
+                    let mut st = self.st_mut();
+                    st.base = Arc::new(m);
+                    st.base_id = manifest;
+                    st.base_version = version;
+                    st.frozen = None;
+                    let mut w = lock(&self.window);
+                    w.bytes = w.after_bytes;
+                    w.since = w.after_since;
+                    w.cutting = false;
+                }
+                self.published_seq.fetch_max(cut, SeqCst);
+                self.counters.publishes.fetch_add(1, SeqCst);
+                self.counters.bytes_uploaded.fetch_add(bytes, SeqCst);
+                // Local state first, then drop the segments it covers.
+                let ls = LocalState {
+                    format: crate::local::LOCAL_FORMAT,
+                    tenant: self.tenant.clone(),
+                    workspace: self.name.clone(),
+                    journal_id: self.journal_id.clone(),
+                    base_version: version,
+                    base_manifest: manifest,
+                    base_seq: cut,
+                };
+                let cleanup = async {
+                    ls.store(&*self.fs, &self.dir)?;
+                    let deleted = self
+                        .writer
+                        .lock()
+                        .await
+                        .delete_through(cut)
+                        .map_err(Error::io("deleting published segments"))?;
+                    let mut st = self.st_mut();
+                    for id in deleted {
+                        st.files.remove(&id);
+                    }
+                    Ok::<_, Error>(())
+                };
+                if let Err(e) = cleanup.await {
+                    // The head is published; only local cleanup failed. Replay handles leftovers.
+                    tracing::warn!(workspace = %self.name, error = %e, "post-publish cleanup failed");
+                }
+                Ok(Published {
+                    version,
+                    manifest,
+                    cut_seq: cut,
+                    bytes_uploaded: bytes,
+                    stall,
+                    total: started.elapsed(),
+                })
+            }
+            Err(e) => {
+                // Fold the frozen overlay back under the active one: nothing is lost.
+                let mut st = self.st_mut();
+                let active = std::mem::take(&mut st.active);
+                st.active = active.over(&frozen);
+                st.frozen = None;
+                lock(&self.window).cutting = false;
+                if let Error::Catalog(CatalogError::Fenced { .. }) = &e {
+                    self.fail(format!("lease lost: {e}"));
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn publish_cut(
+        &self,
+        frozen: &Overlay,
+        base: &Manifest,
+        base_version: u64,
+        cut: u64,
+        kind: CheckpointKind,
+        label: Option<String>,
+    ) -> Result<(u64, Hash, Manifest, u64)> {
+        let files = self.st().files.clone();
+        // 2. Pack and upload every live block <= cut.
+        let packed = pack(&self.reader, &self.tenant, frozen, &files, self.opts.object_target_bytes).await?;
+        // 3. The new cumulative manifest.
+        let m = base.apply(&packed.changes)?;
+        let id = self.reader.store().put_manifest(&self.tenant, &m).await?;
+        self.catalog.record_manifest(&self.tenant, id, &m.objects).await?;
+        // 4 + 5. Move the head (expected version, lease epoch) and record the receipt.
+        let lease = self.lease();
+        let version = self
+            .catalog
+            .advance_head(
+                &self.tenant,
+                &self.name,
+                base_version,
+                &lease,
+                &NewCheckpoint {
+                    manifest: id,
+                    label,
+                    kind,
+                    bytes: packed.bytes_uploaded,
+                    cut_seq: cut,
+                    journal_id: Some(self.journal_id.clone()),
+                },
+            )
+            .await?;
+        Ok((version, id, m, packed.bytes_uploaded))
+    }
+
+    /// Renews the lease; on failure the volume stops acknowledging writes.
+    pub async fn renew_lease(&self) -> Result<()> {
+        let g = self.lease();
+        let ttl = self.opts.lease_ttl.as_millis() as u64;
+        match self.catalog.renew_lease(&self.tenant, &self.name, &g, ttl).await {
+            Ok(()) => {
+                lock(&self.lease).expires_ms = crate::now_ms() + ttl;
+                Ok(())
+            }
+            Err(e @ CatalogError::Fenced { .. }) => {
+                self.fail(format!("lease lost: {e}"));
+                Err(e.into())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Stops acknowledging new writes after draining those in flight (reads continue). Pair
+    /// with a checkpoint and a VM memory snapshot, then [`Volume::thaw`].
+    pub async fn freeze(&self) {
+        let g = self.gate.clone().write_owned().await;
+        *lock(&self.freeze_guard) = Some(g);
+    }
+
+    pub fn thaw(&self) {
+        lock(&self.freeze_guard).take();
+    }
+
+    pub fn is_frozen(&self) -> bool {
+        lock(&self.freeze_guard).is_some()
+    }
+
+    /// Rolls the head back to `version`'s manifest as a new version, after publishing the
+    /// current state (so history keeps every acknowledged write).
+    pub(crate) async fn rollback(&self, version: u64) -> Result<Published> {
+        let target = self.catalog.get_checkpoint(&self.tenant, &self.name, version).await?;
+        let _gate = self.gate.write().await;
+        self.publish_inner(CheckpointKind::Auto, None, Some(self.acked_seq.load(SeqCst))).await?;
+        let _p = self.publish_lock.lock().await;
+        let started = Instant::now();
+        let m = self.reader.store().get_manifest(&self.tenant, &target.manifest).await?;
+        let base_version = self.st().base_version;
+        let cut = self.acked_seq.load(SeqCst);
+        let new_version = self
+            .catalog
+            .advance_head(
+                &self.tenant,
+                &self.name,
+                base_version,
+                &self.lease(),
+                &NewCheckpoint {
+                    manifest: target.manifest,
+                    label: Some(format!("rollback to v{version}")),
+                    kind: CheckpointKind::Rollback,
+                    bytes: 0,
+                    cut_seq: cut,
+                    journal_id: Some(self.journal_id.clone()),
+                },
+            )
+            .await?;
+        {
+            let mut st = self.st_mut();
+            st.base = Arc::new(m);
+            st.base_id = target.manifest;
+            st.base_version = new_version;
+        }
+        self.published_seq.fetch_max(cut, SeqCst);
+        LocalState {
+            format: crate::local::LOCAL_FORMAT,
+            tenant: self.tenant.clone(),
+            workspace: self.name.clone(),
+            journal_id: self.journal_id.clone(),
+            base_version: new_version,
+            base_manifest: target.manifest,
+            base_seq: cut,
+        }
+        .store(&*self.fs, &self.dir)?;
+        Ok(Published {
+            version: new_version,
+            manifest: target.manifest,
+            cut_seq: cut,
+            bytes_uploaded: 0,
+            stall: Duration::ZERO,
+            total: started.elapsed(),
+        })
+    }
+
+    /// Marks the volume closed: later I/O fails. Used by detach after the final publish.
+    pub(crate) fn close(&self) {
+        self.closed.store(true, SeqCst);
+    }
+
+    pub(crate) fn dir(&self) -> &PathBuf {
+        &self.dir
+    }
+
+    pub fn head_version(&self) -> u64 {
+        self.st().base_version
+    }
+
+    pub fn stats(&self) -> VolumeStats {
+        let c = &self.counters;
+        let (window_bytes, window_age_ms) = {
+            let w = lock(&self.window);
+            (w.bytes, w.since.map_or(0, |s| s.elapsed().as_millis() as u64))
+        };
+        let (overlay_runs, live_blocks, head_version) = {
+            let st = self.st();
+            (
+                (st.active.runs() + st.frozen.as_ref().map_or(0, |f| f.runs())) as u64,
+                st.active.data_blocks() + st.frozen.as_ref().map_or(0, |f| f.data_blocks()),
+                st.base_version,
+            )
+        };
+        VolumeStats {
+            bytes_written: c.bytes_written.load(SeqCst),
+            bytes_read: c.bytes_read.load(SeqCst),
+            flushes: c.flushes.load(SeqCst),
+            fsyncs: c.fsyncs.load(SeqCst),
+            publishes: c.publishes.load(SeqCst),
+            bytes_uploaded: c.bytes_uploaded.load(SeqCst),
+            window_bytes,
+            window_age_ms,
+            journal_bytes: self.writer.try_lock().map(|j| j.bytes()).unwrap_or(0),
+            journal_live_bytes: live_blocks * BLOCK_SIZE,
+            overlay_runs,
+            head_version,
+            lease_epoch: self.lease().epoch,
+            frozen: self.is_frozen(),
+        }
+    }
+}
+
+/// Stand-in for a segment file that should exist but does not: every read fails.
+struct MissingSegment(u64);
+
+impl FsFile for MissingSegment {
+    fn write_at(&self, _: &[u8], _: u64) -> std::io::Result<()> {
+        Err(std::io::Error::other(format!("journal segment {} missing", self.0)))
+    }
+    fn read_at(&self, _: &mut [u8], _: u64) -> std::io::Result<()> {
+        Err(std::io::Error::other(format!("journal segment {} missing", self.0)))
+    }
+    fn sync_data(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn set_len(&self, _: u64) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn len(&self) -> std::io::Result<u64> {
+        Ok(0)
+    }
+}
