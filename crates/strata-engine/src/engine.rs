@@ -322,6 +322,14 @@ impl Engine {
         }
     }
 
+    /// Stops every volume's background work (lease renewal, uploads) while leaving it attached:
+    /// what a paused or partitioned node looks like from outside. For fault tests.
+    pub async fn stop_background(&self) {
+        for a in self.volumes.lock().await.values() {
+            a.task.abort();
+        }
+    }
+
     /// Runs `f` on the workspace's volume, attaching it for the call if it is not attached.
     async fn with_volume<T>(
         self: &Arc<Self>,

@@ -1,0 +1,248 @@
+//! The durability modes, fencing, concurrent checkpoints and corruption handling.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use strata_catalog::CatalogError;
+use strata_engine::simfs::SimFs;
+use strata_engine::{Error, Mode, Source};
+
+const DISK: u64 = 1 << 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ephemeral_flush_does_not_fsync_durable_does() {
+    let c = Cluster::new().await;
+    for (mode, unsafe_, want_sync) in [
+        (Mode::Ephemeral, false, false),
+        (Mode::Durable, false, true),
+        (Mode::Durable, true, false),
+    ] {
+        let fs = Arc::new(SimFs::new());
+        let mut cfg = c.config("n");
+        cfg.cache_unsafe = unsafe_;
+        let node = c.node_with(cfg, fs.clone());
+        let name = format!("m-{mode}-{unsafe_}");
+        node.create_workspace(TENANT, &name, Source::Empty { size: DISK }, mode, None).await.unwrap();
+        let v = node.attach(TENANT, &name).await.unwrap();
+        let before = fs.counter("sync_data");
+        v.write(0, &[1; 4096], false).await.unwrap();
+        v.flush().await.unwrap();
+        assert_eq!(fs.counter("sync_data") > before, want_sync, "{mode} unsafe={unsafe_}");
+        assert_eq!(v.flush_honoured(), want_sync);
+        node.abandon().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_commit_one_fsync_for_many_writers() {
+    let c = Cluster::new().await;
+    let fs = Arc::new(SimFs::new());
+    let node = c.node_with(c.config("n"), fs.clone());
+    node.create_workspace(TENANT, "g", Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    let v = node.attach(TENANT, "g").await.unwrap();
+    for i in 0..64u64 {
+        v.write(i * 4096, &tagged(i + 1, i), false).await.unwrap();
+    }
+    let before = fs.counter("sync_data");
+    let flushes: Vec<_> = (0..16).map(|_| { let v = v.clone(); tokio::spawn(async move { v.flush().await }) }).collect();
+    for f in flushes {
+        f.await.unwrap().unwrap();
+    }
+    // One segment was dirty: all 16 flushes are covered by one fdatasync.
+    assert_eq!(fs.counter("sync_data") - before, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_mode_flush_reaches_the_object_store() {
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    a.create_workspace(TENANT, "s", Source::Empty { size: DISK }, Mode::Sync, None).await.unwrap();
+    let v = a.attach(TENANT, "s").await.unwrap();
+    v.write(8192, &tagged(9, 2), false).await.unwrap();
+    v.flush().await.unwrap();
+    assert_eq!(v.stats().window_bytes, 0);
+    // The host is lost: another node restores from the head alone.
+    a.abandon().await;
+    let out = c.path("s.raw");
+    c.node("b").export(TENANT, "s", None, &out).await.unwrap();
+    let img = std::fs::read(&out).unwrap();
+    assert_eq!(tag_of(&img[8192..12288], 2), Some(9));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_mode_window_is_bounded_by_the_upload_interval() {
+    let c = Cluster::new().await;
+    let mut cfg = c.config("a");
+    cfg.upload_interval = Duration::from_millis(200);
+    let a = c.node_with(cfg, Arc::new(strata_engine::fs::RealFs));
+    a.create_workspace(TENANT, "d", Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    let v = a.attach(TENANT, "d").await.unwrap();
+    v.write(0, &tagged(5, 0), false).await.unwrap();
+    v.flush().await.unwrap();
+    assert_eq!(v.stats().window_bytes, 4096);
+    let start = std::time::Instant::now();
+    while v.stats().window_bytes > 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "window never drained");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(v.stats().head_version >= 2);
+    let log = a.log(TENANT, "d").await.unwrap();
+    assert_eq!(log.last().unwrap().kind, strata_engine::CheckpointKind::Auto);
+    a.abandon().await;
+    let out = c.path("d.raw");
+    c.node("b").export(TENANT, "d", None, &out).await.unwrap();
+    assert_eq!(tag_of(&std::fs::read(&out).unwrap()[..4096], 0), Some(5));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_checkpoints_get_distinct_versions_and_lose_nothing() {
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    a.create_workspace(TENANT, "r", Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    let v = a.attach(TENANT, "r").await.unwrap();
+    let mut tasks = vec![];
+    for i in 0..8u64 {
+        let (v, a) = (v.clone(), a.clone());
+        tasks.push(tokio::spawn(async move {
+            v.write(i * 4096, &tagged(i + 1, i), false).await.unwrap();
+            a.checkpoint(TENANT, "r", Some(format!("cp{i}"))).await.unwrap().version
+        }));
+    }
+    let mut versions = vec![];
+    for t in tasks {
+        versions.push(t.await.unwrap());
+    }
+    versions.sort();
+    versions.dedup();
+    assert_eq!(versions.len(), 8, "every checkpoint got its own version");
+    let log = a.log(TENANT, "r").await.unwrap();
+    let vs: Vec<u64> = log.iter().map(|c| c.version).collect();
+    assert_eq!(vs, (1..=9).collect::<Vec<_>>(), "linear history");
+    a.abandon().await;
+    let out = c.path("r.raw");
+    c.node("b").export(TENANT, "r", None, &out).await.unwrap();
+    let img = std::fs::read(&out).unwrap();
+    for i in 0..8u64 {
+        assert_eq!(tag_of(&img[(i * 4096) as usize..((i + 1) * 4096) as usize], i), Some(i + 1));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_writer_cannot_move_the_head() {
+    let c = Cluster::new().await;
+    let mut cfg = c.config("a");
+    cfg.lease_ttl = Duration::from_millis(300);
+    cfg.upload_interval = Duration::from_secs(3600);
+    let a = c.node_with(cfg, Arc::new(strata_engine::fs::RealFs));
+    a.create_workspace(TENANT, "f", Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    let va = a.attach(TENANT, "f").await.unwrap();
+    va.write(0, &tagged(1, 0), false).await.unwrap();
+    a.checkpoint(TENANT, "f", None).await.unwrap();
+    // Node b cannot attach while a's lease is live, and the error names the holder.
+    let b = c.node("b");
+    let e = b.attach(TENANT, "f").await.err().unwrap();
+    assert!(e.to_string().contains("\"a\""), "{e}");
+    // a stops renewing (paused); b takes over after expiry.
+    a.stop_background().await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let vb = b.attach(TENANT, "f").await.unwrap();
+    assert_eq!(tag_of(&vb.read(0, 4096).await.unwrap(), 0), Some(1));
+    vb.write(4096, &tagged(2, 1), false).await.unwrap();
+    b.checkpoint(TENANT, "f", None).await.unwrap();
+    // a wakes up: its checkpoint is fenced and its volume refuses writes from then on.
+    va.write(8192, &tagged(3, 2), false).await.unwrap();
+    let head_before = c.catalog.get_workspace(TENANT, "f").await.unwrap();
+    let e = va.checkpoint(None).await.unwrap_err();
+    assert!(matches!(e, Error::Catalog(CatalogError::Fenced { .. })), "{e}");
+    let head_after = c.catalog.get_workspace(TENANT, "f").await.unwrap();
+    assert_eq!(head_before.head_version, head_after.head_version);
+    assert!(matches!(va.write(8192, &tagged(3, 2), false).await, Err(Error::Unavailable(..))));
+    assert_eq!(tag_of(&vb.read(8192, 4096).await.unwrap(), 2), Some(0), "a's write never reached b");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_objects_and_manifests_are_errors_not_data() {
+    use object_store::{ObjectStoreExt, PutPayload};
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    a.create_workspace(TENANT, "x", Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    let v = a.attach(TENANT, "x").await.unwrap();
+    v.write(0, &vec![0xab; 65536], false).await.unwrap();
+    let p = a.checkpoint(TENANT, "x", None).await.unwrap();
+    a.detach(TENANT, "x").await.unwrap();
+    let m = c.store.get_manifest(TENANT, &p.manifest).await.unwrap();
+    let obj = m.objects[0];
+    let key = strata_store::Store::object_key(TENANT, &obj.id);
+    let mut raw = c.store.inner().get(&key).await.unwrap().bytes().await.unwrap().to_vec();
+    raw[100] ^= 1;
+    c.store.inner().put(&key, PutPayload::from(raw)).await.unwrap();
+    // A node with a cold cache must refuse to serve the corrupted range.
+    let b = c.node("b");
+    let vb = b.attach(TENANT, "x").await.unwrap();
+    let e = vb.read(0, 4096).await.unwrap_err();
+    assert!(matches!(e, Error::Store(strata_store::StoreError::Corrupt(_))), "{e}");
+    b.detach(TENANT, "x").await.unwrap();
+    // A corrupt manifest is refused at attach.
+    let mkey = strata_store::Store::manifest_key(TENANT, &p.manifest);
+    let mut mraw = c.store.inner().get(&mkey).await.unwrap().bytes().await.unwrap().to_vec();
+    let n = mraw.len();
+    mraw[n - 40] ^= 1;
+    c.store.inner().put(&mkey, PutPayload::from(mraw)).await.unwrap();
+    let e = c.node("c").attach(TENANT, "x").await.err().unwrap();
+    assert!(e.to_string().contains("manifest"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_clear_errors() {
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    for bad in ["../x", "a/b", "a\0b", &"x".repeat(300), ""] {
+        let e = a.create_workspace(TENANT, bad, Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap_err();
+        assert!(e.to_string().contains("workspace name"), "{e}");
+    }
+    a.create_workspace(TENANT, "ok", Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    let v = a.attach(TENANT, "ok").await.unwrap();
+    assert!(matches!(v.write(DISK - 10, &[1; 20], false).await, Err(Error::OutOfRange { .. })));
+    assert!(matches!(v.read(u64::MAX - 5, 10).await, Err(Error::OutOfRange { .. })));
+    assert!(a.workspace("other", "ok").await.unwrap_err().is_not_found());
+    assert!(a.fork(TENANT, "nope", None, "n2", None).await.unwrap_err().is_not_found());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncated_journal_recovers_a_clean_prefix() {
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    a.create_workspace(TENANT, "t", Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    let v = a.attach(TENANT, "t").await.unwrap();
+    v.write(0, &tagged(1, 0), false).await.unwrap();
+    v.flush().await.unwrap();
+    v.write(4096, &tagged(2, 1), false).await.unwrap();
+    a.abandon().await;
+    drop(v);
+    // Chop the last record in half, as a torn write would.
+    let jdir = c.path("a/volumes/acme/t/journal");
+    let mut segs: Vec<_> = std::fs::read_dir(&jdir).unwrap().map(|e| e.unwrap().path()).collect();
+    segs.sort();
+    let seg = segs.iter().rev().find(|p| std::fs::metadata(p).unwrap().len() > 0).unwrap();
+    let len = std::fs::metadata(seg).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(seg).unwrap();
+    f.set_len(len - 2000).unwrap();
+    let a2 = c.node("a");
+    let v = a2.attach(TENANT, "t").await.unwrap();
+    let img = v.read(0, 8192).await.unwrap();
+    assert_eq!(tag_of(&img[..4096], 0), Some(1));
+    assert_eq!(tag_of(&img[4096..], 1), Some(0), "the torn record is dropped, not half-applied");
+    v.write(4096, &tagged(3, 1), true).await.unwrap();
+    assert_eq!(tag_of(&v.read(4096, 4096).await.unwrap(), 1), Some(3));
+}
+
+#[test]
+fn unsafe_env_only_exact_one() {
+    for v in ["true", "yes", "", " 1", "1 "] {
+        assert!(!strata_engine::cache_unsafe(Some(v)));
+    }
+    assert!(strata_engine::cache_unsafe(Some("1")));
+}
