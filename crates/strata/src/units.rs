@@ -1,0 +1,66 @@
+//! Human units: sizes like `4GiB`, durations like `60s`.
+
+use std::time::Duration;
+
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("bad size {s:?}: expected e.g. 4GiB, 512MiB, 1048576"))?;
+    let mul: u64 = match unit {
+        "" | "B" => 1,
+        "K" | "KiB" => 1 << 10,
+        "M" | "MiB" => 1 << 20,
+        "G" | "GiB" => 1 << 30,
+        "T" | "TiB" => 1 << 40,
+        _ => return Err(format!("bad size unit {unit:?}: use B, KiB, MiB, GiB or TiB")),
+    };
+    n.checked_mul(mul).filter(|&v| v > 0).ok_or_else(|| format!("size {s:?} is zero or too large"))
+}
+
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("bad duration {s:?}: expected e.g. 60s, 10m, 2h"))?;
+    let secs = match unit {
+        "ms" => return Ok(Duration::from_millis(n)),
+        "s" | "" => n,
+        "m" => n * 60,
+        "h" => n * 3600,
+        "d" => n * 86400,
+        _ => return Err(format!("bad duration unit {unit:?}: use ms, s, m, h or d")),
+    };
+    Ok(Duration::from_secs(secs))
+}
+
+pub fn fmt_size(n: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 { format!("{n} B") } else { format!("{v:.1} {}", U[i]) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_durations() {
+        assert_eq!(parse_size("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("4XB").is_err());
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("99999999999TiB").is_err());
+        assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert!(parse_duration("1y").is_err());
+        assert_eq!(fmt_size(1536), "1.5 KiB");
+    }
+}
