@@ -49,9 +49,30 @@ async fn tenants_and_templates(cat: &dyn Catalog) {
     cat.create_tenant("acme").await.unwrap();
     assert!(cat.tenant_exists("acme").await.unwrap());
     assert!(!cat.tenant_exists("nope").await.unwrap());
-    assert!(matches!(cat.create_tenant("acme").await, Err(CatalogError::AlreadyExists { .. })));
-    cat.record_manifest("acme", h(1), &[ObjectRef { id: h(2), data_len: 4096 }]).await.unwrap();
-    cat.record_manifest("acme", h(1), &[ObjectRef { id: h(2), data_len: 4096 }]).await.unwrap();
+    assert!(matches!(
+        cat.create_tenant("acme").await,
+        Err(CatalogError::AlreadyExists { .. })
+    ));
+    cat.record_manifest(
+        "acme",
+        h(1),
+        &[ObjectRef {
+            id: h(2),
+            data_len: 4096,
+        }],
+    )
+    .await
+    .unwrap();
+    cat.record_manifest(
+        "acme",
+        h(1),
+        &[ObjectRef {
+            id: h(2),
+            data_len: 4096,
+        }],
+    )
+    .await
+    .unwrap();
     let t = Template {
         tenant: "acme".into(),
         name: "base".into(),
@@ -61,89 +82,178 @@ async fn tenants_and_templates(cat: &dyn Catalog) {
         created_ms: 1,
     };
     cat.create_template(&t).await.unwrap();
-    assert!(matches!(cat.create_template(&t).await, Err(CatalogError::AlreadyExists { .. })));
+    assert!(matches!(
+        cat.create_template(&t).await,
+        Err(CatalogError::AlreadyExists { .. })
+    ));
     assert_eq!(cat.get_template("acme", "base").await.unwrap(), t);
     assert_eq!(cat.list_templates("acme").await.unwrap(), vec![t.clone()]);
-    cat.create_workspace(&new_ws("acme", "user", h(1))).await.unwrap();
+    cat.create_workspace(&new_ws("acme", "user", h(1)))
+        .await
+        .unwrap();
     let e = cat.delete_template("acme", "base").await.unwrap_err();
-    assert!(matches!(&e, CatalogError::InUse(m) if m.contains("user")), "{e}");
+    assert!(
+        matches!(&e, CatalogError::InUse(m) if m.contains("user")),
+        "{e}"
+    );
     cat.delete_workspace("acme", "user").await.unwrap();
     cat.delete_template("acme", "base").await.unwrap();
-    assert!(matches!(cat.get_template("acme", "base").await, Err(CatalogError::NotFound { .. })));
+    assert!(matches!(
+        cat.get_template("acme", "base").await,
+        Err(CatalogError::NotFound { .. })
+    ));
 }
 
 async fn heads_move_only_by_cas_with_the_current_lease(cat: &dyn Catalog) {
-    let ws = cat.create_workspace(&new_ws("acme", "w1", h(1))).await.unwrap();
+    let ws = cat
+        .create_workspace(&new_ws("acme", "w1", h(1)))
+        .await
+        .unwrap();
     assert_eq!((ws.head_version, ws.head_manifest), (1, h(1)));
     assert!(matches!(
         cat.create_workspace(&new_ws("acme", "w1", h(1))).await,
         Err(CatalogError::AlreadyExists { .. })
     ));
-    let g = cat.acquire_lease("acme", "w1", "node-a", 60_000).await.unwrap();
+    let g = cat
+        .acquire_lease("acme", "w1", "node-a", 60_000)
+        .await
+        .unwrap();
     assert_eq!(g.epoch, 1);
-    assert_eq!(cat.advance_head("acme", "w1", 1, &g, &cp(h(3), Some("first"))).await.unwrap(), 2);
+    assert_eq!(
+        cat.advance_head("acme", "w1", 1, &g, &cp(h(3), Some("first")))
+            .await
+            .unwrap(),
+        2
+    );
     // Stale version.
     assert_eq!(
         cat.advance_head("acme", "w1", 1, &g, &cp(h(4), None)).await,
-        Err(CatalogError::Conflict { expected: 1, actual: 2 })
+        Err(CatalogError::Conflict {
+            expected: 1,
+            actual: 2
+        })
     );
     // Wrong epoch (a forged or stale grant).
-    let stale = LeaseGrant { epoch: 0, ..g.clone() };
-    assert!(matches!(cat.advance_head("acme", "w1", 2, &stale, &cp(h(4), None)).await, Err(CatalogError::Fenced { .. })));
+    let stale = LeaseGrant {
+        epoch: 0,
+        ..g.clone()
+    };
+    assert!(matches!(
+        cat.advance_head("acme", "w1", 2, &stale, &cp(h(4), None))
+            .await,
+        Err(CatalogError::Fenced { .. })
+    ));
     let w = cat.get_workspace("acme", "w1").await.unwrap();
     assert_eq!((w.head_version, w.head_manifest), (2, h(3)));
     let log = cat.list_checkpoints("acme", "w1").await.unwrap();
     assert_eq!(log.len(), 2);
     assert_eq!(log[1].label.as_deref(), Some("first"));
-    assert_eq!((log[1].epoch, log[1].cut_seq, log[1].journal_id.as_deref()), (1, 5, Some("j1")));
-    assert_eq!(cat.get_checkpoint("acme", "w1", 1).await.unwrap().kind, CheckpointKind::Create);
-    assert!(matches!(cat.get_checkpoint("acme", "w1", 9).await, Err(CatalogError::NotFound { .. })));
+    assert_eq!(
+        (log[1].epoch, log[1].cut_seq, log[1].journal_id.as_deref()),
+        (1, 5, Some("j1"))
+    );
+    assert_eq!(
+        cat.get_checkpoint("acme", "w1", 1).await.unwrap().kind,
+        CheckpointKind::Create
+    );
+    assert!(matches!(
+        cat.get_checkpoint("acme", "w1", 9).await,
+        Err(CatalogError::NotFound { .. })
+    ));
     // Delete is refused while the lease is live, and allowed after release.
-    assert!(matches!(cat.delete_workspace("acme", "w1").await, Err(CatalogError::LeaseHeld { .. })));
+    assert!(matches!(
+        cat.delete_workspace("acme", "w1").await,
+        Err(CatalogError::LeaseHeld { .. })
+    ));
     cat.release_lease("acme", "w1", &g).await.unwrap();
     cat.delete_workspace("acme", "w1").await.unwrap();
-    assert!(matches!(cat.get_workspace("acme", "w1").await, Err(CatalogError::NotFound { .. })));
+    assert!(matches!(
+        cat.get_workspace("acme", "w1").await,
+        Err(CatalogError::NotFound { .. })
+    ));
     // Recreated under the same name: the epoch keeps counting up, so the old grant stays fenced.
-    cat.create_workspace(&new_ws("acme", "w1", h(1))).await.unwrap();
-    let g2 = cat.acquire_lease("acme", "w1", "node-a", 60_000).await.unwrap();
+    cat.create_workspace(&new_ws("acme", "w1", h(1)))
+        .await
+        .unwrap();
+    let g2 = cat
+        .acquire_lease("acme", "w1", "node-a", 60_000)
+        .await
+        .unwrap();
     assert!(g2.epoch > g.epoch);
-    assert!(matches!(cat.advance_head("acme", "w1", 1, &g, &cp(h(4), None)).await, Err(CatalogError::Fenced { .. })));
+    assert!(matches!(
+        cat.advance_head("acme", "w1", 1, &g, &cp(h(4), None)).await,
+        Err(CatalogError::Fenced { .. })
+    ));
     cat.release_lease("acme", "w1", &g2).await.unwrap();
 }
 
 async fn leases_expire_and_fence(cat: &dyn Catalog) {
-    cat.create_workspace(&new_ws("acme", "w2", h(1))).await.unwrap();
-    let a = cat.acquire_lease("acme", "w2", "node-a", 300).await.unwrap();
-    let e = cat.acquire_lease("acme", "w2", "node-b", 300).await.unwrap_err();
-    assert!(matches!(&e, CatalogError::LeaseHeld { holder, .. } if holder == "node-a"), "{e}");
+    cat.create_workspace(&new_ws("acme", "w2", h(1)))
+        .await
+        .unwrap();
+    let a = cat
+        .acquire_lease("acme", "w2", "node-a", 300)
+        .await
+        .unwrap();
+    let e = cat
+        .acquire_lease("acme", "w2", "node-b", 300)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, CatalogError::LeaseHeld { holder, .. } if holder == "node-a"),
+        "{e}"
+    );
     assert!(e.to_string().contains("node-a"));
     cat.renew_lease("acme", "w2", &a, 300).await.unwrap();
     tokio::time::sleep(std::time::Duration::from_millis(400)).await;
-    let b = cat.acquire_lease("acme", "w2", "node-b", 60_000).await.unwrap();
+    let b = cat
+        .acquire_lease("acme", "w2", "node-b", 60_000)
+        .await
+        .unwrap();
     assert_eq!(b.epoch, a.epoch + 1);
-    assert!(matches!(cat.renew_lease("acme", "w2", &a, 300).await, Err(CatalogError::Fenced { .. })));
-    assert!(matches!(cat.advance_head("acme", "w2", 1, &a, &cp(h(5), None)).await, Err(CatalogError::Fenced { .. })));
-    assert_eq!(cat.advance_head("acme", "w2", 1, &b, &cp(h(5), None)).await.unwrap(), 2);
+    assert!(matches!(
+        cat.renew_lease("acme", "w2", &a, 300).await,
+        Err(CatalogError::Fenced { .. })
+    ));
+    assert!(matches!(
+        cat.advance_head("acme", "w2", 1, &a, &cp(h(5), None)).await,
+        Err(CatalogError::Fenced { .. })
+    ));
+    assert_eq!(
+        cat.advance_head("acme", "w2", 1, &b, &cp(h(5), None))
+            .await
+            .unwrap(),
+        2
+    );
     // Releasing a stale grant does nothing.
     cat.release_lease("acme", "w2", &a).await.unwrap();
     let l = cat.get_lease("acme", "w2").await.unwrap();
     assert_eq!((l.holder.as_deref(), l.epoch), (Some("node-b"), b.epoch));
     // The same node re-acquiring (a restart) bumps the epoch too.
-    let b2 = cat.acquire_lease("acme", "w2", "node-b", 60_000).await.unwrap();
+    let b2 = cat
+        .acquire_lease("acme", "w2", "node-b", 60_000)
+        .await
+        .unwrap();
     assert_eq!(b2.epoch, b.epoch + 1);
     cat.release_lease("acme", "w2", &b2).await.unwrap();
 }
 
 async fn concurrent_checkpoints_one_winner_per_version(cat: Arc<dyn Catalog>) {
-    cat.create_workspace(&new_ws("acme", "race", h(1))).await.unwrap();
-    let g = cat.acquire_lease("acme", "race", "node-a", 60_000).await.unwrap();
+    cat.create_workspace(&new_ws("acme", "race", h(1)))
+        .await
+        .unwrap();
+    let g = cat
+        .acquire_lease("acme", "race", "node-a", 60_000)
+        .await
+        .unwrap();
     for round in 0..5u64 {
         let expected = round + 1;
         let tasks: Vec<_> = (0..8u8)
             .map(|i| {
                 let (cat, g) = (cat.clone(), g.clone());
                 tokio::spawn(async move {
-                    cat.advance_head("acme", "race", expected, &g, &cp(h(100 + i), None)).await
+                    cat.advance_head("acme", "race", expected, &g, &cp(h(100 + i), None))
+                        .await
                 })
             })
             .collect();
@@ -158,19 +268,37 @@ async fn concurrent_checkpoints_one_winner_per_version(cat: Arc<dyn Catalog>) {
                 Err(e) => panic!("unexpected {e}"),
             }
         }
-        assert_eq!(wins, 1, "exactly one checkpoint wins version {}", expected + 1);
+        assert_eq!(
+            wins,
+            1,
+            "exactly one checkpoint wins version {}",
+            expected + 1
+        );
     }
     let log = cat.list_checkpoints("acme", "race").await.unwrap();
     let versions: Vec<u64> = log.iter().map(|c| c.version).collect();
-    assert_eq!(versions, vec![1, 2, 3, 4, 5, 6], "history is linear with no gaps");
+    assert_eq!(
+        versions,
+        vec![1, 2, 3, 4, 5, 6],
+        "history is linear with no gaps"
+    );
     cat.release_lease("acme", "race", &g).await.unwrap();
 }
 
 async fn tenants_do_not_see_each_other(cat: &dyn Catalog) {
     cat.create_tenant("other").await.unwrap();
-    assert!(matches!(cat.get_workspace("other", "race").await, Err(CatalogError::NotFound { .. })));
-    assert!(matches!(cat.acquire_lease("other", "race", "n", 1000).await, Err(CatalogError::NotFound { .. })));
-    assert!(matches!(cat.list_checkpoints("other", "race").await, Err(CatalogError::NotFound { .. })));
+    assert!(matches!(
+        cat.get_workspace("other", "race").await,
+        Err(CatalogError::NotFound { .. })
+    ));
+    assert!(matches!(
+        cat.acquire_lease("other", "race", "n", 1000).await,
+        Err(CatalogError::NotFound { .. })
+    ));
+    assert!(matches!(
+        cat.list_checkpoints("other", "race").await,
+        Err(CatalogError::NotFound { .. })
+    ));
     assert!(cat.list_workspaces("other").await.unwrap().is_empty());
     assert!(!cat.list_workspaces("acme").await.unwrap().is_empty());
 }

@@ -60,7 +60,12 @@ pub trait Catalog: Send + Sync + 'static {
     async fn tenant_exists(&self, tenant: &str) -> Result<bool>;
 
     /// Records that `manifest` exists and references `objects` (idempotent).
-    async fn record_manifest(&self, tenant: &str, manifest: Hash, objects: &[ObjectRef]) -> Result<()>;
+    async fn record_manifest(
+        &self,
+        tenant: &str,
+        manifest: Hash,
+        objects: &[ObjectRef],
+    ) -> Result<()>;
 
     async fn create_template(&self, t: &Template) -> Result<()>;
     async fn get_template(&self, tenant: &str, name: &str) -> Result<Template>;
@@ -86,13 +91,30 @@ pub trait Catalog: Send + Sync + 'static {
         cp: &NewCheckpoint,
     ) -> Result<u64>;
     async fn list_checkpoints(&self, tenant: &str, workspace: &str) -> Result<Vec<Checkpoint>>;
-    async fn get_checkpoint(&self, tenant: &str, workspace: &str, version: u64) -> Result<Checkpoint>;
+    async fn get_checkpoint(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        version: u64,
+    ) -> Result<Checkpoint>;
 
     /// Takes the lease for `node`: allowed when free, expired, or already held by `node`.
     /// Always increments the epoch, fencing every earlier holder.
-    async fn acquire_lease(&self, tenant: &str, workspace: &str, node: &str, ttl_ms: u64) -> Result<LeaseGrant>;
+    async fn acquire_lease(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        node: &str,
+        ttl_ms: u64,
+    ) -> Result<LeaseGrant>;
     /// Extends a held lease; fails with `Fenced` if it was taken over.
-    async fn renew_lease(&self, tenant: &str, workspace: &str, lease: &LeaseGrant, ttl_ms: u64) -> Result<()>;
+    async fn renew_lease(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        lease: &LeaseGrant,
+        ttl_ms: u64,
+    ) -> Result<()>;
     /// Releases a held lease (no-op if already taken over).
     async fn release_lease(&self, tenant: &str, workspace: &str, lease: &LeaseGrant) -> Result<()>;
     async fn get_lease(&self, tenant: &str, workspace: &str) -> Result<Lease>;

@@ -67,8 +67,10 @@ fn ws_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Workspace> {
     })
 }
 
-const WS_COLS: &str = "tenant, name, mode, disk_size, head_version, head_manifest, source, created_ms, ttl_ms";
-const CP_COLS: &str = "workspace, version, manifest, label, kind, created_ms, bytes, cut_seq, journal_id, epoch";
+const WS_COLS: &str =
+    "tenant, name, mode, disk_size, head_version, head_manifest, source, created_ms, ttl_ms";
+const CP_COLS: &str =
+    "workspace, version, manifest, label, kind, created_ms, bytes, cut_seq, journal_id, epoch";
 
 fn cp_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Checkpoint> {
     Ok(Checkpoint {
@@ -136,9 +138,12 @@ impl SqliteCatalog {
             std::fs::create_dir_all(parent).map_err(|e| CatalogError::Backend(e.to_string()))?;
         }
         let mut conn = Connection::open(path).map_err(be)?;
-        conn.busy_timeout(std::time::Duration::from_secs(10)).map_err(be)?;
-        conn.pragma_update(None, "journal_mode", "WAL").map_err(be)?;
-        conn.pragma_update(None, "synchronous", "FULL").map_err(be)?;
+        conn.busy_timeout(std::time::Duration::from_secs(10))
+            .map_err(be)?;
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(be)?;
+        conn.pragma_update(None, "synchronous", "FULL")
+            .map_err(be)?;
         conn.pragma_update(None, "foreign_keys", "ON").map_err(be)?;
         let applied: i64 = conn
             .pragma_query_value(None, "user_version", |r| r.get(0))
@@ -152,7 +157,8 @@ impl SqliteCatalog {
         for (i, m) in MIGRATIONS.iter().enumerate().skip(applied as usize) {
             let tx = conn.transaction().map_err(be)?;
             tx.execute_batch(m).map_err(be)?;
-            tx.pragma_update(None, "user_version", (i + 1) as i64).map_err(be)?;
+            tx.pragma_update(None, "user_version", (i + 1) as i64)
+                .map_err(be)?;
             tx.commit().map_err(be)?;
         }
         Ok(SqliteCatalog {
@@ -185,10 +191,20 @@ impl Catalog for SqliteCatalog {
     async fn create_tenant(&self, tenant: &str) -> Result<()> {
         let t = tenant.to_string();
         self.run(move |c| {
-            c.execute("INSERT INTO tenants (id, created_ms) VALUES (?1, ?2)", params![t, now_ms() as i64])
-                .map_err(|e| if is_unique(&e) {
-                    CatalogError::AlreadyExists { what: "tenant", name: t.clone() }
-                } else { be(e) })?;
+            c.execute(
+                "INSERT INTO tenants (id, created_ms) VALUES (?1, ?2)",
+                params![t, now_ms() as i64],
+            )
+            .map_err(|e| {
+                if is_unique(&e) {
+                    CatalogError::AlreadyExists {
+                        what: "tenant",
+                        name: t.clone(),
+                    }
+                } else {
+                    be(e)
+                }
+            })?;
             Ok(())
         })
         .await
@@ -197,15 +213,24 @@ impl Catalog for SqliteCatalog {
     async fn tenant_exists(&self, tenant: &str) -> Result<bool> {
         let t = tenant.to_string();
         self.run(move |c| {
-            c.query_row("SELECT 1 FROM tenants WHERE id = ?1", params![t], |_| Ok(()))
-                .optional()
-                .map(|r| r.is_some())
-                .map_err(be)
+            c.query_row(
+                "SELECT 1 FROM tenants WHERE id = ?1",
+                params![t],
+                |_| Ok(()),
+            )
+            .optional()
+            .map(|r| r.is_some())
+            .map_err(be)
         })
         .await
     }
 
-    async fn record_manifest(&self, tenant: &str, manifest: Hash, objects: &[ObjectRef]) -> Result<()> {
+    async fn record_manifest(
+        &self,
+        tenant: &str,
+        manifest: Hash,
+        objects: &[ObjectRef],
+    ) -> Result<()> {
         let t = tenant.to_string();
         let objects = objects.to_vec();
         self.run(move |c| {
@@ -341,7 +366,9 @@ impl Catalog for SqliteCatalog {
         let t = tenant.to_string();
         self.run(move |c| {
             let mut s = c
-                .prepare(&format!("SELECT {WS_COLS} FROM workspaces WHERE tenant = ?1 ORDER BY name"))
+                .prepare(&format!(
+                    "SELECT {WS_COLS} FROM workspaces WHERE tenant = ?1 ORDER BY name"
+                ))
                 .map_err(be)?;
             let rows = s.query_map(params![t], ws_row).map_err(be)?;
             rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
@@ -378,7 +405,12 @@ impl Catalog for SqliteCatalog {
         lease: &LeaseGrant,
         cp: &NewCheckpoint,
     ) -> Result<u64> {
-        let (t, n, lease, cp) = (tenant.to_string(), workspace.to_string(), lease.clone(), cp.clone());
+        let (t, n, lease, cp) = (
+            tenant.to_string(),
+            workspace.to_string(),
+            lease.clone(),
+            cp.clone(),
+        );
         self.run(move |c| {
             let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
             let ws = get_ws(&tx, &t, &n)?;
@@ -420,7 +452,12 @@ impl Catalog for SqliteCatalog {
         .await
     }
 
-    async fn get_checkpoint(&self, tenant: &str, workspace: &str, version: u64) -> Result<Checkpoint> {
+    async fn get_checkpoint(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        version: u64,
+    ) -> Result<Checkpoint> {
         let (t, n) = (tenant.to_string(), workspace.to_string());
         self.run(move |c| {
             c.query_row(
@@ -435,7 +472,13 @@ impl Catalog for SqliteCatalog {
         .await
     }
 
-    async fn acquire_lease(&self, tenant: &str, workspace: &str, node: &str, ttl_ms: u64) -> Result<LeaseGrant> {
+    async fn acquire_lease(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        node: &str,
+        ttl_ms: u64,
+    ) -> Result<LeaseGrant> {
         let (t, n, node) = (tenant.to_string(), workspace.to_string(), node.to_string());
         self.run(move |c| {
             let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
@@ -462,7 +505,13 @@ impl Catalog for SqliteCatalog {
         .await
     }
 
-    async fn renew_lease(&self, tenant: &str, workspace: &str, lease: &LeaseGrant, ttl_ms: u64) -> Result<()> {
+    async fn renew_lease(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        lease: &LeaseGrant,
+        ttl_ms: u64,
+    ) -> Result<()> {
         let (t, n, lease) = (tenant.to_string(), workspace.to_string(), lease.clone());
         self.run(move |c| {
             let k = c

@@ -40,7 +40,9 @@ impl FromStr for Mode {
             "ephemeral" => Ok(Mode::Ephemeral),
             "durable" => Ok(Mode::Durable),
             "sync" => Ok(Mode::Sync),
-            _ => Err(format!("unknown mode {s:?}: use ephemeral, durable or sync")),
+            _ => Err(format!(
+                "unknown mode {s:?}: use ephemeral, durable or sync"
+            )),
         }
     }
 }

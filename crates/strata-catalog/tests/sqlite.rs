@@ -14,7 +14,11 @@ async fn reopen_keeps_state_and_schema_version() {
     use strata_catalog::Catalog;
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("catalog.db");
-    SqliteCatalog::open(&p).unwrap().create_tenant("a").await.unwrap();
+    SqliteCatalog::open(&p)
+        .unwrap()
+        .create_tenant("a")
+        .await
+        .unwrap();
     let c = SqliteCatalog::open(&p).unwrap();
     assert!(c.tenant_exists("a").await.unwrap());
 }

@@ -60,7 +60,16 @@ mod tests {
     #[test]
     fn only_exact_one_disables_flushes() {
         assert!(cache_unsafe(Some("1")));
-        for v in [None, Some(""), Some("true"), Some("yes"), Some(" 1"), Some("1 "), Some("01"), Some("0")] {
+        for v in [
+            None,
+            Some(""),
+            Some("true"),
+            Some("yes"),
+            Some(" 1"),
+            Some("1 "),
+            Some("01"),
+            Some("0"),
+        ] {
             assert!(!cache_unsafe(v), "{v:?} must leave durability on");
         }
     }

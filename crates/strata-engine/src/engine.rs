@@ -6,7 +6,8 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use strata_catalog::{
-    Catalog, CatalogError, Checkpoint, CheckpointKind, Mode, NewWorkspace, SqliteCatalog, Template, Workspace,
+    Catalog, CatalogError, Checkpoint, CheckpointKind, Mode, NewWorkspace, SqliteCatalog, Template,
+    Workspace,
 };
 use strata_format::manifest::Manifest;
 use strata_format::name;
@@ -23,9 +24,14 @@ use crate::{EngineConfig, Error, Result};
 pub enum Source {
     Template(String),
     /// Another workspace's checkpoint (its head when `version` is `None`).
-    Checkpoint { workspace: String, version: Option<u64> },
+    Checkpoint {
+        workspace: String,
+        version: Option<u64>,
+    },
     /// An all-zero disk of this many bytes.
-    Empty { size: u64 },
+    Empty {
+        size: u64,
+    },
 }
 
 struct Attached {
@@ -65,7 +71,12 @@ impl Engine {
     }
 
     /// An engine over any catalog, store and file layer (tests inject a power-loss file system).
-    pub fn open_with(cfg: EngineConfig, catalog: Arc<dyn Catalog>, store: Store, fs: Arc<dyn Fs>) -> Result<Arc<Engine>> {
+    pub fn open_with(
+        cfg: EngineConfig,
+        catalog: Arc<dyn Catalog>,
+        store: Store,
+        fs: Arc<dyn Fs>,
+    ) -> Result<Arc<Engine>> {
         let node = match &cfg.node_id {
             Some(n) => {
                 name::validate("node id", n)?;
@@ -123,7 +134,13 @@ impl Engine {
         }
     }
 
-    async fn publish_template(&self, tenant: &str, name: &str, m: Manifest, stored: u64) -> Result<Template> {
+    async fn publish_template(
+        &self,
+        tenant: &str,
+        name: &str,
+        m: Manifest,
+        stored: u64,
+    ) -> Result<Template> {
         let id = self.reader.store().put_manifest(tenant, &m).await?;
         self.catalog.record_manifest(tenant, id, &m.objects).await?;
         let t = Template {
@@ -141,7 +158,11 @@ impl Engine {
     async fn check_new_template(&self, tenant: &str, name: &str) -> Result<()> {
         name::validate("template name", name)?;
         match self.catalog.get_template(tenant, name).await {
-            Ok(_) => Err(CatalogError::AlreadyExists { what: "template", name: name.into() }.into()),
+            Ok(_) => Err(CatalogError::AlreadyExists {
+                what: "template",
+                name: name.into(),
+            }
+            .into()),
             Err(CatalogError::NotFound { .. }) => Ok(()),
             Err(e) => Err(e.into()),
         }
@@ -158,7 +179,11 @@ impl Engine {
         self.check_new_template(tenant, name).await?;
         let tmp = tempdir_in(&self.cfg.data_dir)?;
         let raw = tmp.join("image.raw");
-        let path = if template::to_raw(image, &raw)? { raw.as_path() } else { image };
+        let path = if template::to_raw(image, &raw)? {
+            raw.as_path()
+        } else {
+            image
+        };
         let res = template::import_raw(&self.reader, tenant, path, progress).await;
         let _ = std::fs::remove_dir_all(&tmp);
         let (m, stored) = res?;
@@ -203,14 +228,26 @@ impl Engine {
         let (manifest, disk_size, source, kind) = match source {
             Source::Template(t) => {
                 let t = self.catalog.get_template(tenant, &t).await?;
-                (t.manifest, t.disk_size, format!("template:{}", t.name), CheckpointKind::Create)
+                (
+                    t.manifest,
+                    t.disk_size,
+                    format!("template:{}", t.name),
+                    CheckpointKind::Create,
+                )
             }
             Source::Checkpoint { workspace, version } => {
                 let (cp, w) = self.resolve_checkpoint(tenant, &workspace, version).await?;
-                (cp.manifest, w.disk_size, format!("ws:{workspace}@{}", cp.version), CheckpointKind::Fork)
+                (
+                    cp.manifest,
+                    w.disk_size,
+                    format!("ws:{workspace}@{}", cp.version),
+                    CheckpointKind::Fork,
+                )
             }
             Source::Empty { size } => {
-                let m = Manifest::empty(size.div_ceil(strata_format::BLOCK_SIZE) * strata_format::BLOCK_SIZE)?;
+                let m = Manifest::empty(
+                    size.div_ceil(strata_format::BLOCK_SIZE) * strata_format::BLOCK_SIZE,
+                )?;
                 let id = self.reader.store().put_manifest(tenant, &m).await?;
                 self.catalog.record_manifest(tenant, id, &[]).await?;
                 (id, m.disk_size, "empty".to_string(), CheckpointKind::Create)
@@ -231,7 +268,12 @@ impl Engine {
             .await?)
     }
 
-    async fn resolve_checkpoint(&self, tenant: &str, ws: &str, version: Option<u64>) -> Result<(Checkpoint, Workspace)> {
+    async fn resolve_checkpoint(
+        &self,
+        tenant: &str,
+        ws: &str,
+        version: Option<u64>,
+    ) -> Result<(Checkpoint, Workspace)> {
         let w = self.catalog.get_workspace(tenant, ws).await?;
         let cp = self
             .catalog
@@ -250,7 +292,10 @@ impl Engine {
             return Ok(a.vol.clone());
         }
         let ttl = self.cfg.lease_ttl.as_millis() as u64;
-        let lease = self.catalog.acquire_lease(tenant, ws, &self.node, ttl).await?;
+        let lease = self
+            .catalog
+            .acquire_lease(tenant, ws, &self.node, ttl)
+            .await?;
         let opened = Volume::open(VolumeParts {
             tenant: tenant.into(),
             name: ws.into(),
@@ -269,8 +314,18 @@ impl Engine {
                 return Err(e);
             }
         };
-        let task = tokio::spawn(background(Arc::downgrade(&vol), self.cfg.upload_interval, self.cfg.lease_ttl));
-        vols.insert(key, Attached { vol: vol.clone(), task });
+        let task = tokio::spawn(background(
+            Arc::downgrade(&vol),
+            self.cfg.upload_interval,
+            self.cfg.lease_ttl,
+        ));
+        vols.insert(
+            key,
+            Attached {
+                vol: vol.clone(),
+                task,
+            },
+        );
         tracing::info!(tenant, workspace = ws, epoch = lease.epoch, "attached");
         Ok(vol)
     }
@@ -288,7 +343,9 @@ impl Engine {
     pub async fn detach(&self, tenant: &str, ws: &str) -> Result<Option<Published>> {
         let key = (tenant.to_string(), ws.to_string());
         let Some(a) = self.volumes.lock().await.remove(&key) else {
-            return Err(Error::Invalid(format!("workspace {ws:?} is not attached on this node")));
+            return Err(Error::Invalid(format!(
+                "workspace {ws:?} is not attached on this node"
+            )));
         };
         a.task.abort();
         let vol = a.vol;
@@ -299,8 +356,15 @@ impl Engine {
                 Ok(p) => Some(p),
                 Err(e) => {
                     // Keep it attached: nothing may be lost.
-                    let task = tokio::spawn(background(Arc::downgrade(&vol), self.cfg.upload_interval, self.cfg.lease_ttl));
-                    self.volumes.lock().await.insert(key, Attached { vol, task });
+                    let task = tokio::spawn(background(
+                        Arc::downgrade(&vol),
+                        self.cfg.upload_interval,
+                        self.cfg.lease_ttl,
+                    ));
+                    self.volumes
+                        .lock()
+                        .await
+                        .insert(key, Attached { vol, task });
                     return Err(e);
                 }
             }
@@ -347,16 +411,28 @@ impl Engine {
     }
 
     /// Checkpoints everything acknowledged so far, with an optional label.
-    pub async fn checkpoint(self: &Arc<Self>, tenant: &str, ws: &str, label: Option<String>) -> Result<Published> {
+    pub async fn checkpoint(
+        self: &Arc<Self>,
+        tenant: &str,
+        ws: &str,
+        label: Option<String>,
+    ) -> Result<Published> {
         if let Some(l) = &label {
             name::validate_label(l)?;
         }
-        self.with_volume(tenant, ws, async |v| v.checkpoint(label).await).await
+        self.with_volume(tenant, ws, async |v| v.checkpoint(label).await)
+            .await
     }
 
     /// Rolls back to `version` as a new head version; the current state is kept in history.
-    pub async fn rollback(self: &Arc<Self>, tenant: &str, ws: &str, version: u64) -> Result<Published> {
-        self.with_volume(tenant, ws, async |v| v.rollback(version).await).await
+    pub async fn rollback(
+        self: &Arc<Self>,
+        tenant: &str,
+        ws: &str,
+        version: u64,
+    ) -> Result<Published> {
+        self.with_volume(tenant, ws, async |v| v.rollback(version).await)
+            .await
     }
 
     /// Forks `src` (at `version`, or its current state) into a new workspace. O(1): no data is
@@ -378,8 +454,17 @@ impl Engine {
             Some(m) => m,
             None => self.catalog.get_workspace(tenant, src).await?.mode,
         };
-        self.create_workspace(tenant, new, Source::Checkpoint { workspace: src.into(), version }, mode, None)
-            .await
+        self.create_workspace(
+            tenant,
+            new,
+            Source::Checkpoint {
+                workspace: src.into(),
+                version,
+            },
+            mode,
+            None,
+        )
+        .await
     }
 
     pub async fn delete_workspace(&self, tenant: &str, ws: &str) -> Result<()> {
@@ -387,7 +472,9 @@ impl Engine {
         if let Some(a) = self.volumes.lock().await.remove(&key) {
             a.task.abort();
             a.vol.close();
-            self.catalog.release_lease(tenant, ws, &a.vol.lease()).await?;
+            self.catalog
+                .release_lease(tenant, ws, &a.vol.lease())
+                .await?;
         }
         self.catalog.delete_workspace(tenant, ws).await?;
         self.fs
@@ -408,16 +495,29 @@ impl Engine {
 
     /// Reads a whole checkpoint (the head by default) straight from the object store into a
     /// raw file, without attaching: what another node restoring it would see.
-    pub async fn export(&self, tenant: &str, ws: &str, version: Option<u64>, out: &Path) -> Result<u64> {
+    pub async fn export(
+        &self,
+        tenant: &str,
+        ws: &str,
+        version: Option<u64>,
+        out: &Path,
+    ) -> Result<u64> {
         use std::os::unix::fs::FileExt;
         let (cp, w) = self.resolve_checkpoint(tenant, ws, version).await?;
-        let m = self.reader.store().get_manifest(tenant, &cp.manifest).await?;
-        let f = std::fs::File::create(out).map_err(Error::io(format!("creating {}", out.display())))?;
+        let m = self
+            .reader
+            .store()
+            .get_manifest(tenant, &cp.manifest)
+            .await?;
+        let f =
+            std::fs::File::create(out).map_err(Error::io(format!("creating {}", out.display())))?;
         f.set_len(w.disk_size).map_err(Error::io("sizing export"))?;
         for e in &m.extents {
             let o = m.objects[e.object as usize];
             let mut buf = vec![0u8; e.len as usize * strata_format::BLOCK_SIZE as usize];
-            self.reader.read_into(tenant, &o, e.offset, &mut buf).await?;
+            self.reader
+                .read_into(tenant, &o, e.offset, &mut buf)
+                .await?;
             f.write_all_at(&buf, e.lba * strata_format::BLOCK_SIZE)
                 .map_err(Error::io("writing export"))?;
         }

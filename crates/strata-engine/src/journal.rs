@@ -219,9 +219,10 @@ impl Journal {
         }
         let seq = self.next_seq;
         let record = rec::encode(kind, seq, lba, nblocks, payload);
-        let seg = self.segments.get_mut(&self.active).ok_or_else(|| {
-            io::Error::other("journal has no active segment")
-        })?;
+        let seg = self
+            .segments
+            .get_mut(&self.active)
+            .ok_or_else(|| io::Error::other("journal has no active segment"))?;
         seg.file.write_at(&record, seg.len)?;
         let data_off = seg.len + HEADER_LEN as u64;
         seg.len += record.len() as u64;

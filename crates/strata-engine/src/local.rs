@@ -31,7 +31,9 @@ impl LocalState {
         if !fs.exists(&p) {
             return Ok(None);
         }
-        let bytes = fs.read(&p).map_err(Error::io(format!("reading {}", p.display())))?;
+        let bytes = fs
+            .read(&p)
+            .map_err(Error::io(format!("reading {}", p.display())))?;
         match serde_json::from_slice::<LocalState>(&bytes) {
             Ok(s) if s.format == LOCAL_FORMAT => Ok(Some(s)),
             Ok(s) => Err(Error::Invalid(format!(
@@ -39,7 +41,10 @@ impl LocalState {
                 p.display(),
                 s.format
             ))),
-            Err(e) => Err(Error::Invalid(format!("{}: corrupt local state: {e}", p.display()))),
+            Err(e) => Err(Error::Invalid(format!(
+                "{}: corrupt local state: {e}",
+                p.display()
+            ))),
         }
     }
 

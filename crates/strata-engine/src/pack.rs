@@ -25,8 +25,16 @@ pub(crate) struct Packed {
 }
 
 enum Planned {
-    Zero { lba: u64, len: u64 },
-    Data { lba: u64, len: u64, obj: usize, off: u64 },
+    Zero {
+        lba: u64,
+        len: u64,
+    },
+    Data {
+        lba: u64,
+        len: u64,
+        obj: usize,
+        off: u64,
+    },
 }
 
 pub(crate) async fn pack(
@@ -57,9 +65,9 @@ pub(crate) async fn pack(
             }
             Loc::Journal { seg, off } => (seg, off),
         };
-        let file = files
-            .get(&seg)
-            .ok_or_else(|| Error::Invalid(format!("journal segment {seg} missing while packing")))?;
+        let file = files.get(&seg).ok_or_else(|| {
+            Error::Invalid(format!("journal segment {seg} missing while packing"))
+        })?;
         let mut b = 0u64;
         while b < run.len {
             let n = (run.len - b).min(READ_CHUNK_BLOCKS);
@@ -79,12 +87,23 @@ pub(crate) async fn pack(
                 let o = buf.len() as u64;
                 buf.extend_from_slice(block);
                 match planned.last_mut() {
-                    Some(Planned::Data { lba: l, len, obj, off })
-                        if *l + *len == blba && *obj == n_objects && *off + *len * BLOCK_SIZE == o =>
+                    Some(Planned::Data {
+                        lba: l,
+                        len,
+                        obj,
+                        off,
+                    }) if *l + *len == blba
+                        && *obj == n_objects
+                        && *off + *len * BLOCK_SIZE == o =>
                     {
                         *len += 1
                     }
-                    _ => planned.push(Planned::Data { lba: blba, len: 1, obj: n_objects, off: o }),
+                    _ => planned.push(Planned::Data {
+                        lba: blba,
+                        len: 1,
+                        obj: n_objects,
+                        off: o,
+                    }),
                 }
                 if buf.len() as u64 >= target {
                     if uploads.len() >= MAX_IN_FLIGHT {
@@ -122,7 +141,11 @@ pub(crate) async fn pack(
 
 type UploadResult = (usize, u64, strata_store::Result<ObjectRef>);
 
-fn collect(r: Option<UploadResult>, done: &mut HashMap<usize, ObjectRef>, bytes: &mut u64) -> Result<()> {
+fn collect(
+    r: Option<UploadResult>,
+    done: &mut HashMap<usize, ObjectRef>,
+    bytes: &mut u64,
+) -> Result<()> {
     if let Some((idx, n, r)) = r {
         done.insert(idx, r?);
         *bytes += n;

@@ -60,7 +60,10 @@ impl FsFile for SimFile {
         let i = lock(&self.0);
         let end = off as usize + buf.len();
         if end > i.data.len() {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read past end"));
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "read past end",
+            ));
         }
         buf.copy_from_slice(&i.data[off as usize..end]);
         Ok(())
@@ -84,7 +87,10 @@ impl FsFile for SimFile {
 }
 
 fn not_found(p: &Path) -> io::Error {
-    io::Error::new(io::ErrorKind::NotFound, format!("{} not found", p.display()))
+    io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("{} not found", p.display()),
+    )
 }
 
 impl SimFs {
@@ -164,7 +170,11 @@ impl Fs for SimFs {
         Ok(Arc::new(SimFile(ino, self.clone())))
     }
     fn remove(&self, path: &Path) -> io::Result<()> {
-        lock(&self.state).names.remove(path).map(|_| ()).ok_or_else(|| not_found(path))
+        lock(&self.state)
+            .names
+            .remove(path)
+            .map(|_| ())
+            .ok_or_else(|| not_found(path))
     }
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
         let mut st = lock(&self.state);

@@ -21,8 +21,14 @@ const IN_FLIGHT: usize = 4;
 pub type Progress<'a> = &'a (dyn Fn(u64, u64) + Send + Sync);
 
 /// Builds the manifest for a raw image file. Returns it and the bytes stored.
-pub async fn import_raw(reader: &ObjectReader, tenant: &str, path: &Path, progress: Progress<'_>) -> Result<(Manifest, u64)> {
-    let mut f = std::fs::File::open(path).map_err(Error::io(format!("opening {}", path.display())))?;
+pub async fn import_raw(
+    reader: &ObjectReader,
+    tenant: &str,
+    path: &Path,
+    progress: Progress<'_>,
+) -> Result<(Manifest, u64)> {
+    let mut f =
+        std::fs::File::open(path).map_err(Error::io(format!("opening {}", path.display())))?;
     let len = f.metadata().map_err(Error::io("stat image"))?.len();
     if len == 0 {
         return Err(Error::Invalid(format!("{} is empty", path.display())));
@@ -39,12 +45,15 @@ pub async fn import_raw(reader: &ObjectReader, tenant: &str, path: &Path, progre
     while pos < len {
         let want = (len - pos).min(CHUNK_BYTES) as usize;
         let b = &mut buf[..want];
-        f.read_exact(b).map_err(Error::io(format!("reading {}", path.display())))?;
+        f.read_exact(b)
+            .map_err(Error::io(format!("reading {}", path.display())))?;
         let padded = want.div_ceil(BLOCK_SIZE as usize) * BLOCK_SIZE as usize;
         let mut data = Vec::new();
         let mut runs: Vec<(u64, u64, u64)> = Vec::new();
         for (i, block) in buf[..padded].chunks(BLOCK_SIZE as usize).enumerate() {
-            let block_len = block.len().min(want.saturating_sub(i * BLOCK_SIZE as usize));
+            let block_len = block
+                .len()
+                .min(want.saturating_sub(i * BLOCK_SIZE as usize));
             if block[..block_len].iter().all(|&x| x == 0) {
                 continue;
             }
@@ -82,7 +91,11 @@ pub async fn import_raw(reader: &ObjectReader, tenant: &str, path: &Path, progre
     for (c, runs) in pending {
         let o = done[&c];
         for (lba, n, off) in runs {
-            changes.push(Change { lba, len: n, at: Some((o, off)) });
+            changes.push(Change {
+                lba,
+                len: n,
+                at: Some((o, off)),
+            });
         }
     }
     let m = Manifest::empty(size)?.apply(&changes)?;
@@ -91,9 +104,12 @@ pub async fn import_raw(reader: &ObjectReader, tenant: &str, path: &Path, progre
 
 /// Runs a helper tool, turning failure into an error that names it and shows its stderr.
 fn run(cmd: &mut Command, what: &str) -> Result<String> {
-    let out = cmd
-        .output()
-        .map_err(|e| Error::Tool(format!("{what}: could not run {:?}: {e} (is it installed?)", cmd.get_program())))?;
+    let out = cmd.output().map_err(|e| {
+        Error::Tool(format!(
+            "{what}: could not run {:?}: {e} (is it installed?)",
+            cmd.get_program()
+        ))
+    })?;
     if !out.status.success() {
         return Err(Error::Tool(format!(
             "{what} failed ({}): {}",
@@ -126,7 +142,8 @@ fn tree_size(dir: &Path) -> std::io::Result<(u64, u64)> {
 
 /// Size for an ext4 image holding `dir`: data + per-file overhead + journal, with headroom.
 pub fn derive_size(dir: &Path) -> Result<u64> {
-    let (bytes, entries) = tree_size(dir).map_err(Error::io(format!("walking {}", dir.display())))?;
+    let (bytes, entries) =
+        tree_size(dir).map_err(Error::io(format!("walking {}", dir.display())))?;
     let raw = bytes + bytes / 4 + entries * 8192 + (64 << 20);
     Ok(raw.div_ceil(CHUNK_BYTES) * CHUNK_BYTES)
 }
@@ -134,14 +151,25 @@ pub fn derive_size(dir: &Path) -> Result<u64> {
 /// Makes an ext4 image of `dir` at `out` with `mkfs.ext4 -d` (no root needed).
 pub fn mkfs_from_dir(dir: &Path, out: &Path, size: u64) -> Result<()> {
     if !dir.is_dir() {
-        return Err(Error::Invalid(format!("{} is not a directory", dir.display())));
+        return Err(Error::Invalid(format!(
+            "{} is not a directory",
+            dir.display()
+        )));
     }
     let f = std::fs::File::create(out).map_err(Error::io(format!("creating {}", out.display())))?;
     f.set_len(size).map_err(Error::io("sizing image"))?;
     drop(f);
     run(
         Command::new("mkfs.ext4")
-            .args(["-q", "-F", "-b", "4096", "-E", "lazy_itable_init=0,lazy_journal_init=0", "-d"])
+            .args([
+                "-q",
+                "-F",
+                "-b",
+                "4096",
+                "-E",
+                "lazy_itable_init=0,lazy_journal_init=0",
+                "-d",
+            ])
             .arg(dir)
             .arg(out),
         "mkfs.ext4",
@@ -152,17 +180,22 @@ pub fn mkfs_from_dir(dir: &Path, out: &Path, size: u64) -> Result<()> {
 /// Converts `image` to raw at `out` if it is not raw already; returns the path to import.
 pub fn to_raw(image: &Path, out: &Path) -> Result<bool> {
     let info = run(
-        Command::new("qemu-img").args(["info", "--output=json"]).arg(image),
+        Command::new("qemu-img")
+            .args(["info", "--output=json"])
+            .arg(image),
         "qemu-img info",
     )?;
-    let v: serde_json::Value =
-        serde_json::from_str(&info).map_err(|e| Error::Tool(format!("qemu-img info output: {e}")))?;
+    let v: serde_json::Value = serde_json::from_str(&info)
+        .map_err(|e| Error::Tool(format!("qemu-img info output: {e}")))?;
     let format = v.get("format").and_then(|f| f.as_str()).unwrap_or("raw");
     if format == "raw" {
         return Ok(false);
     }
     run(
-        Command::new("qemu-img").args(["convert", "-O", "raw"]).arg(image).arg(out),
+        Command::new("qemu-img")
+            .args(["convert", "-O", "raw"])
+            .arg(image)
+            .arg(out),
         "qemu-img convert",
     )?;
     Ok(true)

@@ -165,7 +165,10 @@ impl Volume {
     /// journal and makes the replayed records durable.
     pub(crate) async fn open(p: VolumeParts) -> Result<Arc<Volume>> {
         let ws = p.catalog.get_workspace(&p.tenant, &p.name).await?;
-        let head = p.catalog.get_checkpoint(&p.tenant, &p.name, ws.head_version).await?;
+        let head = p
+            .catalog
+            .get_checkpoint(&p.tenant, &p.name, ws.head_version)
+            .await?;
         let local = LocalState::load(&*p.fs, &p.dir)?;
         let (journal_id, base_seq) = match local {
             Some(l) if head.journal_id.as_deref() == Some(l.journal_id.as_str()) => {
@@ -181,13 +184,19 @@ impl Volume {
                     head = ws.head_version,
                     "local journal is based on a head that has since moved elsewhere; discarding it"
                 );
-                p.fs.remove_dir_all(&p.dir).map_err(Error::io("discarding stale journal"))?;
+                p.fs.remove_dir_all(&p.dir)
+                    .map_err(Error::io("discarding stale journal"))?;
                 (new_journal_id(), 0)
             }
             None => (new_journal_id(), 0),
         };
-        p.fs.create_dir_all(&p.dir).map_err(Error::io(format!("creating {}", p.dir.display())))?;
-        let base = p.reader.store().get_manifest(&p.tenant, &ws.head_manifest).await?;
+        p.fs.create_dir_all(&p.dir)
+            .map_err(Error::io(format!("creating {}", p.dir.display())))?;
+        let base = p
+            .reader
+            .store()
+            .get_manifest(&p.tenant, &ws.head_manifest)
+            .await?;
         if base.disk_size != ws.disk_size {
             return Err(Error::Invalid(format!(
                 "manifest {} describes {} bytes, workspace says {}",
@@ -216,14 +225,20 @@ impl Volume {
             p.opts.segment_max_bytes,
             |r, file| {
                 if r.lba + r.nblocks > disk_blocks {
-                    tracing::error!(lba = r.lba, "journal record past the end of the disk; ignored");
+                    tracing::error!(
+                        lba = r.lba,
+                        "journal record past the end of the disk; ignored"
+                    );
                     return;
                 }
                 files.entry(r.seg).or_insert_with(|| file.clone());
                 let loc = match r.kind {
                     Kind::Write => {
                         replayed_bytes += r.nblocks * BLOCK_SIZE;
-                        Loc::Journal { seg: r.seg, off: r.data_off }
+                        Loc::Journal {
+                            seg: r.seg,
+                            off: r.data_off,
+                        }
                     }
                     Kind::Zero => Loc::Zero,
                 };
@@ -238,10 +253,12 @@ impl Volume {
         // now, so that "replayed" implies "flushed".
         let batch = journal.take_dirty();
         for f in files.values() {
-            f.sync_data().map_err(Error::io("syncing replayed journal"))?;
+            f.sync_data()
+                .map_err(Error::io("syncing replayed journal"))?;
         }
         if let Some(d) = &batch.dir {
-            p.fs.sync_dir(d).map_err(Error::io("syncing journal directory"))?;
+            p.fs.sync_dir(d)
+                .map_err(Error::io("syncing journal directory"))?;
         }
         let active_seg = journal.active();
         if let Some(f) = journal.file(active_seg) {
@@ -372,7 +389,9 @@ impl Volume {
                                 for p in &pieces {
                                     let src = match p.at {
                                         None => Src::Zero,
-                                        Some((o, off)) => Src::Object(st.base.objects[o as usize], off),
+                                        Some((o, off)) => {
+                                            Src::Object(st.base.objects[o as usize], off)
+                                        }
                                     };
                                     out.push((p.lba, p.len, src));
                                 }
@@ -415,11 +434,15 @@ impl Volume {
         if remote.is_empty() {
             return Ok(());
         }
-        let fetched = futures::future::join_all(remote.iter().map(|&(_, bytes, o, off)| async move {
-            let mut v = vec![0u8; bytes];
-            self.reader.read_into(&self.tenant, &o, off, &mut v).await.map(|_| v)
-        }))
-        .await;
+        let fetched =
+            futures::future::join_all(remote.iter().map(|&(_, bytes, o, off)| async move {
+                let mut v = vec![0u8; bytes];
+                self.reader
+                    .read_into(&self.tenant, &o, off, &mut v)
+                    .await
+                    .map(|_| v)
+            }))
+            .await;
         for ((at, bytes, _, _), v) in remote.iter().zip(fetched) {
             buf[*at..*at + *bytes].copy_from_slice(&v?);
         }
@@ -451,7 +474,9 @@ impl Volume {
         while done < n {
             let k = (n - done).min(MAX_RECORD_BLOCKS as u64);
             let payload = match kind {
-                Kind::Write => &data[(done * BLOCK_SIZE) as usize..((done + k) * BLOCK_SIZE) as usize],
+                Kind::Write => {
+                    &data[(done * BLOCK_SIZE) as usize..((done + k) * BLOCK_SIZE) as usize]
+                }
                 Kind::Zero => &[][..],
             };
             let (seq, seg, off, rotated) = match j.append(kind, lba + done, k as u32, payload) {
@@ -509,12 +534,16 @@ impl Volume {
                 let mut buf = vec![0u8; (n * BLOCK_SIZE) as usize];
                 let head = (offset - lba * BLOCK_SIZE) as usize;
                 if head != 0 {
-                    self.read_blocks(lba, 1, &mut buf[..BLOCK_SIZE as usize]).await?;
+                    self.read_blocks(lba, 1, &mut buf[..BLOCK_SIZE as usize])
+                        .await?;
                 }
                 let tail_block = end - 1;
-                if (offset + data.len() as u64) % BLOCK_SIZE != 0 && (tail_block != lba || head == 0) {
+                if (offset + data.len() as u64) % BLOCK_SIZE != 0
+                    && (tail_block != lba || head == 0)
+                {
                     let at = ((tail_block - lba) * BLOCK_SIZE) as usize;
-                    self.read_blocks(tail_block, 1, &mut buf[at..at + BLOCK_SIZE as usize]).await?;
+                    self.read_blocks(tail_block, 1, &mut buf[at..at + BLOCK_SIZE as usize])
+                        .await?;
                 }
                 buf[head..head + data.len()].copy_from_slice(data);
                 self.append(&mut j, Kind::Write, lba, n, &buf)?;
@@ -544,7 +573,8 @@ impl Volume {
         }
         let tail = offset + len - end_full * BLOCK_SIZE;
         if tail > 0 {
-            self.write(end_full * BLOCK_SIZE, &vec![0u8; tail as usize], false).await?;
+            self.write(end_full * BLOCK_SIZE, &vec![0u8; tail as usize], false)
+                .await?;
         }
         {
             let _gate = self.gate.read().await;
@@ -619,7 +649,8 @@ impl Volume {
         if self.mode == Mode::Sync {
             let target = self.acked_seq.load(SeqCst);
             if self.published_seq.load(SeqCst) < target {
-                self.publish_inner(CheckpointKind::Auto, None, Some(target)).await?;
+                self.publish_inner(CheckpointKind::Auto, None, Some(target))
+                    .await?;
             }
         }
         Ok(())
@@ -627,7 +658,8 @@ impl Volume {
 
     /// Publishes everything acknowledged so far as a new head version (a checkpoint).
     pub async fn checkpoint(&self, label: Option<String>) -> Result<Published> {
-        self.publish_inner(CheckpointKind::Checkpoint, label, None).await
+        self.publish_inner(CheckpointKind::Checkpoint, label, None)
+            .await
     }
 
     /// Background upload: publishes if the remote window exceeds its bounds.
@@ -636,13 +668,16 @@ impl Volume {
             let w = lock(&self.window);
             w.bytes > 0
                 && (w.bytes >= self.opts.upload_max_bytes
-                    || w.since.is_some_and(|s| s.elapsed() >= self.opts.upload_interval))
+                    || w.since
+                        .is_some_and(|s| s.elapsed() >= self.opts.upload_interval))
         };
         if !due || self.mode == Mode::Ephemeral {
             return Ok(None);
         }
         let target = self.acked_seq.load(SeqCst);
-        self.publish_inner(CheckpointKind::Auto, None, Some(target)).await.map(Some)
+        self.publish_inner(CheckpointKind::Auto, None, Some(target))
+            .await
+            .map(Some)
     }
 
     pub(crate) async fn publish_kind(&self, kind: CheckpointKind) -> Result<Published> {
@@ -651,7 +686,12 @@ impl Volume {
 
     /// The checkpoint protocol (see the module docs). With `upto`, returns early if an earlier
     /// publish already covered that sequence number (group commit for sync-mode flushes).
-    async fn publish_inner(&self, kind: CheckpointKind, label: Option<String>, upto: Option<u64>) -> Result<Published> {
+    async fn publish_inner(
+        &self,
+        kind: CheckpointKind,
+        label: Option<String>,
+        upto: Option<u64>,
+    ) -> Result<Published> {
         let started = Instant::now();
         let _p = self.publish_lock.lock().await;
         self.usable()?;
@@ -685,7 +725,9 @@ impl Volume {
             (cut, frozen, st.base.clone(), st.base_version)
         };
         let stall = stall_start.elapsed();
-        let res = self.publish_cut(&frozen, &base, base_version, cut, kind, label).await;
+        let res = self
+            .publish_cut(&frozen, &base, base_version, cut, kind, label)
+            .await;
         match res {
             Ok((version, manifest, m, bytes)) => {
                 {
@@ -765,11 +807,20 @@ impl Volume {
     ) -> Result<(u64, Hash, Manifest, u64)> {
         let files = self.st().files.clone();
         // 2. Pack and upload every live block <= cut.
-        let packed = pack(&self.reader, &self.tenant, frozen, &files, self.opts.object_target_bytes).await?;
+        let packed = pack(
+            &self.reader,
+            &self.tenant,
+            frozen,
+            &files,
+            self.opts.object_target_bytes,
+        )
+        .await?;
         // 3. The new cumulative manifest.
         let m = base.apply(&packed.changes)?;
         let id = self.reader.store().put_manifest(&self.tenant, &m).await?;
-        self.catalog.record_manifest(&self.tenant, id, &m.objects).await?;
+        self.catalog
+            .record_manifest(&self.tenant, id, &m.objects)
+            .await?;
         // 4 + 5. Move the head (expected version, lease epoch) and record the receipt.
         let lease = self.lease();
         let version = self
@@ -796,7 +847,11 @@ impl Volume {
     pub async fn renew_lease(&self) -> Result<()> {
         let g = self.lease();
         let ttl = self.opts.lease_ttl.as_millis() as u64;
-        match self.catalog.renew_lease(&self.tenant, &self.name, &g, ttl).await {
+        match self
+            .catalog
+            .renew_lease(&self.tenant, &self.name, &g, ttl)
+            .await
+        {
             Ok(()) => {
                 lock(&self.lease).expires_ms = crate::now_ms() + ttl;
                 Ok(())
@@ -827,12 +882,24 @@ impl Volume {
     /// Rolls the head back to `version`'s manifest as a new version, after publishing the
     /// current state (so history keeps every acknowledged write).
     pub(crate) async fn rollback(&self, version: u64) -> Result<Published> {
-        let target = self.catalog.get_checkpoint(&self.tenant, &self.name, version).await?;
+        let target = self
+            .catalog
+            .get_checkpoint(&self.tenant, &self.name, version)
+            .await?;
         let _gate = self.gate.write().await;
-        self.publish_inner(CheckpointKind::Auto, None, Some(self.acked_seq.load(SeqCst))).await?;
+        self.publish_inner(
+            CheckpointKind::Auto,
+            None,
+            Some(self.acked_seq.load(SeqCst)),
+        )
+        .await?;
         let _p = self.publish_lock.lock().await;
         let started = Instant::now();
-        let m = self.reader.store().get_manifest(&self.tenant, &target.manifest).await?;
+        let m = self
+            .reader
+            .store()
+            .get_manifest(&self.tenant, &target.manifest)
+            .await?;
         let base_version = self.st().base_version;
         let cut = self.acked_seq.load(SeqCst);
         let new_version = self
@@ -896,7 +963,10 @@ impl Volume {
         let c = &self.counters;
         let (window_bytes, window_age_ms) = {
             let w = lock(&self.window);
-            (w.bytes, w.since.map_or(0, |s| s.elapsed().as_millis() as u64))
+            (
+                w.bytes,
+                w.since.map_or(0, |s| s.elapsed().as_millis() as u64),
+            )
         };
         let (overlay_runs, live_blocks, head_version) = {
             let st = self.st();
@@ -930,10 +1000,16 @@ struct MissingSegment(u64);
 
 impl FsFile for MissingSegment {
     fn write_at(&self, _: &[u8], _: u64) -> std::io::Result<()> {
-        Err(std::io::Error::other(format!("journal segment {} missing", self.0)))
+        Err(std::io::Error::other(format!(
+            "journal segment {} missing",
+            self.0
+        )))
     }
     fn read_at(&self, _: &mut [u8], _: u64) -> std::io::Result<()> {
-        Err(std::io::Error::other(format!("journal segment {} missing", self.0)))
+        Err(std::io::Error::other(format!(
+            "journal segment {} missing",
+            self.0
+        )))
     }
     fn sync_data(&self) -> std::io::Result<()> {
         Ok(())

@@ -21,7 +21,10 @@ const BLOCKS: u64 = 64;
 const DISK: u64 = BLOCKS * 4096;
 
 fn cases() -> u64 {
-    std::env::var("STRATA_CRASH_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(2000)
+    std::env::var("STRATA_CRASH_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2000)
 }
 
 /// One case; returns (writes checked, flushes) for reporting.
@@ -32,7 +35,15 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
     let mut cfg = cluster.config("crash");
     cfg.segment_max_bytes = rng.random_range(8..64) * 4096;
     let node = cluster.node_with(cfg.clone(), fs.clone());
-    node.create_workspace(TENANT, &name, Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    node.create_workspace(
+        TENANT,
+        &name,
+        Source::Empty { size: DISK },
+        Mode::Durable,
+        None,
+    )
+    .await
+    .unwrap();
     let vol = node.attach(TENANT, &name).await.unwrap();
 
     // states[k] = disk (as tags) after the first k operations.
@@ -91,7 +102,9 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
         .collect();
     let ok = (flushed..states.len()).any(|k| states[k] == got);
     if !ok {
-        let lost: Vec<u64> = (0..BLOCKS).filter(|&b| got[b as usize] != states[flushed][b as usize]).collect();
+        let lost: Vec<u64> = (0..BLOCKS)
+            .filter(|&b| got[b as usize] != states[flushed][b as usize])
+            .collect();
         panic!(
             "seed {seed}: recovered disk is not a prefix state at or after the last flush (op {flushed} of {}); blocks differing from the flushed state: {lost:?}",
             states.len() - 1
@@ -105,11 +118,25 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
     let node3 = cluster.node_with(cluster.config("crash"), fs.clone());
     let vol = node3.attach(TENANT, &name).await.unwrap();
     let img2 = vol.read(0, DISK).await.unwrap();
-    assert_eq!(tag_of(&img2[..4096], 0), Some(1), "seed {seed}: FUA write lost");
-    assert!(img2[4096..] == img[4096..], "seed {seed}: second recovery changed other blocks");
+    assert_eq!(
+        tag_of(&img2[..4096], 0),
+        Some(1),
+        "seed {seed}: FUA write lost"
+    );
+    assert!(
+        img2[4096..] == img[4096..],
+        "seed {seed}: second recovery changed other blocks"
+    );
     node3.detach(TENANT, &name).await.unwrap();
-    node3.catalog().delete_workspace(TENANT, &name).await.unwrap();
-    (states[flushed].iter().filter(|&&t| t != 0).count() as u64, flushes)
+    node3
+        .catalog()
+        .delete_workspace(TENANT, &name)
+        .await
+        .unwrap();
+    (
+        states[flushed].iter().filter(|&&t| t != 0).count() as u64,
+        flushes,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,7 +149,9 @@ async fn power_loss_keeps_every_flushed_write() {
         checked += c;
         flushes += f;
     }
-    eprintln!("power-loss cases: {n}, flushed blocks checked: {checked}, flushes: {flushes}, lost: 0");
+    eprintln!(
+        "power-loss cases: {n}, flushed blocks checked: {checked}, flushes: {flushes}, lost: 0"
+    );
 }
 
 /// The control run: with flushes not honoured (the unsafe opt-out), the same harness must see
@@ -137,14 +166,28 @@ async fn harness_catches_unhonoured_flushes() {
         cfg.cache_unsafe = true;
         let name = format!("ctl{seed}");
         let node = cluster.node_with(cfg.clone(), fs.clone());
-        node.create_workspace(TENANT, &name, Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+        node.create_workspace(
+            TENANT,
+            &name,
+            Source::Empty { size: DISK },
+            Mode::Durable,
+            None,
+        )
+        .await
+        .unwrap();
         let vol = node.attach(TENANT, &name).await.unwrap();
-        vol.write(seed % BLOCKS * 4096, &tagged(7, seed % BLOCKS), false).await.unwrap();
+        vol.write(seed % BLOCKS * 4096, &tagged(7, seed % BLOCKS), false)
+            .await
+            .unwrap();
         vol.flush().await.unwrap();
         node.abandon().await;
         drop(vol);
         fs.power_loss(seed, true);
-        let vol = cluster.node_with(cfg, fs).attach(TENANT, &name).await.unwrap();
+        let vol = cluster
+            .node_with(cfg, fs)
+            .attach(TENANT, &name)
+            .await
+            .unwrap();
         let b = vol.read(seed % BLOCKS * 4096, 4096).await.unwrap();
         if tag_of(&b, seed % BLOCKS) != Some(7) {
             caught += 1;

@@ -16,15 +16,44 @@ const DISK: u64 = 256 * 4096;
 
 #[derive(Clone, Debug)]
 enum Op {
-    Write { ws: usize, off: u64, len: u64, byte: u8 },
-    Trim { ws: usize, off: u64, len: u64 },
-    Zero { ws: usize, off: u64, len: u64 },
-    Read { ws: usize, off: u64, len: u64 },
-    Flush { ws: usize },
-    Checkpoint { ws: usize },
-    Fork { ws: usize, pick: usize },
-    Rollback { ws: usize, pick: usize },
-    Restore { ws: usize },
+    Write {
+        ws: usize,
+        off: u64,
+        len: u64,
+        byte: u8,
+    },
+    Trim {
+        ws: usize,
+        off: u64,
+        len: u64,
+    },
+    Zero {
+        ws: usize,
+        off: u64,
+        len: u64,
+    },
+    Read {
+        ws: usize,
+        off: u64,
+        len: u64,
+    },
+    Flush {
+        ws: usize,
+    },
+    Checkpoint {
+        ws: usize,
+    },
+    Fork {
+        ws: usize,
+        pick: usize,
+    },
+    Rollback {
+        ws: usize,
+        pick: usize,
+    },
+    Restore {
+        ws: usize,
+    },
     Reopen,
 }
 
@@ -70,13 +99,25 @@ impl World {
         let cluster = Cluster::new().await;
         let fs = Arc::new(SimFs::new());
         let node = cluster.node_with(cluster.config("a"), fs.clone());
-        let mut w = World { cluster, fs, node, names: vec![], disks: vec![], history: HashMap::new(), forks: 0 };
+        let mut w = World {
+            cluster,
+            fs,
+            node,
+            names: vec![],
+            disks: vec![],
+            history: HashMap::new(),
+            forks: 0,
+        };
         for i in 0..3 {
             let name = format!("w{i}");
             let mode = [Mode::Durable, Mode::Sync, Mode::Ephemeral][i];
-            w.node.create_workspace(TENANT, &name, Source::Empty { size: DISK }, mode, None).await.unwrap();
+            w.node
+                .create_workspace(TENANT, &name, Source::Empty { size: DISK }, mode, None)
+                .await
+                .unwrap();
             w.node.attach(TENANT, &name).await.unwrap();
-            w.history.insert(name.clone(), vec![(1, vec![0; DISK as usize])]);
+            w.history
+                .insert(name.clone(), vec![(1, vec![0; DISK as usize])]);
             w.names.push(name);
             w.disks.push(vec![0; DISK as usize]);
         }
@@ -90,8 +131,14 @@ impl World {
     async fn apply(&mut self, op: Op) {
         match op {
             Op::Write { ws, off, len, byte } => {
-                let data: Vec<u8> = (0..len).map(|i| byte.wrapping_add((i / 512) as u8) | 1).collect();
-                self.vol(ws).await.write(off, &data, byte % 5 == 0).await.unwrap();
+                let data: Vec<u8> = (0..len)
+                    .map(|i| byte.wrapping_add((i / 512) as u8) | 1)
+                    .collect();
+                self.vol(ws)
+                    .await
+                    .write(off, &data, byte % 5 == 0)
+                    .await
+                    .unwrap();
                 self.disks[ws][off as usize..(off + len) as usize].copy_from_slice(&data);
             }
             Op::Trim { ws, off, len } => {
@@ -104,17 +151,32 @@ impl World {
                 }
             }
             Op::Zero { ws, off, len } => {
-                self.vol(ws).await.write_zeroes(off, len, false).await.unwrap();
+                self.vol(ws)
+                    .await
+                    .write_zeroes(off, len, false)
+                    .await
+                    .unwrap();
                 self.disks[ws][off as usize..(off + len) as usize].fill(0);
             }
             Op::Read { ws, off, len } => {
                 let got = self.vol(ws).await.read(off, len).await.unwrap();
-                assert!(got == self.disks[ws][off as usize..(off + len) as usize], "read {off}+{len} of {} differs", self.names[ws]);
+                assert!(
+                    got == self.disks[ws][off as usize..(off + len) as usize],
+                    "read {off}+{len} of {} differs",
+                    self.names[ws]
+                );
             }
             Op::Flush { ws } => self.vol(ws).await.flush().await.unwrap(),
             Op::Checkpoint { ws } => {
-                let p = self.node.checkpoint(TENANT, &self.names[ws], None).await.unwrap();
-                self.history.get_mut(&self.names[ws]).unwrap().push((p.version, self.disks[ws].clone()));
+                let p = self
+                    .node
+                    .checkpoint(TENANT, &self.names[ws], None)
+                    .await
+                    .unwrap();
+                self.history
+                    .get_mut(&self.names[ws])
+                    .unwrap()
+                    .push((p.version, self.disks[ws].clone()));
             }
             Op::Fork { ws, pick } => {
                 let src = self.names[ws].clone();
@@ -122,7 +184,11 @@ impl World {
                 let (version, image) = h[pick % h.len()].clone();
                 self.forks += 1;
                 let name = format!("f{}", self.forks);
-                let w = self.node.fork(TENANT, &src, Some(version), &name, None).await.unwrap();
+                let w = self
+                    .node
+                    .fork(TENANT, &src, Some(version), &name, None)
+                    .await
+                    .unwrap();
                 assert_eq!(w.head_version, 1);
                 // The fork replaces this slot; the source stays attached and keeps its history.
                 self.node.detach(TENANT, &self.names[ws]).await.unwrap();
@@ -136,35 +202,63 @@ impl World {
                 let h = &self.history[&name];
                 let (version, image) = h[pick % h.len()].clone();
                 let p = self.node.rollback(TENANT, &name, version).await.unwrap();
-                self.history.get_mut(&name).unwrap().push((p.version, image.clone()));
+                self.history
+                    .get_mut(&name)
+                    .unwrap()
+                    .push((p.version, image.clone()));
                 self.disks[ws] = image;
             }
             Op::Restore { ws } => {
                 // Detach here (publishing), restore on a fresh node, compare, come back.
                 let name = self.names[ws].clone();
-                let ephemeral = self.node.workspace(TENANT, &name).await.unwrap().mode == Mode::Ephemeral;
+                let ephemeral =
+                    self.node.workspace(TENANT, &name).await.unwrap().mode == Mode::Ephemeral;
                 self.node.detach(TENANT, &name).await.unwrap();
                 if ephemeral {
                     // Unpublished writes of an ephemeral workspace are discarded on detach.
                     let h = &self.history[&name];
-                    let head = self.node.workspace(TENANT, &name).await.unwrap().head_version;
-                    self.disks[ws] = h.iter().find(|(v, _)| *v == head).map(|(_, i)| i.clone())
+                    let head = self
+                        .node
+                        .workspace(TENANT, &name)
+                        .await
+                        .unwrap()
+                        .head_version;
+                    self.disks[ws] = h
+                        .iter()
+                        .find(|(v, _)| *v == head)
+                        .map(|(_, i)| i.clone())
                         .unwrap_or_else(|| h.last().unwrap().1.clone());
                 }
-                let b = self.cluster.node_with(self.cluster.config(&format!("b{ws}")), Arc::new(SimFs::new()));
+                let b = self.cluster.node_with(
+                    self.cluster.config(&format!("b{ws}")),
+                    Arc::new(SimFs::new()),
+                );
                 let v = b.attach(TENANT, &name).await.unwrap();
                 let got = v.read(0, DISK).await.unwrap();
-                assert!(got == self.disks[ws], "restore of {name} on another node differs");
+                assert!(
+                    got == self.disks[ws],
+                    "restore of {name} on another node differs"
+                );
                 b.detach(TENANT, &name).await.unwrap();
                 // The other node's detach published nothing new; record the head for rollback.
-                let head = self.node.workspace(TENANT, &name).await.unwrap().head_version;
-                self.history.get_mut(&name).unwrap().push((head, self.disks[ws].clone()));
+                let head = self
+                    .node
+                    .workspace(TENANT, &name)
+                    .await
+                    .unwrap()
+                    .head_version;
+                self.history
+                    .get_mut(&name)
+                    .unwrap()
+                    .push((head, self.disks[ws].clone()));
                 self.node.attach(TENANT, &name).await.unwrap();
             }
             Op::Reopen => {
                 // A process crash: volumes dropped without publishing; the page cache survives.
                 self.node.abandon().await;
-                self.node = self.cluster.node_with(self.cluster.config("a"), self.fs.clone());
+                self.node = self
+                    .cluster
+                    .node_with(self.cluster.config("a"), self.fs.clone());
                 for n in &self.names {
                     self.node.attach(TENANT, n).await.unwrap();
                 }

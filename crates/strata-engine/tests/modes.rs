@@ -25,12 +25,18 @@ async fn ephemeral_flush_does_not_fsync_durable_does() {
         cfg.cache_unsafe = unsafe_;
         let node = c.node_with(cfg, fs.clone());
         let name = format!("m-{mode}-{unsafe_}");
-        node.create_workspace(TENANT, &name, Source::Empty { size: DISK }, mode, None).await.unwrap();
+        node.create_workspace(TENANT, &name, Source::Empty { size: DISK }, mode, None)
+            .await
+            .unwrap();
         let v = node.attach(TENANT, &name).await.unwrap();
         let before = fs.counter("sync_data");
         v.write(0, &[1; 4096], false).await.unwrap();
         v.flush().await.unwrap();
-        assert_eq!(fs.counter("sync_data") > before, want_sync, "{mode} unsafe={unsafe_}");
+        assert_eq!(
+            fs.counter("sync_data") > before,
+            want_sync,
+            "{mode} unsafe={unsafe_}"
+        );
         assert_eq!(v.flush_honoured(), want_sync);
         node.abandon().await;
     }
@@ -41,13 +47,26 @@ async fn group_commit_one_fsync_for_many_writers() {
     let c = Cluster::new().await;
     let fs = Arc::new(SimFs::new());
     let node = c.node_with(c.config("n"), fs.clone());
-    node.create_workspace(TENANT, "g", Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    node.create_workspace(
+        TENANT,
+        "g",
+        Source::Empty { size: DISK },
+        Mode::Durable,
+        None,
+    )
+    .await
+    .unwrap();
     let v = node.attach(TENANT, "g").await.unwrap();
     for i in 0..64u64 {
         v.write(i * 4096, &tagged(i + 1, i), false).await.unwrap();
     }
     let before = fs.counter("sync_data");
-    let flushes: Vec<_> = (0..16).map(|_| { let v = v.clone(); tokio::spawn(async move { v.flush().await }) }).collect();
+    let flushes: Vec<_> = (0..16)
+        .map(|_| {
+            let v = v.clone();
+            tokio::spawn(async move { v.flush().await })
+        })
+        .collect();
     for f in flushes {
         f.await.unwrap().unwrap();
     }
@@ -59,7 +78,9 @@ async fn group_commit_one_fsync_for_many_writers() {
 async fn sync_mode_flush_reaches_the_object_store() {
     let c = Cluster::new().await;
     let a = c.node("a");
-    a.create_workspace(TENANT, "s", Source::Empty { size: DISK }, Mode::Sync, None).await.unwrap();
+    a.create_workspace(TENANT, "s", Source::Empty { size: DISK }, Mode::Sync, None)
+        .await
+        .unwrap();
     let v = a.attach(TENANT, "s").await.unwrap();
     v.write(8192, &tagged(9, 2), false).await.unwrap();
     v.flush().await.unwrap();
@@ -78,19 +99,33 @@ async fn durable_mode_window_is_bounded_by_the_upload_interval() {
     let mut cfg = c.config("a");
     cfg.upload_interval = Duration::from_millis(200);
     let a = c.node_with(cfg, Arc::new(strata_engine::fs::RealFs));
-    a.create_workspace(TENANT, "d", Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    a.create_workspace(
+        TENANT,
+        "d",
+        Source::Empty { size: DISK },
+        Mode::Durable,
+        None,
+    )
+    .await
+    .unwrap();
     let v = a.attach(TENANT, "d").await.unwrap();
     v.write(0, &tagged(5, 0), false).await.unwrap();
     v.flush().await.unwrap();
     assert_eq!(v.stats().window_bytes, 4096);
     let start = std::time::Instant::now();
     while v.stats().window_bytes > 0 {
-        assert!(start.elapsed() < Duration::from_secs(10), "window never drained");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "window never drained"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(v.stats().head_version >= 2);
     let log = a.log(TENANT, "d").await.unwrap();
-    assert_eq!(log.last().unwrap().kind, strata_engine::CheckpointKind::Auto);
+    assert_eq!(
+        log.last().unwrap().kind,
+        strata_engine::CheckpointKind::Auto
+    );
     a.abandon().await;
     let out = c.path("d.raw");
     c.node("b").export(TENANT, "d", None, &out).await.unwrap();
@@ -101,14 +136,25 @@ async fn durable_mode_window_is_bounded_by_the_upload_interval() {
 async fn concurrent_checkpoints_get_distinct_versions_and_lose_nothing() {
     let c = Cluster::new().await;
     let a = c.node("a");
-    a.create_workspace(TENANT, "r", Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    a.create_workspace(
+        TENANT,
+        "r",
+        Source::Empty { size: DISK },
+        Mode::Durable,
+        None,
+    )
+    .await
+    .unwrap();
     let v = a.attach(TENANT, "r").await.unwrap();
     let mut tasks = vec![];
     for i in 0..8u64 {
         let (v, a) = (v.clone(), a.clone());
         tasks.push(tokio::spawn(async move {
             v.write(i * 4096, &tagged(i + 1, i), false).await.unwrap();
-            a.checkpoint(TENANT, "r", Some(format!("cp{i}"))).await.unwrap().version
+            a.checkpoint(TENANT, "r", Some(format!("cp{i}")))
+                .await
+                .unwrap()
+                .version
         }));
     }
     let mut versions = vec![];
@@ -126,7 +172,10 @@ async fn concurrent_checkpoints_get_distinct_versions_and_lose_nothing() {
     c.node("b").export(TENANT, "r", None, &out).await.unwrap();
     let img = std::fs::read(&out).unwrap();
     for i in 0..8u64 {
-        assert_eq!(tag_of(&img[(i * 4096) as usize..((i + 1) * 4096) as usize], i), Some(i + 1));
+        assert_eq!(
+            tag_of(&img[(i * 4096) as usize..((i + 1) * 4096) as usize], i),
+            Some(i + 1)
+        );
     }
 }
 
@@ -137,7 +186,15 @@ async fn a_fenced_writer_cannot_move_the_head() {
     cfg.lease_ttl = Duration::from_millis(300);
     cfg.upload_interval = Duration::from_secs(3600);
     let a = c.node_with(cfg, Arc::new(strata_engine::fs::RealFs));
-    a.create_workspace(TENANT, "f", Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    a.create_workspace(
+        TENANT,
+        "f",
+        Source::Empty { size: DISK },
+        Mode::Durable,
+        None,
+    )
+    .await
+    .unwrap();
     let va = a.attach(TENANT, "f").await.unwrap();
     va.write(0, &tagged(1, 0), false).await.unwrap();
     a.checkpoint(TENANT, "f", None).await.unwrap();
@@ -156,11 +213,21 @@ async fn a_fenced_writer_cannot_move_the_head() {
     va.write(8192, &tagged(3, 2), false).await.unwrap();
     let head_before = c.catalog.get_workspace(TENANT, "f").await.unwrap();
     let e = va.checkpoint(None).await.unwrap_err();
-    assert!(matches!(e, Error::Catalog(CatalogError::Fenced { .. })), "{e}");
+    assert!(
+        matches!(e, Error::Catalog(CatalogError::Fenced { .. })),
+        "{e}"
+    );
     let head_after = c.catalog.get_workspace(TENANT, "f").await.unwrap();
     assert_eq!(head_before.head_version, head_after.head_version);
-    assert!(matches!(va.write(8192, &tagged(3, 2), false).await, Err(Error::Unavailable(..))));
-    assert_eq!(tag_of(&vb.read(8192, 4096).await.unwrap(), 2), Some(0), "a's write never reached b");
+    assert!(matches!(
+        va.write(8192, &tagged(3, 2), false).await,
+        Err(Error::Unavailable(..))
+    ));
+    assert_eq!(
+        tag_of(&vb.read(8192, 4096).await.unwrap(), 2),
+        Some(0),
+        "a's write never reached b"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -168,7 +235,15 @@ async fn corrupt_objects_and_manifests_are_errors_not_data() {
     use object_store::{ObjectStoreExt, PutPayload};
     let c = Cluster::new().await;
     let a = c.node("a");
-    a.create_workspace(TENANT, "x", Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    a.create_workspace(
+        TENANT,
+        "x",
+        Source::Empty { size: DISK },
+        Mode::Durable,
+        None,
+    )
+    .await
+    .unwrap();
     let v = a.attach(TENANT, "x").await.unwrap();
     v.write(0, &vec![0xab; 65536], false).await.unwrap();
     let p = a.checkpoint(TENANT, "x", None).await.unwrap();
@@ -176,21 +251,50 @@ async fn corrupt_objects_and_manifests_are_errors_not_data() {
     let m = c.store.get_manifest(TENANT, &p.manifest).await.unwrap();
     let obj = m.objects[0];
     let key = strata_store::Store::object_key(TENANT, &obj.id);
-    let mut raw = c.store.inner().get(&key).await.unwrap().bytes().await.unwrap().to_vec();
+    let mut raw = c
+        .store
+        .inner()
+        .get(&key)
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap()
+        .to_vec();
     raw[100] ^= 1;
-    c.store.inner().put(&key, PutPayload::from(raw)).await.unwrap();
+    c.store
+        .inner()
+        .put(&key, PutPayload::from(raw))
+        .await
+        .unwrap();
     // A node with a cold cache must refuse to serve the corrupted range.
     let b = c.node("b");
     let vb = b.attach(TENANT, "x").await.unwrap();
     let e = vb.read(0, 4096).await.unwrap_err();
-    assert!(matches!(e, Error::Store(strata_store::StoreError::Corrupt(_))), "{e}");
+    assert!(
+        matches!(e, Error::Store(strata_store::StoreError::Corrupt(_))),
+        "{e}"
+    );
     b.detach(TENANT, "x").await.unwrap();
     // A corrupt manifest is refused at attach.
     let mkey = strata_store::Store::manifest_key(TENANT, &p.manifest);
-    let mut mraw = c.store.inner().get(&mkey).await.unwrap().bytes().await.unwrap().to_vec();
+    let mut mraw = c
+        .store
+        .inner()
+        .get(&mkey)
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap()
+        .to_vec();
     let n = mraw.len();
     mraw[n - 40] ^= 1;
-    c.store.inner().put(&mkey, PutPayload::from(mraw)).await.unwrap();
+    c.store
+        .inner()
+        .put(&mkey, PutPayload::from(mraw))
+        .await
+        .unwrap();
     let e = c.node("c").attach(TENANT, "x").await.err().unwrap();
     assert!(e.to_string().contains("manifest"), "{e}");
 }
@@ -200,22 +304,57 @@ async fn bad_requests_get_clear_errors() {
     let c = Cluster::new().await;
     let a = c.node("a");
     for bad in ["../x", "a/b", "a\0b", &"x".repeat(300), ""] {
-        let e = a.create_workspace(TENANT, bad, Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap_err();
+        let e = a
+            .create_workspace(
+                TENANT,
+                bad,
+                Source::Empty { size: DISK },
+                Mode::Durable,
+                None,
+            )
+            .await
+            .unwrap_err();
         assert!(e.to_string().contains("workspace name"), "{e}");
     }
-    a.create_workspace(TENANT, "ok", Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    a.create_workspace(
+        TENANT,
+        "ok",
+        Source::Empty { size: DISK },
+        Mode::Durable,
+        None,
+    )
+    .await
+    .unwrap();
     let v = a.attach(TENANT, "ok").await.unwrap();
-    assert!(matches!(v.write(DISK - 10, &[1; 20], false).await, Err(Error::OutOfRange { .. })));
-    assert!(matches!(v.read(u64::MAX - 5, 10).await, Err(Error::OutOfRange { .. })));
+    assert!(matches!(
+        v.write(DISK - 10, &[1; 20], false).await,
+        Err(Error::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        v.read(u64::MAX - 5, 10).await,
+        Err(Error::OutOfRange { .. })
+    ));
     assert!(a.workspace("other", "ok").await.unwrap_err().is_not_found());
-    assert!(a.fork(TENANT, "nope", None, "n2", None).await.unwrap_err().is_not_found());
+    assert!(a
+        .fork(TENANT, "nope", None, "n2", None)
+        .await
+        .unwrap_err()
+        .is_not_found());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn truncated_journal_recovers_a_clean_prefix() {
     let c = Cluster::new().await;
     let a = c.node("a");
-    a.create_workspace(TENANT, "t", Source::Empty { size: DISK }, Mode::Durable, None).await.unwrap();
+    a.create_workspace(
+        TENANT,
+        "t",
+        Source::Empty { size: DISK },
+        Mode::Durable,
+        None,
+    )
+    .await
+    .unwrap();
     let v = a.attach(TENANT, "t").await.unwrap();
     v.write(0, &tagged(1, 0), false).await.unwrap();
     v.flush().await.unwrap();
@@ -224,9 +363,16 @@ async fn truncated_journal_recovers_a_clean_prefix() {
     drop(v);
     // Chop the last record in half, as a torn write would.
     let jdir = c.path("a/volumes/acme/t/journal");
-    let mut segs: Vec<_> = std::fs::read_dir(&jdir).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut segs: Vec<_> = std::fs::read_dir(&jdir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     segs.sort();
-    let seg = segs.iter().rev().find(|p| std::fs::metadata(p).unwrap().len() > 0).unwrap();
+    let seg = segs
+        .iter()
+        .rev()
+        .find(|p| std::fs::metadata(p).unwrap().len() > 0)
+        .unwrap();
     let len = std::fs::metadata(seg).unwrap().len();
     let f = std::fs::OpenOptions::new().write(true).open(seg).unwrap();
     f.set_len(len - 2000).unwrap();
@@ -234,7 +380,11 @@ async fn truncated_journal_recovers_a_clean_prefix() {
     let v = a2.attach(TENANT, "t").await.unwrap();
     let img = v.read(0, 8192).await.unwrap();
     assert_eq!(tag_of(&img[..4096], 0), Some(1));
-    assert_eq!(tag_of(&img[4096..], 1), Some(0), "the torn record is dropped, not half-applied");
+    assert_eq!(
+        tag_of(&img[4096..], 1),
+        Some(0),
+        "the torn record is dropped, not half-applied"
+    );
     v.write(4096, &tagged(3, 1), true).await.unwrap();
     assert_eq!(tag_of(&v.read(4096, 4096).await.unwrap(), 1), Some(3));
 }

@@ -10,23 +10,37 @@ use common::*;
 use strata_engine::{Mode, Source};
 
 fn have(tool: &str) -> bool {
-    Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().is_ok_and(|o| o.status.success())
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .output()
+        .is_ok_and(|o| o.status.success())
 }
 
 fn make_tree(root: &Path) {
     std::fs::create_dir_all(root.join("src/deep/er")).unwrap();
     for i in 0..50u32 {
-        let body: Vec<u8> = (0..(i * 997 + 13)).map(|j| (j.wrapping_mul(31) ^ i) as u8).collect();
+        let body: Vec<u8> = (0..(i * 997 + 13))
+            .map(|j| (j.wrapping_mul(31) ^ i) as u8)
+            .collect();
         std::fs::write(root.join(format!("src/file{i}.bin")), body).unwrap();
     }
-    std::fs::write(root.join("src/deep/er/notes.txt"), "agents were here\n".repeat(1000)).unwrap();
+    std::fs::write(
+        root.join("src/deep/er/notes.txt"),
+        "agents were here\n".repeat(1000),
+    )
+    .unwrap();
     std::fs::write(root.join("empty"), b"").unwrap();
     std::os::unix::fs::symlink("src/deep/er/notes.txt", root.join("link")).unwrap();
 }
 
 fn run(cmd: &mut Command) -> String {
     let out = cmd.output().unwrap();
-    assert!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -35,11 +49,16 @@ fn assert_same_files(img: &Path, src: &Path, scratch: &Path) {
     run(Command::new("e2fsck").args(["-f", "-n"]).arg(img));
     let out = scratch.join("rdump");
     std::fs::create_dir_all(&out).unwrap();
-    run(Command::new("debugfs").arg("-R").arg(format!("rdump / {}", out.display())).arg(img));
-    let sum = |dir: &Path| run(Command::new("sh").arg("-c").arg(format!(
+    run(Command::new("debugfs")
+        .arg("-R")
+        .arg(format!("rdump / {}", out.display()))
+        .arg(img));
+    let sum = |dir: &Path| {
+        run(Command::new("sh").arg("-c").arg(format!(
         "cd {} && find . -path ./lost+found -prune -o -type f -print | LC_ALL=C sort | xargs -d '\\n' sha256sum",
         dir.display()
-    )));
+    )))
+    };
     assert_eq!(sum(&out), sum(src));
     assert_eq!(
         std::fs::read_link(out.join("link")).unwrap(),
@@ -56,10 +75,25 @@ async fn template_from_directory_restores_on_another_node() {
     let tree = c.path("tree");
     make_tree(&tree);
     let a = c.node("a");
-    let t = a.build_template_from_dir(TENANT, "base", &tree, Some(64 << 20), &|_, _| {}).await.unwrap();
+    let t = a
+        .build_template_from_dir(TENANT, "base", &tree, Some(64 << 20), &|_, _| {})
+        .await
+        .unwrap();
     assert_eq!(t.disk_size, 64 << 20);
-    assert!(t.stored_bytes < 16 << 20, "zero blocks must store nothing (stored {})", t.stored_bytes);
-    a.create_workspace(TENANT, "w", Source::Template("base".into()), Mode::Durable, None).await.unwrap();
+    assert!(
+        t.stored_bytes < 16 << 20,
+        "zero blocks must store nothing (stored {})",
+        t.stored_bytes
+    );
+    a.create_workspace(
+        TENANT,
+        "w",
+        Source::Template("base".into()),
+        Mode::Durable,
+        None,
+    )
+    .await
+    .unwrap();
     // Another node with nothing local restores the workspace from the catalog and store alone.
     let b = c.node("b");
     let img = c.path("w.raw");
@@ -68,22 +102,46 @@ async fn template_from_directory_restores_on_another_node() {
 
     // Same content again: every chunk object is shared, nothing new is stored.
     let objs_before = count_objects(&c.path("objects"));
-    a.build_template_from_image(TENANT, "again", &img, &|_, _| {}).await.unwrap();
-    assert_eq!(count_objects(&c.path("objects")), objs_before, "same content: same objects and the same manifest");
+    a.build_template_from_image(TENANT, "again", &img, &|_, _| {})
+        .await
+        .unwrap();
+    assert_eq!(
+        count_objects(&c.path("objects")),
+        objs_before,
+        "same content: same objects and the same manifest"
+    );
 
     // A qcow2 image of the same disk imports to the same bytes.
     if have("qemu-img") {
         let q = c.path("w.qcow2");
-        run(Command::new("qemu-img").args(["convert", "-O", "qcow2"]).arg(&img).arg(&q));
-        let tq = a.build_template_from_image(TENANT, "fromq", &q, &|_, _| {}).await.unwrap();
+        run(Command::new("qemu-img")
+            .args(["convert", "-O", "qcow2"])
+            .arg(&img)
+            .arg(&q));
+        let tq = a
+            .build_template_from_image(TENANT, "fromq", &q, &|_, _| {})
+            .await
+            .unwrap();
         let t2 = a.catalog().get_template(TENANT, "again").await.unwrap();
-        assert_eq!(tq.manifest, t2.manifest, "qcow2 and raw of the same disk give the same manifest");
+        assert_eq!(
+            tq.manifest, t2.manifest,
+            "qcow2 and raw of the same disk give the same manifest"
+        );
     }
 
     // Bad inputs: a missing directory, a duplicate name, a hostile name.
-    assert!(a.build_template_from_dir(TENANT, "nope", &c.path("missing"), None, &|_, _| {}).await.is_err());
-    assert!(a.build_template_from_dir(TENANT, "base", &tree, None, &|_, _| {}).await.is_err());
-    assert!(a.build_template_from_dir(TENANT, "../x", &tree, None, &|_, _| {}).await.is_err());
+    assert!(a
+        .build_template_from_dir(TENANT, "nope", &c.path("missing"), None, &|_, _| {})
+        .await
+        .is_err());
+    assert!(a
+        .build_template_from_dir(TENANT, "base", &tree, None, &|_, _| {})
+        .await
+        .is_err());
+    assert!(a
+        .build_template_from_dir(TENANT, "../x", &tree, None, &|_, _| {})
+        .await
+        .is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,15 +150,32 @@ async fn workspace_writes_on_a_template_survive_restore() {
     let tree = c.path("tree");
     make_tree(&tree);
     let a = c.node("a");
-    a.build_template_from_dir(TENANT, "base", &tree, None, &|_, _| {}).await.unwrap();
-    a.create_workspace(TENANT, "w", Source::Template("base".into()), Mode::Durable, None).await.unwrap();
+    a.build_template_from_dir(TENANT, "base", &tree, None, &|_, _| {})
+        .await
+        .unwrap();
+    a.create_workspace(
+        TENANT,
+        "w",
+        Source::Template("base".into()),
+        Mode::Durable,
+        None,
+    )
+    .await
+    .unwrap();
     let v = a.attach(TENANT, "w").await.unwrap();
     // Overwrite part of the disk after the superblock, checkpoint, fork, compare.
     let before = v.read(0, v.size()).await.unwrap();
-    v.write(40 << 20, &vec![0x5a; 1 << 20], false).await.unwrap();
-    let p = a.checkpoint(TENANT, "w", Some("edited".into())).await.unwrap();
+    v.write(40 << 20, &vec![0x5a; 1 << 20], false)
+        .await
+        .unwrap();
+    let p = a
+        .checkpoint(TENANT, "w", Some("edited".into()))
+        .await
+        .unwrap();
     assert!(p.bytes_uploaded >= 1 << 20);
-    a.fork(TENANT, "w", Some(p.version), "w2", None).await.unwrap();
+    a.fork(TENANT, "w", Some(p.version), "w2", None)
+        .await
+        .unwrap();
     let out = c.path("w2.raw");
     c.node("b").export(TENANT, "w2", None, &out).await.unwrap();
     let img = std::fs::read(&out).unwrap();
@@ -110,6 +185,10 @@ async fn workspace_writes_on_a_template_survive_restore() {
 }
 
 fn count_objects(dir: &Path) -> usize {
-    let out = Command::new("sh").arg("-c").arg(format!("find {} -type f | wc -l", dir.display())).output().unwrap();
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!("find {} -type f | wc -l", dir.display()))
+        .output()
+        .unwrap();
     String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
 }

@@ -44,7 +44,10 @@ impl FromStr for Hash {
         let nib = |c: u8| match c {
             b'0'..=b'9' => Ok(c - b'0'),
             b'a'..=b'f' => Ok(c - b'a' + 10),
-            _ => Err(crate::Error::invalid("hash", "expected lowercase hex digits")),
+            _ => Err(crate::Error::invalid(
+                "hash",
+                "expected lowercase hex digits",
+            )),
         };
         let mut out = [0u8; 32];
         for (i, o) in out.iter_mut().enumerate() {

@@ -54,7 +54,11 @@ fn check(head: &[u8], payload: &[u8]) -> [u8; 8] {
 pub fn encode(kind: Kind, seq: u64, lba: u64, nblocks: u32, payload: &[u8]) -> Vec<u8> {
     debug_assert_eq!(
         payload.len() as u64,
-        if kind == Kind::Write { nblocks as u64 * BLOCK_SIZE } else { 0 }
+        if kind == Kind::Write {
+            nblocks as u64 * BLOCK_SIZE
+        } else {
+            0
+        }
     );
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
     out.extend_from_slice(&MAGIC.to_le_bytes());

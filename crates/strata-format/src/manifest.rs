@@ -99,7 +99,10 @@ impl Manifest {
     pub fn validate(&self) -> Result<(), Error> {
         const W: &str = "manifest";
         if self.disk_size % BLOCK_SIZE != 0 || self.disk_size == 0 {
-            return Err(Error::invalid(W, "disk size must be a non-zero multiple of 4096"));
+            return Err(Error::invalid(
+                W,
+                "disk size must be a non-zero multiple of 4096",
+            ));
         }
         if self.disk_size > MAX_DISK_SIZE {
             return Err(Error::invalid(W, "disk size above 1 PiB"));
@@ -190,7 +193,10 @@ impl Manifest {
         }
         let block_size = r.u32()?;
         if block_size as u64 != BLOCK_SIZE {
-            return Err(Error::invalid(W, format!("block size {block_size} is not 4096")));
+            return Err(Error::invalid(
+                W,
+                format!("block size {block_size} is not 4096"),
+            ));
         }
         let disk_size = r.u64()?;
         let n_objects = r.u32()? as u64;
@@ -243,17 +249,29 @@ impl Manifest {
             match self.extents.get(i) {
                 Some(e) if e.lba < end => {
                     if e.lba > cur {
-                        out.push(Piece { lba: cur, len: e.lba - cur, at: None });
+                        out.push(Piece {
+                            lba: cur,
+                            len: e.lba - cur,
+                            at: None,
+                        });
                         cur = e.lba;
                     }
                     let stop = e.end().min(end);
                     let off = e.offset + (cur - e.lba) * BLOCK_SIZE;
-                    out.push(Piece { lba: cur, len: stop - cur, at: Some((e.object, off)) });
+                    out.push(Piece {
+                        lba: cur,
+                        len: stop - cur,
+                        at: Some((e.object, off)),
+                    });
                     cur = stop;
                     i += 1;
                 }
                 _ => {
-                    out.push(Piece { lba: cur, len: end - cur, at: None });
+                    out.push(Piece {
+                        lba: cur,
+                        len: end - cur,
+                        at: None,
+                    });
                     cur = end;
                 }
             }
@@ -309,7 +327,11 @@ impl Manifest {
                             offset: e.offset + (cur - e.lba) * BLOCK_SIZE,
                         },
                     );
-                    base_cur = if stop < e.end() { Some((e, stop)) } else { None };
+                    base_cur = if stop < e.end() {
+                        Some((e, stop))
+                    } else {
+                        None
+                    };
                 }
                 (_, Some(c)) => {
                     if c.len == 0 || c.lba + c.len > self.disk_blocks() {
@@ -321,7 +343,15 @@ impl Manifest {
                         let obj = intern(o);
                         while lba < c.lba + c.len {
                             let n = (c.lba + c.len - lba).min(MAX_EXTENT_BLOCKS);
-                            push(&mut out, Extent { lba, len: n as u32, object: obj, offset: off });
+                            push(
+                                &mut out,
+                                Extent {
+                                    lba,
+                                    len: n as u32,
+                                    object: obj,
+                                    offset: off,
+                                },
+                            );
                             lba += n;
                             off += n * BLOCK_SIZE;
                         }
@@ -329,9 +359,16 @@ impl Manifest {
                     // Skip base blocks under the change.
                     let cend = c.lba + c.len;
                     if let Some((e, cur)) = base_cur {
-                        base_cur = if e.end() > cend { Some((e, cur.max(cend))) } else { None };
+                        base_cur = if e.end() > cend {
+                            Some((e, cur.max(cend)))
+                        } else {
+                            None
+                        };
                     }
-                    while base_cur.is_none() && bi < self.extents.len() && self.extents[bi].lba < cend {
+                    while base_cur.is_none()
+                        && bi < self.extents.len()
+                        && self.extents[bi].lba < cend
+                    {
                         let e = self.extents[bi];
                         bi += 1;
                         if e.end() > cend {
@@ -340,7 +377,10 @@ impl Manifest {
                     }
                     if let Some(next) = changes.get(ci + 1) {
                         if next.lba < cend {
-                            return Err(Error::invalid("manifest change", "changes overlap or are unsorted"));
+                            return Err(Error::invalid(
+                                "manifest change",
+                                "changes overlap or are unsorted",
+                            ));
                         }
                     }
                     ci += 1;

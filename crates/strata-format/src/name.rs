@@ -41,7 +41,10 @@ pub fn validate_label(label: &str) -> Result<(), Error> {
         return Err(Error::invalid("label", "must be 1 to 200 characters"));
     }
     if label.chars().any(|c| c.is_control()) {
-        return Err(Error::invalid("label", "must not contain control characters"));
+        return Err(Error::invalid(
+            "label",
+            "must not contain control characters",
+        ));
     }
     Ok(())
 }
@@ -53,7 +56,18 @@ mod tests {
     #[test]
     fn hostile_names_are_refused() {
         for bad in [
-            "", "..", ".", "../x", "a/b", "a\0b", "a\nb", " a", "a b", "-x", ".hidden", "é",
+            "",
+            "..",
+            ".",
+            "../x",
+            "a/b",
+            "a\0b",
+            "a\nb",
+            " a",
+            "a b",
+            "-x",
+            ".hidden",
+            "é",
             &"x".repeat(64),
         ] {
             assert!(validate("name", bad).is_err(), "{bad:?} accepted");

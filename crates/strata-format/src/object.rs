@@ -113,7 +113,10 @@ impl FrameTable {
         for frame in data.chunks(FRAME_SIZE as usize) {
             let full = (self.data_len - i as u64 * FRAME_SIZE as u64).min(FRAME_SIZE as u64);
             if frame.len() as u64 != full {
-                return Err(Error::invalid(WHAT, "range does not end on a frame boundary"));
+                return Err(Error::invalid(
+                    WHAT,
+                    "range does not end on a frame boundary",
+                ));
             }
             if blake3::hash(frame).as_bytes() != &self.hashes[i] {
                 return Err(Error::Checksum { what: WHAT });
@@ -134,17 +137,27 @@ mod tests {
 
     #[test]
     fn encode_verify_round_trip() {
-        let data: Vec<u8> = (0..(FRAME_SIZE as usize * 2 + 100)).map(|i| i as u8).collect();
+        let data: Vec<u8> = (0..(FRAME_SIZE as usize * 2 + 100))
+            .map(|i| i as u8)
+            .collect();
         let (id, obj) = encode(&data);
-        let ft = FrameTable::decode(&id, data.len() as u64, trailer(&obj, data.len() as u64)).unwrap();
+        let ft =
+            FrameTable::decode(&id, data.len() as u64, trailer(&obj, data.len() as u64)).unwrap();
         assert_eq!(ft.n_frames(), 3);
         ft.verify(0, &data).unwrap();
         ft.verify(1, &data[FRAME_SIZE as usize..]).unwrap();
         ft.verify(2, &data[2 * FRAME_SIZE as usize..]).unwrap();
         let mut bad = data.clone();
         bad[FRAME_SIZE as usize + 5] ^= 1;
-        assert_eq!(ft.verify(1, &bad[FRAME_SIZE as usize..]), Err(Error::Checksum { what: "object frame" }));
-        assert!(ft.verify(1, &data[FRAME_SIZE as usize..FRAME_SIZE as usize + 10]).is_err());
+        assert_eq!(
+            ft.verify(1, &bad[FRAME_SIZE as usize..]),
+            Err(Error::Checksum {
+                what: "object frame"
+            })
+        );
+        assert!(ft
+            .verify(1, &data[FRAME_SIZE as usize..FRAME_SIZE as usize + 10])
+            .is_err());
     }
 
     #[test]
@@ -163,7 +176,10 @@ mod tests {
         let (id, mut obj) = encode(&[7u8; 1000]);
         let n = obj.len();
         obj[n - 10] ^= 0xff;
-        assert!(matches!(FrameTable::decode(&id, 1000, &obj[1000..]), Err(Error::Checksum { .. })));
+        assert!(matches!(
+            FrameTable::decode(&id, 1000, &obj[1000..]),
+            Err(Error::Checksum { .. })
+        ));
         assert!(FrameTable::decode(&id, 1000, &obj[1001..]).is_err());
     }
 
@@ -173,7 +189,10 @@ mod tests {
         let (id, obj) = encode(b"strata");
         assert_eq!(obj.len(), 6 + 32 + 32);
         assert_eq!(&obj[38..46], b"STRATAOB");
-        assert_eq!(id.to_hex(), "9ae761c889b28a28fc9df9ce5c560b1101a51f1a36ecac1cdfa60a3f65460dd8");
+        assert_eq!(
+            id.to_hex(),
+            "9ae761c889b28a28fc9df9ce5c560b1101a51f1a36ecac1cdfa60a3f65460dd8"
+        );
         assert_eq!(&obj[6..38], blake3::hash(b"strata").as_bytes());
     }
 }

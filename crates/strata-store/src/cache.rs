@@ -77,9 +77,9 @@ impl NodeCache {
                 for f in std::fs::read_dir(sub?.path())? {
                     let f = f?;
                     let name = f.file_name().to_string_lossy().into_owned();
-                    let parsed = name.split_once('.').and_then(|(h, u)| {
-                        Some((h.parse::<Hash>().ok()?, u.parse::<u64>().ok()?))
-                    });
+                    let parsed = name
+                        .split_once('.')
+                        .and_then(|(h, u)| Some((h.parse::<Hash>().ok()?, u.parse::<u64>().ok()?)));
                     match parsed {
                         Some((id, unit)) => found.push((
                             Key {
@@ -178,7 +178,10 @@ impl NodeCache {
             return;
         }
         let n = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
-        let tmp = self.dir.join("tmp").join(format!("{}.{n}", std::process::id()));
+        let tmp = self
+            .dir
+            .join("tmp")
+            .join(format!("{}.{n}", std::process::id()));
         let path = self.path(k);
         let res = (|| {
             std::fs::write(&tmp, data)?;
@@ -218,7 +221,9 @@ impl NodeCache {
         {
             let mut ix = self.lock();
             while ix.used > self.capacity {
-                let Some((_, k)) = ix.lru.pop_first() else { break };
+                let Some((_, k)) = ix.lru.pop_first() else {
+                    break;
+                };
                 if let Some(e) = ix.map.remove(&k) {
                     ix.used -= e.len;
                 }

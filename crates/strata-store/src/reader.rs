@@ -131,7 +131,8 @@ impl ObjectReader {
                 id: r.id,
                 unit: u,
             };
-            self.cache.insert(&key, &data[(u * self.unit) as usize..end as usize]);
+            self.cache
+                .insert(&key, &data[(u * self.unit) as usize..end as usize]);
             u += 1;
         }
         Ok(r)
@@ -248,7 +249,9 @@ impl ObjectReader {
                     return Ok::<_, StoreError>((a, Bytes::from(v)));
                 }
                 self.counters.cache_misses.fetch_add(1, Relaxed);
-                let unit = single_flight(&self.unit_flights, key.clone(), self.fetch_unit(key, *obj)).await?;
+                let unit =
+                    single_flight(&self.unit_flights, key.clone(), self.fetch_unit(key, *obj))
+                        .await?;
                 Ok((a, unit.slice((a - ustart) as usize..(b - ustart) as usize)))
             }
         }))

@@ -28,7 +28,9 @@ async fn range_reads_are_verified_and_cached() {
     assert_eq!(buf, &bytes[123_456..423_456]);
     let s = r2.stats();
     assert_eq!(s.gets, 1 + 2, "one trailer GET plus two 256 KiB units");
-    r2.read_into("t1", &obj, 200_000, &mut buf[..1000]).await.unwrap();
+    r2.read_into("t1", &obj, 200_000, &mut buf[..1000])
+        .await
+        .unwrap();
     assert_eq!(r2.stats().gets, 3, "second read is a cache hit");
     assert_eq!(&buf[..1000], &bytes[200_000..201_000]);
 }
@@ -42,16 +44,31 @@ async fn corrupt_objects_are_never_served() {
     // Flip a byte of the stored object behind strata's back.
     let store = Store::open(&format!("file:{}", d.path().join("o").display())).unwrap();
     let key: Path = Store::object_key("t1", &obj.id);
-    let mut raw = store.inner().get(&key).await.unwrap().bytes().await.unwrap().to_vec();
+    let mut raw = store
+        .inner()
+        .get(&key)
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap()
+        .to_vec();
     raw[300_000] ^= 1;
-    store.inner().put(&key, PutPayload::from(raw)).await.unwrap();
+    store
+        .inner()
+        .put(&key, PutPayload::from(raw))
+        .await
+        .unwrap();
     let r2 = reader(&d.path().join("o"), &d.path().join("c2"), 1 << 30);
     let mut buf = vec![0; 10];
     // Unit 0 is intact: reads there still work.
     r2.read_into("t1", &obj, 0, &mut buf).await.unwrap();
     // The unit holding the flipped byte is refused; nothing wrong is returned.
     let mut buf = vec![0; 4096];
-    let e = r2.read_into("t1", &obj, 299_000, &mut buf).await.unwrap_err();
+    let e = r2
+        .read_into("t1", &obj, 299_000, &mut buf)
+        .await
+        .unwrap_err();
     assert!(matches!(e, StoreError::Corrupt(_)), "{e}");
     assert!(r2.stats().verify_failures >= 2);
 }
@@ -86,7 +103,11 @@ async fn concurrent_misses_share_one_get_and_cache_is_bounded() {
     let r = reader(&d.path().join("o"), &d.path().join("c"), 1 << 30);
     let bytes = data(256 * 1024);
     let obj = r.put_object("t1", &bytes).await.unwrap();
-    let r2 = Arc::new(reader(&d.path().join("o"), &d.path().join("c2"), 300 * 1024));
+    let r2 = Arc::new(reader(
+        &d.path().join("o"),
+        &d.path().join("c2"),
+        300 * 1024,
+    ));
     let tasks: Vec<_> = (0..16)
         .map(|i| {
             let r2 = r2.clone();

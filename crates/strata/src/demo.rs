@@ -17,7 +17,9 @@ use strata_store::Store;
 const TENANT: &str = "demo";
 
 fn sh(cmd: &mut Command) -> anyhow::Result<String> {
-    let out = cmd.output().map_err(|e| anyhow::anyhow!("running {cmd:?}: {e}"))?;
+    let out = cmd
+        .output()
+        .map_err(|e| anyhow::anyhow!("running {cmd:?}: {e}"))?;
     if !out.status.success() {
         anyhow::bail!("{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     }
@@ -43,15 +45,41 @@ async fn run_in(root: &Path, json: bool) -> anyhow::Result<()> {
     let src = root.join("project");
     std::fs::create_dir_all(src.join("src"))?;
     std::fs::write(src.join("README.md"), "# a sandbox project\n")?;
-    std::fs::write(src.join("src/main.py"), "print('hello from the template')\n")?;
+    std::fs::write(
+        src.join("src/main.py"),
+        "print('hello from the template')\n",
+    )?;
     let a = Engine::open_embedded(EngineConfig::new(root.join("node-a"))).await?;
     a.ensure_tenant(TENANT).await?;
-    step(json, t, &format!("node A up: embedded catalog + object directory in {}", root.join("node-a").display()));
+    step(
+        json,
+        t,
+        &format!(
+            "node A up: embedded catalog + object directory in {}",
+            root.join("node-a").display()
+        ),
+    );
 
-    let tpl = a.build_template_from_dir(TENANT, "python-base", &src, Some(64 << 20), &|_, _| {}).await?;
-    step(json, t, &format!("template python-base built with mkfs.ext4 -d: 64 MiB disk, {} KiB stored", tpl.stored_bytes >> 10));
+    let tpl = a
+        .build_template_from_dir(TENANT, "python-base", &src, Some(64 << 20), &|_, _| {})
+        .await?;
+    step(
+        json,
+        t,
+        &format!(
+            "template python-base built with mkfs.ext4 -d: 64 MiB disk, {} KiB stored",
+            tpl.stored_bytes >> 10
+        ),
+    );
 
-    a.create_workspace(TENANT, "agent-1", Source::Template("python-base".into()), Mode::Durable, None).await?;
+    a.create_workspace(
+        TENANT,
+        "agent-1",
+        Source::Template("python-base".into()),
+        Mode::Durable,
+        None,
+    )
+    .await?;
     let vol = a.attach(TENANT, "agent-1").await?;
     step(json, t, "workspace agent-1 created (durable) and attached");
 
@@ -62,7 +90,11 @@ async fn run_in(root: &Path, json: bool) -> anyhow::Result<()> {
     std::fs::copy(&before, &after)?;
     let notes = root.join("notes.txt");
     std::fs::write(&notes, "the agent learned something worth keeping\n")?;
-    sh(Command::new("debugfs").arg("-w").arg("-R").arg(format!("write {} notes.txt", notes.display())).arg(&after))?;
+    sh(Command::new("debugfs")
+        .arg("-w")
+        .arg("-R")
+        .arg(format!("write {} notes.txt", notes.display()))
+        .arg(&after))?;
     let (b0, b1) = (std::fs::read(&before)?, std::fs::read(&after)?);
     let mut changed = 0;
     for (i, (x, y)) in b0.chunks(4096).zip(b1.chunks(4096)).enumerate() {
@@ -72,14 +104,40 @@ async fn run_in(root: &Path, json: bool) -> anyhow::Result<()> {
         }
     }
     vol.flush().await?;
-    step(json, t, &format!("sandbox wrote notes.txt: {changed} blocks written, FLUSH returned (journal fsync'd)"));
+    step(
+        json,
+        t,
+        &format!(
+            "sandbox wrote notes.txt: {changed} blocks written, FLUSH returned (journal fsync'd)"
+        ),
+    );
 
-    let cp = a.checkpoint(TENANT, "agent-1", Some("learned".into())).await?;
-    step(json, t, &format!("checkpoint v{}: {} KiB uploaded, writes stalled {:?}", cp.version, cp.bytes_uploaded >> 10, cp.stall));
+    let cp = a
+        .checkpoint(TENANT, "agent-1", Some("learned".into()))
+        .await?;
+    step(
+        json,
+        t,
+        &format!(
+            "checkpoint v{}: {} KiB uploaded, writes stalled {:?}",
+            cp.version,
+            cp.bytes_uploaded >> 10,
+            cp.stall
+        ),
+    );
 
     let f0 = Instant::now();
-    a.fork(TENANT, "agent-1", Some(cp.version), "agent-2", None).await?;
-    step(json, t, &format!("fork agent-2 from agent-1@v{} in {:?} (no data copied)", cp.version, f0.elapsed()));
+    a.fork(TENANT, "agent-1", Some(cp.version), "agent-2", None)
+        .await?;
+    step(
+        json,
+        t,
+        &format!(
+            "fork agent-2 from agent-1@v{} in {:?} (no data copied)",
+            cp.version,
+            f0.elapsed()
+        ),
+    );
 
     // Node B: another data directory sharing only the catalog and the object store.
     let catalog = Arc::new(SqliteCatalog::open(&root.join("node-a/catalog.db"))?);
@@ -93,13 +151,27 @@ async fn run_in(root: &Path, json: bool) -> anyhow::Result<()> {
     let img = vb.read(0, vb.size()).await?;
     std::fs::write(&restored, &img)?;
     b.detach(TENANT, "agent-2").await?;
-    let cat = sh(Command::new("debugfs").arg("-R").arg("cat /notes.txt").arg(&restored))?;
+    let cat = sh(Command::new("debugfs")
+        .arg("-R")
+        .arg("cat /notes.txt")
+        .arg(&restored))?;
     sh(Command::new("e2fsck").args(["-f", "-n"]).arg(&restored))?;
-    step(json, t, &format!("node B restored agent-2 from its head in {:?}; e2fsck clean; /notes.txt says: {}", r0.elapsed(), cat.trim()));
+    step(
+        json,
+        t,
+        &format!(
+            "node B restored agent-2 from its head in {:?}; e2fsck clean; /notes.txt says: {}",
+            r0.elapsed(),
+            cat.trim()
+        ),
+    );
     a.detach(TENANT, "agent-1").await?;
 
     if json {
-        println!("{}", serde_json::json!({"ok": true, "elapsed_ms": t.elapsed().as_millis() as u64, "notes": cat.trim()}));
+        println!(
+            "{}",
+            serde_json::json!({"ok": true, "elapsed_ms": t.elapsed().as_millis() as u64, "notes": cat.trim()})
+        );
     } else {
         println!("\nWhat each mode promises (docs/DURABILITY.md says how each row is tested):");
         println!("  mode       FLUSH returns when          kill -9   power loss   host lost");

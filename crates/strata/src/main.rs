@@ -15,7 +15,11 @@ use serde::Serialize;
 use strata_engine::{Engine, EngineConfig, Mode, Source};
 
 #[derive(Parser)]
-#[command(name = "strata", version, about = "Durable, forkable, object-storage-backed disks for agent sandboxes")]
+#[command(
+    name = "strata",
+    version,
+    about = "Durable, forkable, object-storage-backed disks for agent sandboxes"
+)]
 struct Cli {
     #[command(flatten)]
     global: Global,
@@ -26,7 +30,12 @@ struct Cli {
 #[derive(Args)]
 struct Global {
     /// Data directory (catalog, objects, cache, journals).
-    #[arg(long, global = true, env = "STRATA_DATA", default_value = "strata-data")]
+    #[arg(
+        long,
+        global = true,
+        env = "STRATA_DATA",
+        default_value = "strata-data"
+    )]
     data: PathBuf,
     /// Tenant to act as.
     #[arg(long, global = true, env = "STRATA_TENANT", default_value = "default")]
@@ -53,7 +62,11 @@ enum TemplateCmd {
     /// Builds a template from a directory (ext4 via mkfs.ext4 -d) or a raw/qcow2 image.
     Build {
         name: String,
-        #[arg(long, conflicts_with = "from_image", required_unless_present = "from_image")]
+        #[arg(
+            long,
+            conflicts_with = "from_image",
+            required_unless_present = "from_image"
+        )]
         from_dir: Option<PathBuf>,
         #[arg(long)]
         from_image: Option<PathBuf>,
@@ -62,8 +75,12 @@ enum TemplateCmd {
         size: Option<u64>,
     },
     List,
-    Show { name: String },
-    Delete { name: String },
+    Show {
+        name: String,
+    },
+    Delete {
+        name: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -85,19 +102,31 @@ enum WsCmd {
         ttl: Option<std::time::Duration>,
     },
     List,
-    Show { ws: String },
+    Show {
+        ws: String,
+    },
     /// The checkpoint history.
-    Log { ws: String },
+    Log {
+        ws: String,
+    },
     Checkpoint {
         ws: String,
         #[arg(long)]
         label: Option<String>,
     },
     /// Forks SRC[@VERSION] into NEW without copying data.
-    Fork { src: String, new: String },
+    Fork {
+        src: String,
+        new: String,
+    },
     /// Makes VERSION's disk the head again, as a new version.
-    Rollback { ws: String, version: u64 },
-    Delete { ws: String },
+    Rollback {
+        ws: String,
+        version: u64,
+    },
+    Delete {
+        ws: String,
+    },
     /// Writes a file's bytes into the workspace at an offset, flushes, and publishes.
     Write {
         ws: String,
@@ -106,12 +135,21 @@ enum WsCmd {
         offset: u64,
     },
     /// Writes a checkpoint's whole disk (head by default) to a raw file, from the object store.
-    Export { ws: String, out: PathBuf },
+    Export {
+        ws: String,
+        out: PathBuf,
+    },
 }
 
 fn split_at_version(s: &str) -> anyhow::Result<(String, Option<u64>)> {
     match s.split_once('@') {
-        Some((w, v)) => Ok((w.to_string(), Some(v.parse().map_err(|_| anyhow::anyhow!("bad version in {s:?}"))?))),
+        Some((w, v)) => Ok((
+            w.to_string(),
+            Some(
+                v.parse()
+                    .map_err(|_| anyhow::anyhow!("bad version in {s:?}"))?,
+            ),
+        )),
         None => Ok((s.to_string(), None)),
     }
 }
@@ -134,7 +172,11 @@ fn progress() -> impl Fn(u64, u64) + Send + Sync {
     let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     move |done, total| {
         if tty && total > 0 {
-            eprint!("\r{:>5.1}% of {}", done as f64 * 100.0 / total as f64, units::fmt_size(total));
+            eprint!(
+                "\r{:>5.1}% of {}",
+                done as f64 * 100.0 / total as f64,
+                units::fmt_size(total)
+            );
             if done >= total {
                 eprintln!();
             }
@@ -150,19 +192,43 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Template(c) => {
             let e = open(g).await?;
             match c {
-                TemplateCmd::Build { name, from_dir, from_image, size } => {
+                TemplateCmd::Build {
+                    name,
+                    from_dir,
+                    from_image,
+                    size,
+                } => {
                     let p = progress();
                     let tpl = match (from_dir, from_image) {
                         (Some(d), _) => e.build_template_from_dir(t, &name, &d, size, &p).await?,
                         (None, Some(i)) => e.build_template_from_image(t, &name, &i, &p).await?,
                         _ => anyhow::bail!("give --from-dir DIR or --from-image FILE"),
                     };
-                    print(g.json, &tpl, |t| format!("template {} built: {} disk, {} stored, manifest {}",
-                        t.name, units::fmt_size(t.disk_size), units::fmt_size(t.stored_bytes), t.manifest));
+                    print(g.json, &tpl, |t| {
+                        format!(
+                            "template {} built: {} disk, {} stored, manifest {}",
+                            t.name,
+                            units::fmt_size(t.disk_size),
+                            units::fmt_size(t.stored_bytes),
+                            t.manifest
+                        )
+                    });
                 }
                 TemplateCmd::List => {
                     let l = e.catalog().list_templates(t).await?;
-                    print(g.json, &l, |l| l.iter().map(|t| format!("{}\t{}\t{}", t.name, units::fmt_size(t.disk_size), t.manifest)).collect::<Vec<_>>().join("\n"));
+                    print(g.json, &l, |l| {
+                        l.iter()
+                            .map(|t| {
+                                format!(
+                                    "{}\t{}\t{}",
+                                    t.name,
+                                    units::fmt_size(t.disk_size),
+                                    t.manifest
+                                )
+                            })
+                            .collect::<Vec<_>>()
+                            .join("\n")
+                    });
                 }
                 TemplateCmd::Show { name } => {
                     let tpl = e.catalog().get_template(t, &name).await?;
@@ -170,57 +236,126 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
                 TemplateCmd::Delete { name } => {
                     e.catalog().delete_template(t, &name).await?;
-                    print(g.json, &serde_json::json!({"deleted": name}), |_| format!("template {name} deleted"));
+                    print(g.json, &serde_json::json!({"deleted": name}), |_| {
+                        format!("template {name} deleted")
+                    });
                 }
             }
         }
         Cmd::Ws(c) => {
             let e = open(g).await?;
             match c {
-                WsCmd::Create { ws, template, from, size, mode, ttl } => {
+                WsCmd::Create {
+                    ws,
+                    template,
+                    from,
+                    size,
+                    mode,
+                    ttl,
+                } => {
                     let source = match (template, from, size) {
                         (Some(tpl), _, _) => Source::Template(tpl),
                         (_, Some(f), _) => {
                             let (w, v) = split_at_version(&f)?;
-                            Source::Checkpoint { workspace: w, version: v }
+                            Source::Checkpoint {
+                                workspace: w,
+                                version: v,
+                            }
                         }
                         (_, _, Some(s)) => Source::Empty { size: s },
-                        _ => anyhow::bail!("give --template NAME, --from WS[@VERSION] or --size SIZE"),
+                        _ => anyhow::bail!(
+                            "give --template NAME, --from WS[@VERSION] or --size SIZE"
+                        ),
                     };
                     let w = e.create_workspace(t, &ws, source, mode, ttl).await?;
-                    print(g.json, &w, |w| format!("workspace {} created ({} mode, {}, from {})", w.name, w.mode, units::fmt_size(w.disk_size), w.source));
+                    print(g.json, &w, |w| {
+                        format!(
+                            "workspace {} created ({} mode, {}, from {})",
+                            w.name,
+                            w.mode,
+                            units::fmt_size(w.disk_size),
+                            w.source
+                        )
+                    });
                 }
                 WsCmd::List => {
                     let l = e.list_workspaces(t).await?;
-                    print(g.json, &l, |l| l.iter().map(|w| format!("{}\t{}\tv{}\t{}", w.name, w.mode, w.head_version, units::fmt_size(w.disk_size))).collect::<Vec<_>>().join("\n"));
+                    print(g.json, &l, |l| {
+                        l.iter()
+                            .map(|w| {
+                                format!(
+                                    "{}\t{}\tv{}\t{}",
+                                    w.name,
+                                    w.mode,
+                                    w.head_version,
+                                    units::fmt_size(w.disk_size)
+                                )
+                            })
+                            .collect::<Vec<_>>()
+                            .join("\n")
+                    });
                 }
                 WsCmd::Show { ws } => {
                     let w = e.workspace(t, &ws).await?;
                     let lease = e.catalog().get_lease(t, &ws).await?;
                     let v = serde_json::json!({"workspace": w, "lease": lease});
-                    print(g.json, &v, |v| serde_json::to_string_pretty(v).unwrap_or_default());
+                    print(g.json, &v, |v| {
+                        serde_json::to_string_pretty(v).unwrap_or_default()
+                    });
                 }
                 WsCmd::Log { ws } => {
                     let l = e.log(t, &ws).await?;
-                    print(g.json, &l, |l| l.iter().map(|c| format!("v{}\t{}\t{}\t{}", c.version, c.kind.as_str(), units::fmt_size(c.bytes), c.label.clone().unwrap_or_default())).collect::<Vec<_>>().join("\n"));
+                    print(g.json, &l, |l| {
+                        l.iter()
+                            .map(|c| {
+                                format!(
+                                    "v{}\t{}\t{}\t{}",
+                                    c.version,
+                                    c.kind.as_str(),
+                                    units::fmt_size(c.bytes),
+                                    c.label.clone().unwrap_or_default()
+                                )
+                            })
+                            .collect::<Vec<_>>()
+                            .join("\n")
+                    });
                 }
                 WsCmd::Checkpoint { ws, label } => {
                     let p = e.checkpoint(t, &ws, label).await?;
-                    print(g.json, &p, |p| format!("checkpoint v{} ({} uploaded, stall {:?}, total {:?})", p.version, units::fmt_size(p.bytes_uploaded), p.stall, p.total));
+                    print(g.json, &p, |p| {
+                        format!(
+                            "checkpoint v{} ({} uploaded, stall {:?}, total {:?})",
+                            p.version,
+                            units::fmt_size(p.bytes_uploaded),
+                            p.stall,
+                            p.total
+                        )
+                    });
                 }
                 WsCmd::Fork { src, new } => {
                     let (s, v) = split_at_version(&src)?;
                     let start = Instant::now();
                     let w = e.fork(t, &s, v, &new, None).await?;
-                    print(g.json, &w, |w| format!("forked {} from {} in {:?}", w.name, w.source, start.elapsed()));
+                    print(g.json, &w, |w| {
+                        format!(
+                            "forked {} from {} in {:?}",
+                            w.name,
+                            w.source,
+                            start.elapsed()
+                        )
+                    });
                 }
                 WsCmd::Rollback { ws, version } => {
                     let p = e.rollback(t, &ws, version).await?;
-                    print(g.json, &p, |p| format!("{ws} rolled back to v{version}: now v{}", p.version));
+                    print(g.json, &p, |p| {
+                        format!("{ws} rolled back to v{version}: now v{}", p.version)
+                    });
                 }
                 WsCmd::Delete { ws } => {
                     e.delete_workspace(t, &ws).await?;
-                    print(g.json, &serde_json::json!({"deleted": ws}), |_| format!("workspace {ws} deleted"));
+                    print(g.json, &serde_json::json!({"deleted": ws}), |_| {
+                        format!("workspace {ws} deleted")
+                    });
                 }
                 WsCmd::Write { ws, file, offset } => {
                     let data = std::fs::read(&file)?;
@@ -228,12 +363,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     v.write(offset, &data, false).await?;
                     v.flush().await?;
                     let p = e.detach(t, &ws).await?;
-                    print(g.json, &p, |p| format!("wrote {} at {offset}; head v{}", units::fmt_size(data.len() as u64), p.as_ref().map_or(0, |p| p.version)));
+                    print(g.json, &p, |p| {
+                        format!(
+                            "wrote {} at {offset}; head v{}",
+                            units::fmt_size(data.len() as u64),
+                            p.as_ref().map_or(0, |p| p.version)
+                        )
+                    });
                 }
                 WsCmd::Export { ws, out } => {
                     let (w, v) = split_at_version(&ws)?;
                     let n = e.export(t, &w, v, &out).await?;
-                    print(g.json, &serde_json::json!({"bytes": n, "out": out}), |_| format!("exported {} to {}", units::fmt_size(n), out.display()));
+                    print(g.json, &serde_json::json!({"bytes": n, "out": out}), |_| {
+                        format!("exported {} to {}", units::fmt_size(n), out.display())
+                    });
                 }
             }
         }
@@ -246,10 +389,16 @@ mod demo;
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("strata: cannot start runtime: {e}");
@@ -262,7 +411,11 @@ fn main() -> std::process::ExitCode {
             eprintln!("strata: {e:#}");
             // 2: bad request or not found (fix the command); 1: anything else (may retry).
             let code = match e.downcast_ref::<strata_engine::Error>() {
-                Some(strata_engine::Error::Invalid(_) | strata_engine::Error::Format(_) | strata_engine::Error::OutOfRange { .. }) => 2,
+                Some(
+                    strata_engine::Error::Invalid(_)
+                    | strata_engine::Error::Format(_)
+                    | strata_engine::Error::OutOfRange { .. },
+                ) => 2,
                 Some(err) if err.is_not_found() => 2,
                 _ => 1,
             };

@@ -6,23 +6,33 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("bad size {s:?}: expected e.g. 4GiB, 512MiB, 1048576"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("bad size {s:?}: expected e.g. 4GiB, 512MiB, 1048576"))?;
     let mul: u64 = match unit {
         "" | "B" => 1,
         "K" | "KiB" => 1 << 10,
         "M" | "MiB" => 1 << 20,
         "G" | "GiB" => 1 << 30,
         "T" | "TiB" => 1 << 40,
-        _ => return Err(format!("bad size unit {unit:?}: use B, KiB, MiB, GiB or TiB")),
+        _ => {
+            return Err(format!(
+                "bad size unit {unit:?}: use B, KiB, MiB, GiB or TiB"
+            ))
+        }
     };
-    n.checked_mul(mul).filter(|&v| v > 0).ok_or_else(|| format!("size {s:?} is zero or too large"))
+    n.checked_mul(mul)
+        .filter(|&v| v > 0)
+        .ok_or_else(|| format!("size {s:?} is zero or too large"))
 }
 
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("bad duration {s:?}: expected e.g. 60s, 10m, 2h"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("bad duration {s:?}: expected e.g. 60s, 10m, 2h"))?;
     let secs = match unit {
         "ms" => return Ok(Duration::from_millis(n)),
         "s" | "" => n,
@@ -42,7 +52,11 @@ pub fn fmt_size(n: u64) -> String {
         v /= 1024.0;
         i += 1;
     }
-    if i == 0 { format!("{n} B") } else { format!("{v:.1} {}", U[i]) }
+    if i == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
 }
 
 #[cfg(test)]

@@ -21,7 +21,10 @@ fn demo_runs() {
     let d = tempfile::tempdir().unwrap();
     let (code, out, err) = strata(d.path(), &["demo", "--json"]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("the agent learned something worth keeping"), "{out}");
+    assert!(
+        out.contains("the agent learned something worth keeping"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -32,9 +35,15 @@ fn lifecycle_through_the_cli() {
     assert_eq!(c, 0, "{e}");
     let f = d.path().join("payload");
     std::fs::write(&f, vec![7u8; 8192]).unwrap();
-    let (c, _, e) = strata(&data, &["ws", "write", "w", f.to_str().unwrap(), "--offset", "4096"]);
+    let (c, _, e) = strata(
+        &data,
+        &["ws", "write", "w", f.to_str().unwrap(), "--offset", "4096"],
+    );
     assert_eq!(c, 0, "{e}");
-    let (c, out, e) = strata(&data, &["--json", "ws", "checkpoint", "w", "--label", "first"]);
+    let (c, out, e) = strata(
+        &data,
+        &["--json", "ws", "checkpoint", "w", "--label", "first"],
+    );
     assert_eq!(c, 0, "{e}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let version = v["version"].as_u64().unwrap();

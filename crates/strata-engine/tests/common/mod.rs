@@ -22,7 +22,9 @@ pub struct Cluster {
 fn scratch() -> tempfile::TempDir {
     // Prefer memory-backed scratch space: the catalog fsyncs every commit.
     match std::fs::metadata("/dev/shm") {
-        Ok(m) if m.is_dir() => tempfile::tempdir_in("/dev/shm").unwrap_or_else(|_| tempfile::tempdir().unwrap()),
+        Ok(m) if m.is_dir() => {
+            tempfile::tempdir_in("/dev/shm").unwrap_or_else(|_| tempfile::tempdir().unwrap())
+        }
         _ => tempfile::tempdir().unwrap(),
     }
 }
@@ -31,10 +33,15 @@ impl Cluster {
     /// A catalog on SQLite and an object store in a local directory.
     pub async fn new() -> Cluster {
         let dir = scratch();
-        let catalog: Arc<dyn Catalog> = Arc::new(SqliteCatalog::open(&dir.path().join("catalog.db")).unwrap());
+        let catalog: Arc<dyn Catalog> =
+            Arc::new(SqliteCatalog::open(&dir.path().join("catalog.db")).unwrap());
         let store = Store::open(&format!("file:{}", dir.path().join("objects").display())).unwrap();
         catalog.create_tenant(TENANT).await.unwrap();
-        Cluster { dir, catalog, store }
+        Cluster {
+            dir,
+            catalog,
+            store,
+        }
     }
 
     pub fn config(&self, node: &str) -> EngineConfig {

@@ -19,7 +19,8 @@ fn model_of(m: &Manifest) -> Model {
     for p in pieces {
         assert_eq!(p.lba, lba, "pieces must tile the range");
         for i in 0..p.len {
-            v[(p.lba + i) as usize] = p.at.map(|(o, off)| (m.objects[o as usize].id, off + i * BLOCK_SIZE));
+            v[(p.lba + i) as usize] =
+                p.at.map(|(o, off)| (m.objects[o as usize].id, off + i * BLOCK_SIZE));
         }
         lba += p.len;
     }
@@ -33,7 +34,12 @@ fn golden_encoding_v1() {
     let m = Manifest {
         disk_size: 16 * BLOCK_SIZE,
         objects: vec![a],
-        extents: vec![Extent { lba: 2, len: 3, object: 0, offset: BLOCK_SIZE }],
+        extents: vec![Extent {
+            lba: 2,
+            len: 3,
+            object: 0,
+            offset: BLOCK_SIZE,
+        }],
     };
     let bytes = m.encode();
     assert_eq!(bytes.len(), 40 + 40 + 24 + 32);
@@ -58,13 +64,26 @@ fn corrupt_and_truncated_manifests_are_errors() {
         disk_size: 64 * BLOCK_SIZE,
         objects: vec![obj(1, 8), obj(2, 8)],
         extents: vec![
-            Extent { lba: 0, len: 8, object: 0, offset: 0 },
-            Extent { lba: 10, len: 8, object: 1, offset: 0 },
+            Extent {
+                lba: 0,
+                len: 8,
+                object: 0,
+                offset: 0,
+            },
+            Extent {
+                lba: 10,
+                len: 8,
+                object: 1,
+                offset: 0,
+            },
         ],
     };
     let bytes = m.encode();
     for cut in 0..bytes.len() {
-        assert!(Manifest::decode(&bytes[..cut]).is_err(), "truncated at {cut} accepted");
+        assert!(
+            Manifest::decode(&bytes[..cut]).is_err(),
+            "truncated at {cut} accepted"
+        );
     }
     for i in 0..bytes.len() {
         let mut b = bytes.clone();
@@ -76,28 +95,57 @@ fn corrupt_and_truncated_manifests_are_errors() {
 #[test]
 fn invalid_structures_are_refused_even_with_a_good_checksum() {
     let bad = [
-        Manifest { disk_size: 100, objects: vec![], extents: vec![] },
         Manifest {
-            disk_size: 8 * BLOCK_SIZE,
-            objects: vec![obj(1, 4)],
-            extents: vec![Extent { lba: 6, len: 4, object: 0, offset: 0 }],
+            disk_size: 100,
+            objects: vec![],
+            extents: vec![],
         },
         Manifest {
             disk_size: 8 * BLOCK_SIZE,
             objects: vec![obj(1, 4)],
-            extents: vec![Extent { lba: 0, len: 4, object: 1, offset: 0 }],
+            extents: vec![Extent {
+                lba: 6,
+                len: 4,
+                object: 0,
+                offset: 0,
+            }],
         },
         Manifest {
             disk_size: 8 * BLOCK_SIZE,
             objects: vec![obj(1, 4)],
-            extents: vec![Extent { lba: 0, len: 4, object: 0, offset: 4096 }],
+            extents: vec![Extent {
+                lba: 0,
+                len: 4,
+                object: 1,
+                offset: 0,
+            }],
+        },
+        Manifest {
+            disk_size: 8 * BLOCK_SIZE,
+            objects: vec![obj(1, 4)],
+            extents: vec![Extent {
+                lba: 0,
+                len: 4,
+                object: 0,
+                offset: 4096,
+            }],
         },
         Manifest {
             disk_size: 8 * BLOCK_SIZE,
             objects: vec![obj(1, 4)],
             extents: vec![
-                Extent { lba: 0, len: 2, object: 0, offset: 0 },
-                Extent { lba: 1, len: 2, object: 0, offset: 0 },
+                Extent {
+                    lba: 0,
+                    len: 2,
+                    object: 0,
+                    offset: 0,
+                },
+                Extent {
+                    lba: 1,
+                    len: 2,
+                    object: 0,
+                    offset: 0,
+                },
             ],
         },
     ];
