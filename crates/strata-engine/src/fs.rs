@@ -8,6 +8,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+#[allow(clippy::len_without_is_empty)]
 pub trait FsFile: Send + Sync {
     fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()>;
     /// Reads exactly `buf.len()` bytes or fails.

@@ -17,6 +17,8 @@ use crate::{Error, Result};
 pub const CHUNK_BYTES: u64 = 4 << 20;
 const IN_FLIGHT: usize = 4;
 
+type Run = (u64, u64, u64);
+
 /// Progress callback: (bytes processed, total bytes).
 pub type Progress<'a> = &'a (dyn Fn(u64, u64) + Send + Sync);
 
@@ -35,7 +37,8 @@ pub async fn import_raw(
     }
     let size = len.div_ceil(BLOCK_SIZE) * BLOCK_SIZE;
     let mut changes: Vec<Change> = Vec::new();
-    let mut pending: Vec<(u64, Vec<(u64, u64, u64)>)> = Vec::new(); // chunk -> (lba, len, off)
+    // Per uploaded chunk: its runs as (lba, blocks, offset in the chunk's object).
+    let mut pending: Vec<(u64, Vec<Run>)> = Vec::new();
     let mut uploads = FuturesUnordered::new();
     let mut done: std::collections::HashMap<u64, ObjectRef> = Default::default();
     let mut stored = 0u64;
@@ -49,7 +52,7 @@ pub async fn import_raw(
             .map_err(Error::io(format!("reading {}", path.display())))?;
         let padded = want.div_ceil(BLOCK_SIZE as usize) * BLOCK_SIZE as usize;
         let mut data = Vec::new();
-        let mut runs: Vec<(u64, u64, u64)> = Vec::new();
+        let mut runs: Vec<Run> = Vec::new();
         for (i, block) in buf[..padded].chunks(BLOCK_SIZE as usize).enumerate() {
             let block_len = block
                 .len()

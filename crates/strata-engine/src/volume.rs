@@ -528,7 +528,7 @@ impl Volume {
             let lba = offset / BLOCK_SIZE;
             let end = (offset + data.len() as u64).div_ceil(BLOCK_SIZE);
             let n = end - lba;
-            if offset % BLOCK_SIZE == 0 && data.len() as u64 % BLOCK_SIZE == 0 {
+            if offset.is_multiple_of(BLOCK_SIZE) && (data.len() as u64).is_multiple_of(BLOCK_SIZE) {
                 self.append(&mut j, Kind::Write, lba, n, data)?;
             } else {
                 let mut buf = vec![0u8; (n * BLOCK_SIZE) as usize];
@@ -538,7 +538,7 @@ impl Volume {
                         .await?;
                 }
                 let tail_block = end - 1;
-                if (offset + data.len() as u64) % BLOCK_SIZE != 0
+                if !(offset + data.len() as u64).is_multiple_of(BLOCK_SIZE)
                     && (tail_block != lba || head == 0)
                 {
                     let at = ((tail_block - lba) * BLOCK_SIZE) as usize;

@@ -98,7 +98,7 @@ impl Manifest {
     /// Checks every structural invariant; decoders call it, builders may.
     pub fn validate(&self) -> Result<(), Error> {
         const W: &str = "manifest";
-        if self.disk_size % BLOCK_SIZE != 0 || self.disk_size == 0 {
+        if !self.disk_size.is_multiple_of(BLOCK_SIZE) || self.disk_size == 0 {
             return Err(Error::invalid(
                 W,
                 "disk size must be a non-zero multiple of 4096",
@@ -125,7 +125,7 @@ impl Manifest {
             let Some(obj) = self.objects.get(e.object as usize) else {
                 return Err(Error::invalid(W, "extent names a missing object"));
             };
-            if e.offset % BLOCK_SIZE != 0 {
+            if !e.offset.is_multiple_of(BLOCK_SIZE) {
                 return Err(Error::invalid(W, "extent offset not block aligned"));
             }
             let end = e.offset.checked_add(e.len as u64 * BLOCK_SIZE);

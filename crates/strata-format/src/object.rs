@@ -109,8 +109,7 @@ impl FrameTable {
         if start >= self.data_len && !data.is_empty() || end > self.data_len {
             return Err(Error::invalid(WHAT, "range outside object"));
         }
-        let mut i = first;
-        for frame in data.chunks(FRAME_SIZE as usize) {
+        for (i, frame) in (first..).zip(data.chunks(FRAME_SIZE as usize)) {
             let full = (self.data_len - i as u64 * FRAME_SIZE as u64).min(FRAME_SIZE as u64);
             if frame.len() as u64 != full {
                 return Err(Error::invalid(
@@ -121,7 +120,6 @@ impl FrameTable {
             if blake3::hash(frame).as_bytes() != &self.hashes[i] {
                 return Err(Error::Checksum { what: WHAT });
             }
-            i += 1;
         }
         Ok(())
     }
