@@ -125,6 +125,15 @@ impl Engine {
         }
     }
 
+    fn spawn_background(&self, vol: &Arc<Volume>) -> JoinHandle<()> {
+        tokio::spawn(background(
+            Arc::downgrade(vol),
+            self.cfg.upload_interval,
+            self.cfg.lease_ttl,
+            self.cfg.segment_max_bytes,
+        ))
+    }
+
     /// Creates the tenant if it does not exist.
     pub async fn ensure_tenant(&self, tenant: &str) -> Result<()> {
         name::validate("tenant name", tenant)?;
@@ -314,11 +323,7 @@ impl Engine {
                 return Err(e);
             }
         };
-        let task = tokio::spawn(background(
-            Arc::downgrade(&vol),
-            self.cfg.upload_interval,
-            self.cfg.lease_ttl,
-        ));
+        let task = self.spawn_background(&vol);
         vols.insert(
             key,
             Attached {
@@ -356,11 +361,7 @@ impl Engine {
                 Ok(p) => Some(p),
                 Err(e) => {
                     // Keep it attached: nothing may be lost.
-                    let task = tokio::spawn(background(
-                        Arc::downgrade(&vol),
-                        self.cfg.upload_interval,
-                        self.cfg.lease_ttl,
-                    ));
+                    let task = self.spawn_background(&vol);
                     self.volumes
                         .lock()
                         .await
@@ -527,7 +528,7 @@ impl Engine {
 }
 
 /// Per-volume background work: lease renewal and window-bounded uploads.
-async fn background(vol: Weak<Volume>, interval: Duration, ttl: Duration) {
+async fn background(vol: Weak<Volume>, interval: Duration, ttl: Duration, segment_max: u64) {
     let tick = (interval / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
     let renew_every = ttl / 3;
     let mut renewed = Instant::now();
@@ -540,6 +541,9 @@ async fn background(vol: Weak<Volume>, interval: Duration, ttl: Duration) {
                 Ok(()) => renewed = Instant::now(),
                 Err(e) => tracing::warn!(workspace = v.name(), error = %e, "lease renewal failed"),
             }
+        }
+        if let Err(e) = v.clean_journal(4 * segment_max).await {
+            tracing::warn!(workspace = v.name(), error = %e, "journal cleaning failed");
         }
         match v.maybe_upload().await {
             Ok(_) => backoff = Duration::ZERO,

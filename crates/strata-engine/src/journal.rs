@@ -5,8 +5,11 @@
 //! - a write is acknowledged only after its record is written (page cache) and the overlay
 //!   points at it; it is durable after a flush has `fdatasync`ed every dirty segment and, if a
 //!   segment was created since, `fsync`ed the directory;
-//! - recovery replays records in order and stops at the first invalid one (torn tail), truncates
-//!   there and deletes every later segment, so the journal is always a clean prefix;
+//! - recovery replays records in order and stops at the first invalid one (torn tail) or the
+//!   first gap in the (contiguous) sequence numbers, truncates there and deletes every later
+//!   segment, so the journal is always a clean prefix;
+//! - segments are only ever deleted oldest first (publish, cleaning), so what remains is
+//!   contiguous;
 //! - a segment is deleted only when every record in it is covered by a published manifest
 //!   recorded in the durable local state (see `volume.rs`).
 //!
@@ -103,7 +106,12 @@ impl Journal {
                     }
                     file.read_at(&mut head, pos).ok()?;
                     let h = rec::decode_header(&head).ok()?;
-                    if pos + h.total_len() > len || h.seq <= prev_seq {
+                    // Unpublished sequence numbers are contiguous: a gap means a lost record, so
+                    // stop there. (Published records, <= skip_upto, may be left over from an
+                    // interrupted deletion; they are skipped, not checked.)
+                    if pos + h.total_len() > len
+                        || (h.seq > skip_upto && prev_seq != 0 && h.seq != prev_seq + 1)
+                    {
                         return None;
                     }
                     let mut payload = vec![0u8; h.payload_len as usize];
@@ -128,7 +136,9 @@ impl Journal {
                     );
                 }
                 seg_last = h.seq;
-                prev_seq = h.seq;
+                if h.seq > skip_upto {
+                    prev_seq = h.seq;
+                }
                 last_seq = last_seq.max(h.seq);
                 pos += h.total_len();
             }
@@ -243,6 +253,28 @@ impl Journal {
         }
     }
 
+    /// The oldest sealed segment: (id, bytes).
+    pub fn oldest_sealed(&self) -> Option<(u64, u64)> {
+        self.segments
+            .iter()
+            .next()
+            .filter(|(id, _)| **id != self.active)
+            .map(|(id, s)| (*id, s.len))
+    }
+
+    /// Deletes the oldest sealed segment (after its live data was copied forward and synced).
+    pub fn remove_oldest(&mut self, id: u64) -> io::Result<()> {
+        if self.oldest_sealed().map(|(o, _)| o) != Some(id) {
+            return Err(io::Error::other(format!(
+                "segment {id} is not the oldest sealed segment"
+            )));
+        }
+        self.segments.remove(&id);
+        self.dirty.remove(&id);
+        self.fs.remove(&seg_path(&self.dir, id))?;
+        self.fs.sync_dir(&self.dir)
+    }
+
     /// Deletes every sealed segment whose records are all `<= seq`. Returns the deleted ids.
     pub fn delete_through(&mut self, seq: u64) -> io::Result<Vec<u64>> {
         let victims: Vec<u64> = self
@@ -255,6 +287,9 @@ impl Journal {
             self.segments.remove(id);
             self.dirty.remove(id);
             self.fs.remove(&seg_path(&self.dir, *id))?;
+        }
+        if !victims.is_empty() {
+            self.fs.sync_dir(&self.dir)?;
         }
         Ok(victims)
     }

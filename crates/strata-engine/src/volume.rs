@@ -470,6 +470,20 @@ impl Volume {
 
     /// Appends records for whole blocks and points the overlay at them. Caller holds `writer`.
     fn append(&self, j: &mut Journal, kind: Kind, lba: u64, n: u64, data: &[u8]) -> Result<()> {
+        self.append_inner(j, kind, lba, n, data, false)
+    }
+
+    /// `relocated`: the data was already acknowledged (segment cleaning copies it forward), so
+    /// it does not count as new guest bytes or widen the remote window.
+    fn append_inner(
+        &self,
+        j: &mut Journal,
+        kind: Kind,
+        lba: u64,
+        n: u64,
+        data: &[u8],
+        relocated: bool,
+    ) -> Result<()> {
         let mut done = 0u64;
         while done < n {
             let k = (n - done).min(MAX_RECORD_BLOCKS as u64);
@@ -500,7 +514,7 @@ impl Volume {
             self.acked_seq.store(seq, SeqCst);
             done += k;
         }
-        if kind == Kind::Write {
+        if kind == Kind::Write && !relocated {
             let bytes = n * BLOCK_SIZE;
             self.counters.bytes_written.fetch_add(bytes, SeqCst);
             let mut w = lock(&self.window);
@@ -841,6 +855,63 @@ impl Volume {
             )
             .await?;
         Ok((version, id, m, packed.bytes_uploaded))
+    }
+
+    /// Segment cleaning: while the journal holds more than twice its live data (plus
+    /// `slack` bytes), copies the live blocks of the oldest sealed segment forward, makes the
+    /// copies durable, and deletes that segment. Keeps local space bounded for volumes that
+    /// never (or not yet) publish. Returns the bytes reclaimed.
+    pub async fn clean_journal(&self, slack: u64) -> Result<u64> {
+        let _p = self.publish_lock.lock().await;
+        let mut reclaimed = 0u64;
+        loop {
+            self.usable()?;
+            let mut j = self.writer.lock().await;
+            let live = self.st().active.data_blocks() * BLOCK_SIZE;
+            if j.bytes() <= live.saturating_mul(2).saturating_add(slack) {
+                return Ok(reclaimed);
+            }
+            let Some((victim, len)) = j.oldest_sealed() else {
+                return Ok(reclaimed);
+            };
+            let runs: Vec<(u64, u64, u64)> = self
+                .st()
+                .active
+                .iter()
+                .filter_map(|(lba, r)| match r.loc {
+                    Loc::Journal { seg, off } if seg == victim => Some((lba, r.len, off)),
+                    _ => None,
+                })
+                .collect();
+            let file = self.st().files.get(&victim).cloned();
+            for (lba, n, off) in runs {
+                let file = file
+                    .clone()
+                    .ok_or_else(|| Error::Invalid(format!("segment {victim} has no file")))?;
+                let mut buf = vec![0u8; (n * BLOCK_SIZE) as usize];
+                file.read_at(&mut buf, off)
+                    .map_err(Error::io("reading segment to clean"))?;
+                self.append_inner(&mut j, Kind::Write, lba, n, &buf, true)?;
+            }
+            // The copies must be durable before the originals go.
+            let batch = j.take_dirty();
+            for f in &batch.files {
+                if let Err(e) = f.sync_data() {
+                    self.fail(format!("fsync failed while cleaning: {e}"));
+                    return Err(Error::io("fsync while cleaning")(e));
+                }
+            }
+            if let Some(d) = &batch.dir {
+                self.fs
+                    .sync_dir(d)
+                    .map_err(Error::io("syncing journal directory"))?;
+            }
+            self.synced_seq.fetch_max(batch.upto, SeqCst);
+            j.remove_oldest(victim)
+                .map_err(Error::io("deleting cleaned segment"))?;
+            self.st_mut().files.remove(&victim);
+            reclaimed += len;
+        }
     }
 
     /// Renews the lease; on failure the volume stops acknowledging writes.

@@ -78,10 +78,14 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
                 next[b as usize] = 0;
             }
             states.push(next);
-        } else if r < 93 {
+        } else if r < 88 {
             vol.flush().await.unwrap();
             flushed = states.len() - 1;
             flushes += 1;
+        } else if r < 94 {
+            // Segment cleaning copies live data forward and deletes the oldest segments; it
+            // syncs what it copies, but must not make un-flushed writes look flushed.
+            vol.clean_journal(0).await.unwrap();
         } else {
             // A checkpoint exercises publish, local state and segment deletion.
             node.checkpoint(TENANT, &name, None).await.unwrap();

@@ -396,3 +396,97 @@ fn unsafe_env_only_exact_one() {
     }
     assert!(strata_engine::cache_unsafe(Some("1")));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ephemeral_overwrites_do_not_grow_local_space() {
+    let c = Cluster::new().await;
+    let fs = Arc::new(SimFs::new());
+    let mut cfg = c.config("n");
+    cfg.segment_max_bytes = 128 << 10;
+    let node = c.node_with(cfg, fs.clone());
+    node.create_workspace(
+        TENANT,
+        "e",
+        Source::Empty { size: DISK },
+        Mode::Ephemeral,
+        None,
+    )
+    .await
+    .unwrap();
+    let v = node.attach(TENANT, "e").await.unwrap();
+    // 64 passes over the same 256 KiB: 16 MiB written, 256 KiB live.
+    for pass in 0..64u64 {
+        for b in 0..64u64 {
+            v.write(b * 4096, &tagged(pass + 1, b), false)
+                .await
+                .unwrap();
+        }
+        v.clean_journal(512 << 10).await.unwrap();
+    }
+    let s = v.stats();
+    assert_eq!(s.journal_live_bytes, 256 << 10);
+    assert!(
+        s.journal_bytes <= 2 * (256 << 10) + (512 << 10) + (128 << 10),
+        "journal grew to {}",
+        s.journal_bytes
+    );
+    assert!(
+        fs.total_bytes() < 2 << 20,
+        "local files hold {} bytes",
+        fs.total_bytes()
+    );
+    let img = v.read(0, 64 * 4096).await.unwrap();
+    for b in 0..64u64 {
+        assert_eq!(
+            tag_of(&img[(b * 4096) as usize..((b + 1) * 4096) as usize], b),
+            Some(64)
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn freeze_holds_writes_until_thaw_and_checkpoint_works_while_frozen() {
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    a.create_workspace(
+        TENANT,
+        "z",
+        Source::Empty { size: DISK },
+        Mode::Durable,
+        None,
+    )
+    .await
+    .unwrap();
+    let v = a.attach(TENANT, "z").await.unwrap();
+    v.write(0, &tagged(1, 0), false).await.unwrap();
+    v.freeze().await;
+    assert!(v.is_frozen());
+    let v2 = v.clone();
+    let pending = tokio::spawn(async move { v2.write(4096, &tagged(2, 1), false).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !pending.is_finished(),
+        "a write was acknowledged while frozen"
+    );
+    // The checkpoint taken inside the pause window holds exactly the pre-freeze writes.
+    let p = v
+        .checkpoint(Some("paired with memory snapshot".into()))
+        .await
+        .unwrap();
+    assert_eq!(
+        tag_of(&v.read(0, 4096).await.unwrap(), 0),
+        Some(1),
+        "reads continue while frozen"
+    );
+    v.thaw();
+    pending.await.unwrap().unwrap();
+    let out = c.path("z.raw");
+    a.export(TENANT, "z", Some(p.version), &out).await.unwrap();
+    let img = std::fs::read(&out).unwrap();
+    assert_eq!(tag_of(&img[..4096], 0), Some(1));
+    assert_eq!(
+        tag_of(&img[4096..8192], 1),
+        Some(0),
+        "the held write is not in the checkpoint"
+    );
+}
