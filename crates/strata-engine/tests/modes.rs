@@ -490,3 +490,40 @@ async fn freeze_holds_writes_until_thaw_and_checkpoint_works_while_frozen() {
         "the held write is not in the checkpoint"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_on_an_s3_protocol_server() {
+    let Some(c) = Cluster::new_s3().await else {
+        return;
+    };
+    let a = c.node("a");
+    a.create_workspace(
+        TENANT,
+        "s3ws",
+        Source::Empty { size: DISK },
+        Mode::Sync,
+        None,
+    )
+    .await
+    .unwrap();
+    let v = a.attach(TENANT, "s3ws").await.unwrap();
+    v.write(0, &vec![3u8; 300_000], false).await.unwrap();
+    v.flush().await.unwrap();
+    let p = a
+        .checkpoint(TENANT, "s3ws", Some("on s3".into()))
+        .await
+        .unwrap();
+    a.fork(TENANT, "s3ws", Some(p.version), "s3fork", None)
+        .await
+        .unwrap();
+    a.abandon().await;
+    // Another node, nothing local, restores both from the S3 store.
+    let b = c.node("b");
+    let vb = b.attach(TENANT, "s3fork").await.unwrap();
+    let got = vb.read(0, 300_000).await.unwrap();
+    assert!(got.iter().all(|&x| x == 3));
+    assert!(
+        b.reader().stats().gets > 0,
+        "the read came from the object store"
+    );
+}

@@ -32,7 +32,12 @@ impl std::fmt::Debug for Store {
 }
 
 impl Store {
-    /// Opens a store by URL: `file:DIR` (local directory, fsync on), `memory:` (tests).
+    /// Opens a store by URL:
+    /// - `file:DIR`: a local directory, every put fsync'd (the embedded default);
+    /// - `s3://BUCKET[/PREFIX][?endpoint=URL&region=R&allow_http=true]`: any S3-compatible store
+    ///   (AWS, MinIO, R2, Ceph RGW, GCS's S3 interoperability); credentials from the usual
+    ///   `AWS_*` environment variables; path-style requests unless `virtual_hosted=true`;
+    /// - `memory:`: in memory (tests).
     pub fn open(url: &str) -> Result<Store> {
         let inner: Arc<dyn ObjectStore> = if let Some(dir) = url.strip_prefix("file:") {
             let dir = dir.strip_prefix("//").unwrap_or(dir);
@@ -42,12 +47,14 @@ impl Store {
                     .map_err(|e| StoreError::BadUrl(url.into(), e.to_string()))?
                     .with_fsync(true),
             )
+        } else if let Some(rest) = url.strip_prefix("s3://") {
+            open_s3(url, rest)?
         } else if url == "memory:" {
             Arc::new(InMemory::new())
         } else {
             return Err(StoreError::BadUrl(
                 url.into(),
-                "expected file:DIR or memory:".into(),
+                "expected file:DIR, s3://BUCKET[/PREFIX][?endpoint=..] or memory:".into(),
             ));
         };
         Ok(Store {
@@ -150,4 +157,41 @@ impl Store {
             Err(e) => Err(e.into()),
         }
     }
+}
+
+fn open_s3(url: &str, rest: &str) -> Result<Arc<dyn ObjectStore>> {
+    use object_store::aws::AmazonS3Builder;
+    use object_store::prefix::PrefixStore;
+    let bad = |why: &str| StoreError::BadUrl(url.into(), why.into());
+    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let (bucket, prefix) = path.split_once('/').unwrap_or((path, ""));
+    if bucket.is_empty() {
+        return Err(bad("missing bucket name"));
+    }
+    let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket);
+    for kv in query.split('&').filter(|s| !s.is_empty()) {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| bad("query parameters must be key=value"))?;
+        b = match k {
+            "endpoint" => b.with_endpoint(v),
+            "region" => b.with_region(v),
+            "allow_http" => b.with_allow_http(v == "true"),
+            "virtual_hosted" => b.with_virtual_hosted_style_request(v == "true"),
+            _ => {
+                return Err(bad(&format!(
+                    "unknown parameter {k:?} (endpoint, region, allow_http, virtual_hosted)"
+                )))
+            }
+        };
+    }
+    let s3 = b
+        .build()
+        .map_err(|e| StoreError::BadUrl(url.into(), e.to_string()))?;
+    let prefix = prefix.trim_matches('/');
+    Ok(if prefix.is_empty() {
+        Arc::new(s3)
+    } else {
+        Arc::new(PrefixStore::new(s3, prefix))
+    })
 }

@@ -44,6 +44,43 @@ impl Cluster {
         }
     }
 
+    /// The same, with the object store on the S3-protocol server named by
+    /// `STRATA_TEST_S3_ENDPOINT` (None when unset and not required).
+    pub async fn new_s3() -> Option<Cluster> {
+        let Ok(endpoint) = std::env::var("STRATA_TEST_S3_ENDPOINT") else {
+            assert!(
+                std::env::var("STRATA_REQUIRE_S3").as_deref() != Ok("1"),
+                "STRATA_REQUIRE_S3=1 but no endpoint"
+            );
+            return None;
+        };
+        std::env::set_var("AWS_ACCESS_KEY_ID", "test");
+        std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
+        let dir = scratch();
+        let bucket = format!("engine-{}", std::process::id());
+        let out = std::process::Command::new("curl")
+            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT"])
+            .arg(format!("{endpoint}/{bucket}"))
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&out.stdout).starts_with('2'),
+            "cannot create bucket"
+        );
+        let catalog: Arc<dyn Catalog> =
+            Arc::new(SqliteCatalog::open(&dir.path().join("catalog.db")).unwrap());
+        let store = Store::open(&format!(
+            "s3://{bucket}/strata?endpoint={endpoint}&region=us-east-1&allow_http=true"
+        ))
+        .unwrap();
+        catalog.create_tenant(TENANT).await.unwrap();
+        Some(Cluster {
+            dir,
+            catalog,
+            store,
+        })
+    }
+
     pub fn config(&self, node: &str) -> EngineConfig {
         let mut cfg = EngineConfig::new(self.dir.path().join(node));
         cfg.node_id = Some(node.to_string());
