@@ -468,6 +468,28 @@ impl Volume {
         Ok(buf[head..head + len as usize].to_vec())
     }
 
+    /// Allocation map of `len` bytes at `offset`: runs of (bytes, reads-as-zeros), in order,
+    /// covering exactly the range (NBD block status, `base:allocation`).
+    pub fn allocation(&self, offset: u64, len: u64) -> Result<Vec<(u64, bool)>> {
+        self.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let lba = offset / BLOCK_SIZE;
+        let end = (offset + len).div_ceil(BLOCK_SIZE);
+        let mut out: Vec<(u64, bool)> = Vec::new();
+        for (s, n, src) in self.plan(lba, end - lba) {
+            let a = (s * BLOCK_SIZE).max(offset);
+            let b = ((s + n) * BLOCK_SIZE).min(offset + len);
+            let zero = matches!(src, Src::Zero);
+            match out.last_mut() {
+                Some((l, z)) if *z == zero => *l += b - a,
+                _ => out.push((b - a, zero)),
+            }
+        }
+        Ok(out)
+    }
+
     /// Appends records for whole blocks and points the overlay at them. Caller holds `writer`.
     fn append(&self, j: &mut Journal, kind: Kind, lba: u64, n: u64, data: &[u8]) -> Result<()> {
         self.append_inner(j, kind, lba, n, data, false)

@@ -1,0 +1,187 @@
+//! What the server serves: a [`BlockDevice`]. Implemented for engine volumes and, for protocol
+//! tests and tools, an in-memory disk.
+
+use std::sync::{Arc, RwLock};
+
+use async_trait::async_trait;
+use strata_engine::{Error, Volume};
+
+use crate::proto;
+
+/// A failed device operation: the NBD error number to send and a message for logs and
+/// structured error replies.
+#[derive(Debug, Clone)]
+pub struct DevError {
+    pub errno: u32,
+    pub msg: String,
+}
+
+impl DevError {
+    pub fn new(errno: u32, msg: impl Into<String>) -> Self {
+        DevError {
+            errno,
+            msg: msg.into(),
+        }
+    }
+}
+
+pub type DevResult<T> = Result<T, DevError>;
+
+#[async_trait]
+pub trait BlockDevice: Send + Sync + 'static {
+    fn size(&self) -> u64;
+    fn read_only(&self) -> bool {
+        false
+    }
+    async fn read(&self, offset: u64, len: u32) -> DevResult<Vec<u8>>;
+    async fn write(&self, offset: u64, data: &[u8], fua: bool) -> DevResult<()>;
+    /// Returns when every write completed before the call is as durable as the device promises.
+    async fn flush(&self) -> DevResult<()>;
+    async fn trim(&self, offset: u64, len: u32, fua: bool) -> DevResult<()>;
+    async fn write_zeroes(&self, offset: u64, len: u32, fua: bool) -> DevResult<()>;
+    /// Runs of (bytes, reads-as-zeros) covering exactly the range.
+    async fn allocation(&self, offset: u64, len: u32) -> DevResult<Vec<(u64, bool)>>;
+}
+
+fn map(e: Error, write: bool) -> DevError {
+    let errno = match &e {
+        Error::OutOfRange { .. } if write => proto::ENOSPC,
+        Error::OutOfRange { .. } | Error::Invalid(_) => proto::EINVAL,
+        Error::Unavailable(..) => proto::ESHUTDOWN,
+        _ => proto::EIO,
+    };
+    DevError::new(errno, e.to_string())
+}
+
+#[async_trait]
+impl BlockDevice for Volume {
+    fn size(&self) -> u64 {
+        Volume::size(self)
+    }
+    async fn read(&self, offset: u64, len: u32) -> DevResult<Vec<u8>> {
+        Volume::read(self, offset, len as u64)
+            .await
+            .map_err(|e| map(e, false))
+    }
+    async fn write(&self, offset: u64, data: &[u8], fua: bool) -> DevResult<()> {
+        Volume::write(self, offset, data, fua)
+            .await
+            .map_err(|e| map(e, true))
+    }
+    async fn flush(&self) -> DevResult<()> {
+        Volume::flush(self).await.map_err(|e| map(e, true))
+    }
+    async fn trim(&self, offset: u64, len: u32, fua: bool) -> DevResult<()> {
+        Volume::trim(self, offset, len as u64)
+            .await
+            .map_err(|e| map(e, true))?;
+        if fua {
+            Volume::flush(self).await.map_err(|e| map(e, true))?;
+        }
+        Ok(())
+    }
+    async fn write_zeroes(&self, offset: u64, len: u32, fua: bool) -> DevResult<()> {
+        Volume::write_zeroes(self, offset, len as u64, fua)
+            .await
+            .map_err(|e| map(e, true))
+    }
+    async fn allocation(&self, offset: u64, len: u32) -> DevResult<Vec<(u64, bool)>> {
+        Volume::allocation(self, offset, len as u64).map_err(|e| map(e, false))
+    }
+}
+
+/// An in-memory disk (protocol tests, tools).
+pub struct MemDevice {
+    data: RwLock<Vec<u8>>,
+    read_only: bool,
+}
+
+impl MemDevice {
+    pub fn new(size: u64) -> Arc<MemDevice> {
+        Arc::new(MemDevice {
+            data: RwLock::new(vec![0; size as usize]),
+            read_only: false,
+        })
+    }
+    pub fn read_only(data: Vec<u8>) -> Arc<MemDevice> {
+        Arc::new(MemDevice {
+            data: RwLock::new(data),
+            read_only: true,
+        })
+    }
+    fn check(&self, offset: u64, len: u64, write: bool) -> DevResult<()> {
+        if write && self.read_only {
+            return Err(DevError::new(proto::EPERM, "read-only export"));
+        }
+        match offset.checked_add(len) {
+            Some(e) if e <= self.size() => Ok(()),
+            _ => Err(DevError::new(
+                if write { proto::ENOSPC } else { proto::EINVAL },
+                "out of range",
+            )),
+        }
+    }
+}
+
+#[async_trait]
+impl BlockDevice for MemDevice {
+    fn size(&self) -> u64 {
+        self.data.read().map(|d| d.len() as u64).unwrap_or(0)
+    }
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+    async fn read(&self, offset: u64, len: u32) -> DevResult<Vec<u8>> {
+        self.check(offset, len as u64, false)?;
+        let d = self
+            .data
+            .read()
+            .map_err(|_| DevError::new(proto::EIO, "poisoned"))?;
+        Ok(d[offset as usize..offset as usize + len as usize].to_vec())
+    }
+    async fn write(&self, offset: u64, data: &[u8], _fua: bool) -> DevResult<()> {
+        self.check(offset, data.len() as u64, true)?;
+        let mut d = self
+            .data
+            .write()
+            .map_err(|_| DevError::new(proto::EIO, "poisoned"))?;
+        d[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+    async fn flush(&self) -> DevResult<()> {
+        Ok(())
+    }
+    async fn trim(&self, offset: u64, len: u32, fua: bool) -> DevResult<()> {
+        self.write_zeroes(offset, len, fua).await
+    }
+    async fn write_zeroes(&self, offset: u64, len: u32, _fua: bool) -> DevResult<()> {
+        self.check(offset, len as u64, true)?;
+        let mut d = self
+            .data
+            .write()
+            .map_err(|_| DevError::new(proto::EIO, "poisoned"))?;
+        d[offset as usize..offset as usize + len as usize].fill(0);
+        Ok(())
+    }
+    async fn allocation(&self, offset: u64, len: u32) -> DevResult<Vec<(u64, bool)>> {
+        self.check(offset, len as u64, false)?;
+        let d = self
+            .data
+            .read()
+            .map_err(|_| DevError::new(proto::EIO, "poisoned"))?;
+        let mut out: Vec<(u64, bool)> = vec![];
+        let mut pos = offset;
+        let end = offset + len as u64;
+        while pos < end {
+            let next = ((pos / 4096) + 1) * 4096;
+            let stop = next.min(end);
+            let zero = d[pos as usize..stop as usize].iter().all(|&b| b == 0);
+            match out.last_mut() {
+                Some((l, z)) if *z == zero => *l += stop - pos,
+                _ => out.push((stop - pos, zero)),
+            }
+            pos = stop;
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,631 @@
+//! The NBD server: fixed newstyle negotiation, then concurrent transmission with out-of-order
+//! replies.
+//!
+//! ```text
+//! accept ─▶ handshake (timeout) ─▶ options: LIST, INFO, GO, EXPORT_NAME, STRUCTURED_REPLY,
+//!           LIST/SET_META_CONTEXT (base:allocation), ABORT; anything else ERR_UNSUP
+//!        ─▶ transmission: reader loop parses a request, reserves its bytes from the
+//!           connection's in-flight budget, reads any payload, spawns the operation; each
+//!           operation sends its complete reply through one writer task, so replies never
+//!           interleave on the wire but may complete out of order.
+//! ```
+//! A FLUSH covers every write whose reply was sent before the FLUSH arrived, on any connection
+//! to the same export (the device is shared), which is what CAN_MULTI_CONN promises.
+//! Protocol violations that desynchronise the stream (bad magic, absurd payloads) close the
+//! connection; everything else gets the error reply the spec names, and the server and other
+//! connections keep running. Nothing acknowledged is undone by a disconnect.
+
+use std::collections::HashMap;
+use std::io;
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::{mpsc, Semaphore};
+use tokio::task::JoinSet;
+
+use crate::device::{BlockDevice, DevError};
+use crate::proto::*;
+
+/// One export: a device and how it is offered.
+#[derive(Clone)]
+pub struct Export {
+    pub device: Arc<dyn BlockDevice>,
+    pub description: String,
+    /// Advertise CAN_MULTI_CONN (true when every connection shares the device's flush).
+    pub multi_conn: bool,
+}
+
+/// The set of exports, by name. Can change while the server runs.
+#[derive(Default)]
+pub struct Exports {
+    map: RwLock<HashMap<String, Export>>,
+}
+
+impl Exports {
+    pub fn new() -> Arc<Exports> {
+        Arc::new(Exports::default())
+    }
+    pub fn insert(&self, name: &str, e: Export) {
+        if let Ok(mut m) = self.map.write() {
+            m.insert(name.to_string(), e);
+        }
+    }
+    pub fn remove(&self, name: &str) -> Option<Export> {
+        self.map.write().ok()?.remove(name)
+    }
+    pub fn get(&self, name: &str) -> Option<Export> {
+        let m = self.map.read().ok()?;
+        match m.get(name) {
+            Some(e) => Some(e.clone()),
+            // The empty name means "the default export": the only one, if there is one.
+            None if name.is_empty() && m.len() == 1 => m.values().next().cloned(),
+            None => None,
+        }
+    }
+    pub fn names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .map
+            .read()
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Largest READ/WRITE/BLOCK_STATUS length accepted (advertised as the maximum block size).
+    pub max_request: u32,
+    /// Bytes of request payloads and read buffers one connection may hold at once.
+    pub max_inflight_bytes: u32,
+    pub handshake_timeout: Duration,
+    /// Close a connection idle this long in transmission (None: never; kernel clients idle).
+    pub idle_timeout: Option<Duration>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            max_request: 32 << 20,
+            max_inflight_bytes: 64 << 20,
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: None,
+        }
+    }
+}
+
+pub struct Server {
+    exports: Arc<Exports>,
+    cfg: ServerConfig,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ConnError {
+    #[error("i/o: {0}")]
+    Io(#[from] io::Error),
+    #[error("protocol: {0}")]
+    Proto(#[from] ProtoError),
+    #[error("handshake timed out")]
+    Timeout,
+    #[error("client ended negotiation")]
+    Aborted,
+}
+
+struct Negotiated {
+    export: Export,
+    structured: bool,
+    meta: bool,
+}
+
+impl Server {
+    pub fn new(exports: Arc<Exports>, mut cfg: ServerConfig) -> Arc<Server> {
+        cfg.max_request = cfg.max_request.clamp(4096, 1 << 30);
+        cfg.max_inflight_bytes = cfg.max_inflight_bytes.max(cfg.max_request);
+        Arc::new(Server { exports, cfg })
+    }
+
+    /// Binds a unix socket at `path` (replacing a stale one), owner-only (0600).
+    pub fn bind_unix(path: &Path) -> io::Result<UnixListener> {
+        let _ = std::fs::remove_file(path);
+        let l = UnixListener::bind(path)?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        Ok(l)
+    }
+
+    pub async fn serve_unix(self: Arc<Self>, listener: UnixListener) -> io::Result<()> {
+        loop {
+            let (s, _) = listener.accept().await?;
+            let me = self.clone();
+            tokio::spawn(async move { me.handle(s).await });
+        }
+    }
+
+    pub async fn serve_tcp(self: Arc<Self>, listener: TcpListener) -> io::Result<()> {
+        loop {
+            let (s, peer) = listener.accept().await?;
+            let _ = s.set_nodelay(true);
+            let me = self.clone();
+            tracing::debug!(%peer, "nbd connection");
+            tokio::spawn(async move { me.handle(s).await });
+        }
+    }
+
+    /// Serves one connection to completion. Errors are logged here, where they are handled.
+    pub async fn handle<S>(self: Arc<Self>, stream: S)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let (mut rd, mut wr) = tokio::io::split(stream);
+        let neg = match tokio::time::timeout(
+            self.cfg.handshake_timeout,
+            self.negotiate(&mut rd, &mut wr),
+        )
+        .await
+        {
+            Ok(Ok(Some(n))) => n,
+            Ok(Ok(None)) | Ok(Err(ConnError::Aborted)) => return,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "nbd negotiation failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(error = %ConnError::Timeout, "nbd negotiation failed");
+                return;
+            }
+        };
+        if let Err(e) = self.transmit(rd, wr, neg).await {
+            tracing::debug!(error = %e, "nbd connection closed");
+        }
+    }
+
+    fn tflags(&self, e: &Export, structured: bool) -> u16 {
+        let mut f = TF_HAS_FLAGS | TF_SEND_FLUSH | TF_SEND_FUA;
+        if e.device.read_only() {
+            f |= TF_READ_ONLY;
+        } else {
+            f |= TF_SEND_TRIM | TF_SEND_WRITE_ZEROES | TF_SEND_FAST_ZERO;
+        }
+        if e.multi_conn {
+            f |= TF_CAN_MULTI_CONN;
+        }
+        if structured {
+            f |= TF_SEND_DF;
+        }
+        f
+    }
+
+    async fn negotiate<R, W>(&self, rd: &mut R, wr: &mut W) -> Result<Option<Negotiated>, ConnError>
+    where
+        R: AsyncRead + Unpin,
+        W: AsyncWrite + Unpin,
+    {
+        let mut hello = Vec::with_capacity(18);
+        hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
+        hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+        wr.write_all(&hello).await?;
+        wr.flush().await?;
+        let cflags = rd.read_u32().await?;
+        if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+            return Err(ProtoError::Malformed("unknown client flags").into());
+        }
+        let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
+        let mut structured = false;
+        let mut meta = false;
+        loop {
+            let magic = rd.read_u64().await?;
+            if magic != IHAVEOPT {
+                return Err(ProtoError::BadMagic(magic).into());
+            }
+            let opt = rd.read_u32().await?;
+            let len = rd.read_u32().await?;
+            if len > MAX_OPTION_LEN {
+                // Too big to buffer; the stream cannot be resynchronised cheaply.
+                wr.write_all(&option_reply(opt, REP_ERR_TOO_BIG, b"option too large"))
+                    .await?;
+                return Err(ProtoError::TooLarge("option").into());
+            }
+            let mut data = vec![0u8; len as usize];
+            rd.read_exact(&mut data).await?;
+            let reply = |kind: u32, payload: &[u8]| option_reply(opt, kind, payload);
+            let err = |kind: u32, msg: &str| option_reply(opt, kind, msg.as_bytes());
+            match opt {
+                OPT_EXPORT_NAME => {
+                    let name = String::from_utf8_lossy(&data).into_owned();
+                    let Some(export) = self.exports.get(&name) else {
+                        // No way to report an error to EXPORT_NAME: close.
+                        return Err(ConnError::Aborted);
+                    };
+                    let mut v = Vec::with_capacity(10 + 124);
+                    v.extend_from_slice(&export.device.size().to_be_bytes());
+                    v.extend_from_slice(&self.tflags(&export, false).to_be_bytes());
+                    if !no_zeroes {
+                        v.extend_from_slice(&[0u8; 124]);
+                    }
+                    wr.write_all(&v).await?;
+                    wr.flush().await?;
+                    return Ok(Some(Negotiated {
+                        export,
+                        structured: false,
+                        meta: false,
+                    }));
+                }
+                OPT_ABORT => {
+                    let _ = wr.write_all(&reply(REP_ACK, &[])).await;
+                    let _ = wr.flush().await;
+                    return Ok(None);
+                }
+                OPT_LIST => {
+                    if !data.is_empty() {
+                        wr.write_all(&err(REP_ERR_INVALID, "NBD_OPT_LIST takes no data"))
+                            .await?;
+                    } else {
+                        for name in self.exports.names() {
+                            let mut p = (name.len() as u32).to_be_bytes().to_vec();
+                            p.extend_from_slice(name.as_bytes());
+                            wr.write_all(&reply(REP_SERVER, &p)).await?;
+                        }
+                        wr.write_all(&reply(REP_ACK, &[])).await?;
+                    }
+                }
+                OPT_STARTTLS => {
+                    wr.write_all(&err(
+                        REP_ERR_POLICY,
+                        "TLS is not offered: exports are local (unix socket or loopback)",
+                    ))
+                    .await?;
+                }
+                OPT_STRUCTURED_REPLY => {
+                    if !data.is_empty() {
+                        wr.write_all(&err(
+                            REP_ERR_INVALID,
+                            "NBD_OPT_STRUCTURED_REPLY takes no data",
+                        ))
+                        .await?;
+                    } else {
+                        structured = true;
+                        wr.write_all(&reply(REP_ACK, &[])).await?;
+                    }
+                }
+                OPT_INFO | OPT_GO => {
+                    let req = match parse_go(&data) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            wr.write_all(&err(REP_ERR_INVALID, &e.to_string())).await?;
+                            wr.flush().await?;
+                            continue;
+                        }
+                    };
+                    let Some(export) = self.exports.get(&req.name) else {
+                        wr.write_all(&err(
+                            REP_ERR_UNKNOWN,
+                            &format!("no export named {:?}", req.name),
+                        ))
+                        .await?;
+                        wr.flush().await?;
+                        continue;
+                    };
+                    let mut info = INFO_EXPORT.to_be_bytes().to_vec();
+                    info.extend_from_slice(&export.device.size().to_be_bytes());
+                    info.extend_from_slice(&self.tflags(&export, structured).to_be_bytes());
+                    wr.write_all(&reply(REP_INFO, &info)).await?;
+                    let mut bs = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+                    bs.extend_from_slice(&1u32.to_be_bytes());
+                    bs.extend_from_slice(&4096u32.to_be_bytes());
+                    bs.extend_from_slice(&self.cfg.max_request.to_be_bytes());
+                    wr.write_all(&reply(REP_INFO, &bs)).await?;
+                    if req.infos.contains(&INFO_NAME) {
+                        let mut p = INFO_NAME.to_be_bytes().to_vec();
+                        p.extend_from_slice(req.name.as_bytes());
+                        wr.write_all(&reply(REP_INFO, &p)).await?;
+                    }
+                    if req.infos.contains(&INFO_DESCRIPTION) && !export.description.is_empty() {
+                        let mut p = INFO_DESCRIPTION.to_be_bytes().to_vec();
+                        p.extend_from_slice(export.description.as_bytes());
+                        wr.write_all(&reply(REP_INFO, &p)).await?;
+                    }
+                    wr.write_all(&reply(REP_ACK, &[])).await?;
+                    wr.flush().await?;
+                    if opt == OPT_GO {
+                        return Ok(Some(Negotiated {
+                            export,
+                            structured,
+                            meta,
+                        }));
+                    }
+                }
+                OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                    let set = opt == OPT_SET_META_CONTEXT;
+                    let req = match parse_meta(&data) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            wr.write_all(&err(REP_ERR_INVALID, &e.to_string())).await?;
+                            wr.flush().await?;
+                            continue;
+                        }
+                    };
+                    if !structured {
+                        wr.write_all(&err(
+                            REP_ERR_INVALID,
+                            "negotiate NBD_OPT_STRUCTURED_REPLY first",
+                        ))
+                        .await?;
+                    } else if self.exports.get(&req.name).is_none() {
+                        wr.write_all(&err(
+                            REP_ERR_UNKNOWN,
+                            &format!("no export named {:?}", req.name),
+                        ))
+                        .await?;
+                    } else {
+                        let wants = if req.queries.is_empty() {
+                            !set
+                        } else {
+                            req.queries
+                                .iter()
+                                .any(|q| q == BASE_ALLOCATION || (!set && q == "base:"))
+                        };
+                        if set {
+                            meta = wants;
+                        }
+                        if wants {
+                            let mut p = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
+                            p.extend_from_slice(BASE_ALLOCATION.as_bytes());
+                            wr.write_all(&reply(REP_META_CONTEXT, &p)).await?;
+                        }
+                        wr.write_all(&reply(REP_ACK, &[])).await?;
+                    }
+                }
+                _ => {
+                    wr.write_all(&err(
+                        REP_ERR_UNSUP,
+                        &format!("option {opt} is not supported"),
+                    ))
+                    .await?;
+                }
+            }
+            wr.flush().await?;
+        }
+    }
+
+    async fn transmit<R, W>(&self, mut rd: R, mut wr: W, neg: Negotiated) -> Result<(), ConnError>
+    where
+        R: AsyncRead + Unpin,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        let (tx, mut rx) = mpsc::channel::<Vec<u8>>(128);
+        let writer = tokio::spawn(async move {
+            while let Some(buf) = rx.recv().await {
+                wr.write_all(&buf).await?;
+                if rx.is_empty() {
+                    wr.flush().await?;
+                }
+            }
+            wr.flush().await?;
+            Ok::<_, io::Error>(())
+        });
+        let budget = Arc::new(Semaphore::new(self.cfg.max_inflight_bytes as usize));
+        let mut tasks = JoinSet::new();
+        let dev = neg.export.device.clone();
+        let size = dev.size();
+        let ro = dev.read_only();
+        let structured = neg.structured;
+        let result: Result<(), ConnError> = 'conn: loop {
+            let mut head = [0u8; REQUEST_LEN];
+            let read = rd.read_exact(&mut head);
+            let got = match self.cfg.idle_timeout {
+                Some(t) => match tokio::time::timeout(t, read).await {
+                    Ok(r) => r,
+                    Err(_) => break Ok(()),
+                },
+                None => read.await,
+            };
+            match got {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break Ok(()),
+                Err(e) => break Err(e.into()),
+            }
+            let req = match parse_request(&head) {
+                Ok(r) => r,
+                Err(e) => break Err(e.into()),
+            };
+            while tasks.try_join_next().is_some() {}
+            if req.kind == CMD_DISC {
+                break Ok(());
+            }
+            let len = req.length;
+            // A WRITE's payload is always consumed, even when the request is refused.
+            if req.kind == CMD_WRITE && len > self.cfg.max_request {
+                if len as u64 > 4 * self.cfg.max_request as u64 {
+                    break Err(ProtoError::TooLarge("write payload").into());
+                }
+                let mut left = len as u64;
+                let mut sink = vec![0u8; 1 << 20];
+                while left > 0 {
+                    let n = left.min(sink.len() as u64) as usize;
+                    if let Err(e) = rd.read_exact(&mut sink[..n]).await {
+                        break 'conn Err(e.into());
+                    }
+                    left -= n as u64;
+                }
+                let _ = tx
+                    .send(error_reply(
+                        structured,
+                        &req,
+                        EINVAL,
+                        "request larger than the advertised maximum",
+                    ))
+                    .await;
+                continue;
+            }
+            let reserve = match req.kind {
+                CMD_READ | CMD_WRITE => len.min(self.cfg.max_request),
+                _ => 0,
+            };
+            let permit = match budget.clone().acquire_many_owned(reserve.max(1)).await {
+                Ok(p) => p,
+                Err(_) => break Ok(()),
+            };
+            let mut payload = Vec::new();
+            if req.kind == CMD_WRITE {
+                payload = vec![0u8; len as usize];
+                if let Err(e) = rd.read_exact(&mut payload).await {
+                    break Err(e.into());
+                }
+            }
+            if let Some((errno, msg)) =
+                validate(&req, size, ro, structured, neg.meta, self.cfg.max_request)
+            {
+                let _ = tx.send(error_reply(structured, &req, errno, msg)).await;
+                continue;
+            }
+            let (dev, tx) = (dev.clone(), tx.clone());
+            tasks.spawn(async move {
+                let reply = execute(&*dev, &req, payload, structured).await;
+                let _ = tx.send(reply).await;
+                drop(permit);
+            });
+        };
+        // Finish what was accepted, then close: acknowledged work is never abandoned.
+        while tasks.join_next().await.is_some() {}
+        drop(tx);
+        match writer.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e.into()),
+            Err(e) => return Err(io::Error::other(e.to_string()).into()),
+        }
+        result
+    }
+}
+
+/// Checks a request against the export and the negotiated features; Some((errno, why)) refuses.
+fn validate(
+    req: &Request,
+    size: u64,
+    ro: bool,
+    structured: bool,
+    meta: bool,
+    max: u32,
+) -> Option<(u32, &'static str)> {
+    let allowed = match req.kind {
+        CMD_READ => {
+            if structured {
+                CMD_FLAG_DF
+            } else {
+                0
+            }
+        }
+        CMD_WRITE | CMD_TRIM => CMD_FLAG_FUA,
+        CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
+        CMD_FLUSH => 0,
+        CMD_BLOCK_STATUS => CMD_FLAG_REQ_ONE,
+        _ => return Some((EINVAL, "unknown or unadvertised command")),
+    };
+    if req.flags & !allowed != 0 {
+        return Some((EINVAL, "flag not valid for this command"));
+    }
+    let write = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
+    if write && ro {
+        return Some((EPERM, "export is read-only"));
+    }
+    if req.kind == CMD_FLUSH {
+        return (req.offset != 0 || req.length != 0)
+            .then_some((EINVAL, "FLUSH must have zero offset and length"));
+    }
+    if matches!(req.kind, CMD_READ | CMD_BLOCK_STATUS) && req.length > max {
+        return Some((EINVAL, "request larger than the advertised maximum"));
+    }
+    if req.kind == CMD_BLOCK_STATUS && (!meta || req.length == 0) {
+        return Some((
+            EINVAL,
+            "BLOCK_STATUS needs base:allocation negotiated and a non-zero length",
+        ));
+    }
+    match req.offset.checked_add(req.length as u64) {
+        Some(end) if end <= size => None,
+        _ if write => Some((ENOSPC, "beyond the end of the export")),
+        _ => Some((EINVAL, "beyond the end of the export")),
+    }
+}
+
+fn error_reply(structured: bool, req: &Request, errno: u32, msg: &str) -> Vec<u8> {
+    if structured && matches!(req.kind, CMD_READ | CMD_BLOCK_STATUS) {
+        structured_error(req.cookie, errno, msg)
+    } else {
+        simple_reply(errno, req.cookie, &[])
+    }
+}
+
+async fn execute(
+    dev: &dyn BlockDevice,
+    req: &Request,
+    payload: Vec<u8>,
+    structured: bool,
+) -> Vec<u8> {
+    let fua = req.flags & CMD_FLAG_FUA != 0;
+    let done = |r: Result<(), DevError>| match r {
+        Ok(()) => simple_reply(0, req.cookie, &[]),
+        Err(e) => {
+            tracing::warn!(errno = e.errno, error = %e.msg, "nbd request failed");
+            error_reply(structured, req, e.errno, &e.msg)
+        }
+    };
+    match req.kind {
+        CMD_READ => match dev.read(req.offset, req.length).await {
+            Ok(data) if structured => structured_chunk(
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_OFFSET_DATA,
+                req.cookie,
+                &[&req.offset.to_be_bytes()[..], &data[..]],
+            ),
+            Ok(data) => simple_reply(0, req.cookie, &data),
+            Err(e) => {
+                tracing::warn!(errno = e.errno, error = %e.msg, "nbd read failed");
+                if structured {
+                    structured_error(req.cookie, e.errno, &e.msg)
+                } else {
+                    // A simple error reply for a read carries no data.
+                    simple_reply(e.errno, req.cookie, &[])
+                }
+            }
+        },
+        CMD_WRITE => done(dev.write(req.offset, &payload, fua).await),
+        CMD_FLUSH => done(dev.flush().await),
+        CMD_TRIM => done(dev.trim(req.offset, req.length, fua).await),
+        CMD_WRITE_ZEROES => {
+            if req.flags & CMD_FLAG_NO_HOLE != 0 {
+                if req.flags & CMD_FLAG_FAST_ZERO != 0 {
+                    // Writing allocated zeros is not guaranteed fast.
+                    return error_reply(structured, req, ENOTSUP, "NO_HOLE zeroing is not fast");
+                }
+                let zeros = vec![0u8; req.length as usize];
+                done(dev.write(req.offset, &zeros, fua).await)
+            } else {
+                done(dev.write_zeroes(req.offset, req.length, fua).await)
+            }
+        }
+        CMD_BLOCK_STATUS => match dev.allocation(req.offset, req.length).await {
+            Ok(runs) => {
+                let mut p = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
+                for (len, zero) in runs.iter().take(if req.flags & CMD_FLAG_REQ_ONE != 0 {
+                    1
+                } else {
+                    usize::MAX
+                }) {
+                    // Lengths are bounded by the request length (u32).
+                    p.extend_from_slice(&(*len as u32).to_be_bytes());
+                    p.extend_from_slice(
+                        &(if *zero { STATE_HOLE | STATE_ZERO } else { 0 }).to_be_bytes(),
+                    );
+                }
+                structured_chunk(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, req.cookie, &[&p])
+            }
+            Err(e) => structured_error(req.cookie, e.errno, &e.msg),
+        },
+        _ => error_reply(structured, req, EINVAL, "unknown command"),
+    }
+}
