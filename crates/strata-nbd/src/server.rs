@@ -536,7 +536,8 @@ fn validate(
         return (req.offset != 0 || req.length != 0)
             .then_some((EINVAL, "FLUSH must have zero offset and length"));
     }
-    if matches!(req.kind, CMD_READ | CMD_BLOCK_STATUS) && req.length > max {
+    // BLOCK_STATUS carries no payload: its length is a hint, not bounded by the block size.
+    if req.kind == CMD_READ && req.length > max {
         return Some((EINVAL, "request larger than the advertised maximum"));
     }
     if req.kind == CMD_BLOCK_STATUS && (!meta || req.length == 0) {
