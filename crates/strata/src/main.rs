@@ -134,6 +134,17 @@ enum WsCmd {
         #[arg(long, default_value_t = 0)]
         offset: u64,
     },
+    /// Attaches the workspace on this node and serves it over NBD in the foreground until
+    /// SIGINT/SIGTERM, then detaches (publishing what is unpublished). Prints the export address.
+    Attach {
+        ws: String,
+        /// Unix socket path (default: DATA/run/WS.sock, owner-only).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// Also listen on TCP, e.g. 127.0.0.1:10809 (loopback unless you mean otherwise).
+        #[arg(long)]
+        tcp: Option<std::net::SocketAddr>,
+    },
     /// Writes a checkpoint's whole disk (head by default) to a raw file, from the object store.
     Export {
         ws: String,
@@ -371,6 +382,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         )
                     });
                 }
+                WsCmd::Attach { ws, socket, tcp } => serve::attach(&e, g, &ws, socket, tcp).await?,
                 WsCmd::Export { ws, out } => {
                     let (w, v) = split_at_version(&ws)?;
                     let n = e.export(t, &w, v, &out).await?;
@@ -385,6 +397,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 mod demo;
+mod serve;
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
