@@ -99,6 +99,7 @@ async fn template_from_directory_restores_on_another_node() {
     let img = c.path("w.raw");
     b.export(TENANT, "w", None, &img).await.unwrap();
     assert_same_files(&img, &tree, &c.path("check1"));
+    mounted_files_match(&img, &tree, &c.path("mnt"));
 
     // Same content again: every chunk object is shared, nothing new is stored.
     let objs_before = count_objects(&c.path("objects"));
@@ -182,6 +183,34 @@ async fn workspace_writes_on_a_template_survive_restore() {
     assert!(img[..40 << 20] == before[..40 << 20]);
     assert!(img[40 << 20..41 << 20].iter().all(|&b| b == 0x5a));
     assert!(img[41 << 20..] == before[41 << 20..]);
+}
+
+/// As root: loop-mount the restored image read-only and compare every file through the kernel's
+/// ext4 driver too.
+fn mounted_files_match(img: &Path, src: &Path, mnt: &Path) {
+    let root = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).map(|l| l.split_whitespace().nth(2) == Some("0")))
+        .unwrap_or(false);
+    if !root || !have("mount") {
+        assert!(std::env::var("CI").is_err(), "CI runs as root and must mount");
+        return;
+    }
+    std::fs::create_dir_all(mnt).unwrap();
+    let script = format!(
+        r#"set -e
+mount -o loop,ro {img} {mnt}
+trap 'umount {mnt}' EXIT
+a=$(cd {mnt} && find . -path ./lost+found -prune -o -type f -exec sha256sum {{}} + | LC_ALL=C sort -k2)
+b=$(cd {src} && find . -type f -exec sha256sum {{}} + | LC_ALL=C sort -k2)
+[ "$a" = "$b" ]
+readlink {mnt}/link"#,
+        img = img.display(),
+        mnt = mnt.display(),
+        src = src.display()
+    );
+    let out = run(Command::new("bash").arg("-c").arg(script));
+    assert_eq!(out.trim(), "src/deep/er/notes.txt");
 }
 
 fn count_objects(dir: &Path) -> usize {

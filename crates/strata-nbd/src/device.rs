@@ -4,6 +4,7 @@
 use std::sync::{Arc, RwLock};
 
 use async_trait::async_trait;
+#[cfg(feature = "engine")]
 use strata_engine::{Error, Volume};
 
 use crate::proto;
@@ -43,6 +44,7 @@ pub trait BlockDevice: Send + Sync + 'static {
     async fn allocation(&self, offset: u64, len: u32) -> DevResult<Vec<(u64, bool)>>;
 }
 
+#[cfg(feature = "engine")]
 fn map(e: Error, write: bool) -> DevError {
     let errno = match &e {
         Error::OutOfRange { .. } if write => proto::ENOSPC,
@@ -53,6 +55,7 @@ fn map(e: Error, write: bool) -> DevError {
     DevError::new(errno, e.to_string())
 }
 
+#[cfg(feature = "engine")]
 #[async_trait]
 impl BlockDevice for Volume {
     fn size(&self) -> u64 {
