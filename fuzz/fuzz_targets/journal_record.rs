@@ -1,11 +1,12 @@
 #![no_main]
 //! Journal record headers and checks.
 use libfuzzer_sys::fuzz_target;
-use strata_format::journal::{decode_header, verify, HEADER_LEN};
+use strata_format::journal::{decode_header, decode_segment_header, verify, HEADER_LEN};
 
 fuzz_target!(|data: &[u8]| {
+    let _ = decode_segment_header(data);
     if let Ok(h) = decode_header(data) {
         let payload = data.get(HEADER_LEN..HEADER_LEN + h.payload_len as usize).unwrap_or(&[]);
-        let _ = verify(data, &h, payload);
+        let _ = verify(7, data, &h, payload);
     }
 });

@@ -13,14 +13,20 @@
 //! - a segment is deleted only when every record in it is covered by a published manifest
 //!   recorded in the durable local state (see `volume.rs`).
 //!
-//! Files: `{dir}/{id:016x}.seg`, records per `strata_format::journal`.
+//! - deleted segments are recycled (renamed to `{id}.free`, then to the next segment's name) so
+//!   that appends overwrite allocated blocks and an fdatasync need not commit a size change; a
+//!   segment is truncated to its logical length when sealed, so only the last segment can hold
+//!   stale bytes after its records, and replay stops there (their sequence numbers are old).
+//!
+//! Files: `{dir}/{id:016x}.seg`, records per `strata_format::journal`; `{id:016x}.free` are
+//! recyclable.
 
 use std::collections::BTreeMap;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use strata_format::journal::{self as rec, Kind, HEADER_LEN};
+use strata_format::journal::{self as rec, Kind, HEADER_LEN, SEGMENT_HEADER_LEN};
 
 use crate::fs::{Fs, FsFile};
 
@@ -37,6 +43,7 @@ struct SegMeta {
     file: Arc<dyn FsFile>,
     len: u64,
     last_seq: u64,
+    nonce: u64,
 }
 
 pub(crate) struct Journal {
@@ -48,7 +55,12 @@ pub(crate) struct Journal {
     dirty: BTreeMap<u64, Arc<dyn FsFile>>,
     dir_dirty: bool,
     max_segment: u64,
+    /// Recyclable segment files.
+    free: Vec<PathBuf>,
 }
+
+/// Recycled files kept for reuse; more are deleted.
+const FREE_POOL: usize = 4;
 
 /// What a flush must make durable, taken from the journal in one step.
 pub(crate) struct SyncBatch {
@@ -73,11 +85,16 @@ impl Journal {
         mut apply: impl FnMut(Replayed, &Arc<dyn FsFile>),
     ) -> io::Result<(Journal, u64)> {
         fs.create_dir_all(dir)?;
-        let mut ids: Vec<u64> = fs
-            .list(dir)?
+        let names = fs.list(dir)?;
+        let mut ids: Vec<u64> = names
             .iter()
             .filter_map(|n| n.strip_suffix(".seg"))
             .filter_map(|h| u64::from_str_radix(h, 16).ok())
+            .collect();
+        let free: Vec<PathBuf> = names
+            .iter()
+            .filter(|n| n.ends_with(".free"))
+            .map(|n| dir.join(n))
             .collect();
         ids.sort_unstable();
         let mut segments = BTreeMap::new();
@@ -96,10 +113,25 @@ impl Journal {
             }
             let file = fs.open(&path, false)?;
             let len = file.len()?;
-            let mut pos = 0u64;
+            // The segment header names this incarnation; without it nothing here is trusted.
+            let mut sh = [0u8; SEGMENT_HEADER_LEN];
+            let nonce = match file
+                .read_at(&mut sh, 0)
+                .ok()
+                .and_then(|_| rec::decode_segment_header(&sh).ok())
+            {
+                Some((hid, nonce)) if hid == id => Some(nonce),
+                _ => None,
+            };
+            let mut pos = SEGMENT_HEADER_LEN as u64;
             let mut seg_last = 0u64;
             let mut head = [0u8; HEADER_LEN];
-            while pos < len {
+            if nonce.is_none() {
+                torn = true;
+                pos = 0;
+            }
+            let nonce = nonce.unwrap_or(0);
+            while !torn && pos < len {
                 let ok = (|| {
                     if pos + HEADER_LEN as u64 > len {
                         return None;
@@ -116,7 +148,7 @@ impl Journal {
                     }
                     let mut payload = vec![0u8; h.payload_len as usize];
                     file.read_at(&mut payload, pos + HEADER_LEN as u64).ok()?;
-                    rec::verify(&head, &h, &payload).then_some(h)
+                    rec::verify(nonce, &head, &h, &payload).then_some(h)
                 })();
                 let Some(h) = ok else {
                     torn = true;
@@ -143,9 +175,11 @@ impl Journal {
                 pos += h.total_len();
             }
             if torn {
-                discarded += len - pos;
-                file.set_len(pos)?;
-                file.sync_data()?;
+                discarded += len.saturating_sub(pos);
+                if pos < len {
+                    file.set_len(pos)?;
+                    file.sync_data()?;
+                }
             }
             if seg_last <= skip_upto {
                 // Empty, or entirely covered by the published base: garbage.
@@ -159,6 +193,7 @@ impl Journal {
                     file,
                     len: pos,
                     last_seq: seg_last,
+                    nonce,
                 },
             );
         }
@@ -174,6 +209,7 @@ impl Journal {
             dirty: BTreeMap::new(),
             dir_dirty: false,
             max_segment,
+            free,
         };
         j.rotate()?;
         Ok((j, discarded))
@@ -196,16 +232,37 @@ impl Journal {
         self.segments.get(&seg).map(|s| s.file.clone())
     }
 
-    /// Seals the active segment and starts a new one. Returns the new segment's id and file.
+    /// Seals the active segment and starts a new one (reusing a recycled file when there is
+    /// one). Returns the new segment's id and file.
     pub fn rotate(&mut self) -> io::Result<(u64, Arc<dyn FsFile>)> {
+        if let Some(old) = self.segments.get(&self.active) {
+            // Drop any stale bytes of a recycled file past the last record; the next flush
+            // makes the new length durable together with the data.
+            if old.file.len()? != old.len {
+                old.file.set_len(old.len)?;
+                self.dirty.insert(self.active, old.file.clone());
+            }
+        }
         let id = self.active + 1;
-        let file = self.fs.open(&seg_path(&self.dir, id), true)?;
+        let path = seg_path(&self.dir, id);
+        let file = match self.free.pop() {
+            Some(f) => {
+                self.fs.rename(&f, &path)?;
+                self.fs.open(&path, false)?
+            }
+            None => self.fs.open(&path, true)?,
+        };
+        // A fresh nonce per incarnation: records left in a recycled file never verify again.
+        let nonce: u64 = rand::random();
+        file.write_at(&rec::encode_segment_header(id, nonce), 0)?;
+        self.dirty.insert(id, file.clone());
         self.segments.insert(
             id,
             SegMeta {
                 file: file.clone(),
-                len: 0,
+                len: SEGMENT_HEADER_LEN as u64,
                 last_seq: 0,
+                nonce,
             },
         );
         self.active = id;
@@ -228,11 +285,11 @@ impl Journal {
             rotated = Some(self.rotate()?);
         }
         let seq = self.next_seq;
-        let record = rec::encode(kind, seq, lba, nblocks, payload);
         let seg = self
             .segments
             .get_mut(&self.active)
             .ok_or_else(|| io::Error::other("journal has no active segment"))?;
+        let record = rec::encode(seg.nonce, kind, seq, lba, nblocks, payload);
         seg.file.write_at(&record, seg.len)?;
         let data_off = seg.len + HEADER_LEN as u64;
         seg.len += record.len() as u64;
@@ -271,8 +328,21 @@ impl Journal {
         }
         self.segments.remove(&id);
         self.dirty.remove(&id);
-        self.fs.remove(&seg_path(&self.dir, id))?;
+        self.retire(id)?;
         self.fs.sync_dir(&self.dir)
+    }
+
+    /// Removes a segment's name: keeps the file for recycling if the pool has room.
+    fn retire(&mut self, id: u64) -> io::Result<()> {
+        let path = seg_path(&self.dir, id);
+        if self.free.len() < FREE_POOL {
+            let to = self.dir.join(format!("{id:016x}.free"));
+            self.fs.rename(&path, &to)?;
+            self.free.push(to);
+            Ok(())
+        } else {
+            self.fs.remove(&path)
+        }
     }
 
     /// Deletes every sealed segment whose records are all `<= seq`. Returns the deleted ids.
@@ -286,7 +356,7 @@ impl Journal {
         for id in &victims {
             self.segments.remove(id);
             self.dirty.remove(id);
-            self.fs.remove(&seg_path(&self.dir, *id))?;
+            self.retire(*id)?;
         }
         if !victims.is_empty() {
             self.fs.sync_dir(&self.dir)?;

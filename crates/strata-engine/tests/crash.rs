@@ -54,6 +54,9 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
     for i in 0..n_ops {
         let mut next = states.last().unwrap().clone();
         let r = rng.random_range(0..100);
+        if std::env::var("STRATA_CRASH_TRACE").is_ok() {
+            eprintln!("op {i}: r={r}");
+        }
         if r < 65 {
             let lba = rng.random_range(0..BLOCKS);
             let n = rng.random_range(1..=(BLOCKS - lba).min(6));
@@ -148,7 +151,13 @@ async fn power_loss_keeps_every_flushed_write() {
     let cluster = Cluster::new().await;
     let n = cases();
     let (mut checked, mut flushes) = (0, 0);
+    let only: Option<u64> = std::env::var("STRATA_CRASH_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok());
     for seed in 0..n {
+        if only.is_some_and(|o| o != seed) {
+            continue;
+        }
         let (c, f) = case(&cluster, seed).await;
         checked += c;
         flushes += f;

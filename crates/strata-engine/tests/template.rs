@@ -190,10 +190,17 @@ async fn workspace_writes_on_a_template_survive_restore() {
 fn mounted_files_match(img: &Path, src: &Path, mnt: &Path) {
     let root = std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).map(|l| l.split_whitespace().nth(2) == Some("0")))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(2) == Some("0"))
+        })
         .unwrap_or(false);
     if !root || !have("mount") {
-        assert!(std::env::var("CI").is_err(), "CI runs as root and must mount");
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI runs as root and must mount"
+        );
         return;
     }
     std::fs::create_dir_all(mnt).unwrap();
