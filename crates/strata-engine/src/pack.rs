@@ -71,9 +71,18 @@ pub(crate) async fn pack(
         let mut b = 0u64;
         while b < run.len {
             let n = (run.len - b).min(READ_CHUNK_BLOCKS);
-            let data = &mut chunk[..(n * BLOCK_SIZE) as usize];
-            file.read_at(data, off + b * BLOCK_SIZE)
-                .map_err(Error::io(format!("reading journal segment {seg}")))?;
+            // Journal reads happen on a blocking thread: never stall the runtime serving I/O.
+            let (f, at) = (file.clone(), off + b * BLOCK_SIZE);
+            let mut rbuf = std::mem::take(&mut chunk);
+            let (rbuf, res) = tokio::task::spawn_blocking(move || {
+                let r = f.read_at(&mut rbuf[..(n * BLOCK_SIZE) as usize], at);
+                (rbuf, r)
+            })
+            .await
+            .map_err(|e| Error::Invalid(format!("journal read task failed: {e}")))?;
+            chunk = rbuf;
+            res.map_err(Error::io(format!("reading journal segment {seg}")))?;
+            let data = &chunk[..(n * BLOCK_SIZE) as usize];
             for (i, block) in data.chunks(BLOCK_SIZE as usize).enumerate() {
                 let blba = lba + b + i as u64;
                 let zero = block.iter().all(|&x| x == 0);
