@@ -49,6 +49,16 @@ async fn tenants_and_templates(cat: &dyn Catalog) {
     cat.create_tenant("acme").await.unwrap();
     assert!(cat.tenant_exists("acme").await.unwrap());
     assert!(!cat.tenant_exists("nope").await.unwrap());
+    cat.add_token("acme", "h1").await.unwrap();
+    assert_eq!(
+        cat.tenant_for_token("h1").await.unwrap().as_deref(),
+        Some("acme")
+    );
+    assert_eq!(cat.tenant_for_token("h2").await.unwrap(), None);
+    assert!(matches!(
+        cat.add_token("nope", "h3").await,
+        Err(CatalogError::NotFound { .. })
+    ));
     assert!(matches!(
         cat.create_tenant("acme").await,
         Err(CatalogError::AlreadyExists { .. })

@@ -58,6 +58,10 @@ pub type Result<T, E = CatalogError> = std::result::Result<T, E>;
 pub trait Catalog: Send + Sync + 'static {
     async fn create_tenant(&self, tenant: &str) -> Result<()>;
     async fn tenant_exists(&self, tenant: &str) -> Result<bool>;
+    /// Records an API token (by its hash, never the token itself) for a tenant.
+    async fn add_token(&self, tenant: &str, hash: &str) -> Result<()>;
+    /// The tenant a token hash belongs to.
+    async fn tenant_for_token(&self, hash: &str) -> Result<Option<String>>;
 
     /// Records that `manifest` exists and references `objects` (idempotent).
     async fn record_manifest(

@@ -11,7 +11,8 @@ use strata_format::Hash;
 use crate::*;
 
 /// Schema migrations; `PRAGMA user_version` records how many have been applied.
-const MIGRATIONS: &[&str] = &[r#"
+const MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE tenants (id TEXT PRIMARY KEY, created_ms INTEGER NOT NULL);
 CREATE TABLE templates (
     tenant TEXT NOT NULL, name TEXT NOT NULL, manifest TEXT NOT NULL,
@@ -37,7 +38,11 @@ CREATE TABLE manifest_objects (tenant TEXT NOT NULL, manifest TEXT NOT NULL, obj
     PRIMARY KEY (tenant, manifest, object));
 CREATE TABLE objects (tenant TEXT NOT NULL, id TEXT NOT NULL, data_len INTEGER NOT NULL,
     created_ms INTEGER NOT NULL, PRIMARY KEY (tenant, id));
-"#];
+"#,
+    r#"
+CREATE TABLE tokens (hash TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_ms INTEGER NOT NULL);
+"#,
+];
 
 pub struct SqliteCatalog {
     conn: Arc<Mutex<Connection>>,
@@ -206,6 +211,47 @@ impl Catalog for SqliteCatalog {
                 }
             })?;
             Ok(())
+        })
+        .await
+    }
+
+    async fn add_token(&self, tenant: &str, hash: &str) -> Result<()> {
+        let (t, h) = (tenant.to_string(), hash.to_string());
+        self.run(move |c| {
+            if c.query_row(
+                "SELECT 1 FROM tenants WHERE id = ?1",
+                params![t],
+                |_| Ok(()),
+            )
+            .optional()
+            .map_err(be)?
+            .is_none()
+            {
+                return Err(CatalogError::NotFound {
+                    what: "tenant",
+                    name: t,
+                });
+            }
+            c.execute(
+                "INSERT INTO tokens (hash, tenant, created_ms) VALUES (?1, ?2, ?3)",
+                params![h, t, now_ms() as i64],
+            )
+            .map_err(be)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn tenant_for_token(&self, hash: &str) -> Result<Option<String>> {
+        let h = hash.to_string();
+        self.run(move |c| {
+            c.query_row(
+                "SELECT tenant FROM tokens WHERE hash = ?1",
+                params![h],
+                |r| r.get(0),
+            )
+            .optional()
+            .map_err(be)
         })
         .await
     }

@@ -47,7 +47,7 @@ pub struct VolumeOptions {
 }
 
 /// The receipt of a published version.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Published {
     pub version: u64,
     pub manifest: Hash,
@@ -59,7 +59,7 @@ pub struct Published {
 }
 
 /// Counters and gauges of one volume.
-#[derive(Clone, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct VolumeStats {
     pub bytes_written: u64,
     pub bytes_read: u64,

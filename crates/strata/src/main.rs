@@ -55,6 +55,19 @@ enum Cmd {
     Ws(WsCmd),
     /// Runs the whole lifecycle on a fresh temporary data directory and explains it.
     Demo,
+    /// Runs the daemon: HTTP API, NBD exports, background uploads, lease renewal.
+    Serve(serve::ServeArgs),
+    /// Tenants (through the daemon; needs STRATA_URL and the admin token in STRATA_TOKEN).
+    #[command(subcommand)]
+    Tenant(TenantCmd),
+}
+
+#[derive(Subcommand)]
+enum TenantCmd {
+    /// Creates a tenant and prints its first token (shown once).
+    Create { name: String },
+    /// Issues another token for a tenant.
+    Token { name: String },
 }
 
 #[derive(Subcommand)]
@@ -113,6 +126,18 @@ enum WsCmd {
         ws: String,
         #[arg(long)]
         label: Option<String>,
+    },
+    /// Releases the workspace on this node: publishes unpublished writes, stops the export.
+    Detach {
+        ws: String,
+    },
+    /// Stops acknowledging writes after draining in-flight ones (daemon only).
+    Freeze {
+        ws: String,
+    },
+    /// Resumes acknowledging writes (daemon only).
+    Thaw {
+        ws: String,
     },
     /// Forks SRC[@VERSION] into NEW without copying data.
     Fork {
@@ -198,8 +223,15 @@ fn progress() -> impl Fn(u64, u64) + Send + Sync {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let g = &cli.global;
     let t = g.tenant.as_str();
+    if let Some(url) = std::env::var("STRATA_URL").ok().filter(|u| !u.is_empty()) {
+        if !matches!(cli.cmd, Cmd::Serve(_) | Cmd::Demo) {
+            return remote::run(&url, g.json, cli.cmd).await;
+        }
+    }
     match cli.cmd {
+        Cmd::Tenant(_) => anyhow::bail!("tenants are managed through the daemon: set STRATA_URL (and STRATA_TOKEN to the admin token)"),
         Cmd::Demo => demo::run(g.json).await?,
+        Cmd::Serve(a) => serve::serve(g, a).await?,
         Cmd::Template(c) => {
             let e = open(g).await?;
             match c {
@@ -383,6 +415,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     });
                 }
                 WsCmd::Attach { ws, socket, tcp } => serve::attach(&e, g, &ws, socket, tcp).await?,
+                WsCmd::Detach { ws } => {
+                    // Without a daemon nothing stays attached between commands: attaching
+                    // replays any journal a crashed `ws attach` left, then detach publishes it.
+                    e.attach(t, &ws).await?;
+                    let p = e.detach(t, &ws).await?;
+                    print(g.json, &p, |_| format!("{ws} detached"));
+                }
+                WsCmd::Freeze { .. } | WsCmd::Thaw { .. } => {
+                    anyhow::bail!("freeze and thaw act on a workspace attached in a daemon: set STRATA_URL")
+                }
                 WsCmd::Export { ws, out } => {
                     let (w, v) = split_at_version(&ws)?;
                     let n = e.export(t, &w, v, &out).await?;
@@ -397,6 +439,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 mod demo;
+mod remote;
 mod serve;
 
 fn main() -> std::process::ExitCode {
@@ -423,6 +466,13 @@ fn main() -> std::process::ExitCode {
         Err(e) => {
             eprintln!("strata: {e:#}");
             // 2: bad request or not found (fix the command); 1: anything else (may retry).
+            if let Some(r) = e.downcast_ref::<remote::RemoteError>() {
+                return std::process::ExitCode::from(if (400..500).contains(&r.status) {
+                    2
+                } else {
+                    1
+                });
+            }
             let code = match e.downcast_ref::<strata_engine::Error>() {
                 Some(
                     strata_engine::Error::Invalid(_)

@@ -1,4 +1,4 @@
-//! `strata ws attach`: serve one workspace over NBD from this process.
+//! `strata serve` (the daemon) and `strata ws attach` (one workspace over NBD, foreground).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -84,4 +84,150 @@ pub async fn attach(
         );
     }
     Ok(())
+}
+
+/// `strata serve` flags. Each also reads a `STRATA_*` variable; a `--config` TOML file fills
+/// what neither gives: defaults < TOML file < environment < flags.
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// HTTP listen address.
+    #[arg(long, env = "STRATA_LISTEN")]
+    listen: Option<String>,
+    /// TOML config file (keys: listen, admin_token, catalog, store, upload_interval,
+    /// upload_max_bytes, lease_ttl, cache_capacity).
+    #[arg(long, env = "STRATA_CONFIG")]
+    config: Option<PathBuf>,
+    /// Catalog: sqlite:PATH (default DATA/catalog.db).
+    #[arg(long, env = "STRATA_CATALOG")]
+    catalog: Option<String>,
+    /// Object store: file:DIR (default DATA/objects) or s3://bucket/prefix?endpoint=….
+    #[arg(long, env = "STRATA_STORE")]
+    store: Option<String>,
+    #[arg(long, env = "STRATA_UPLOAD_INTERVAL", value_parser = crate::units::parse_duration)]
+    upload_interval: Option<std::time::Duration>,
+    #[arg(long, env = "STRATA_UPLOAD_MAX_BYTES", value_parser = crate::units::parse_size)]
+    upload_max_bytes: Option<u64>,
+    #[arg(long, env = "STRATA_LEASE_TTL", value_parser = crate::units::parse_duration)]
+    lease_ttl: Option<std::time::Duration>,
+    #[arg(long, env = "STRATA_CACHE_CAPACITY", value_parser = crate::units::parse_size)]
+    cache_capacity: Option<u64>,
+}
+
+#[derive(serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    listen: Option<String>,
+    admin_token: Option<String>,
+    catalog: Option<String>,
+    store: Option<String>,
+    upload_interval: Option<String>,
+    upload_max_bytes: Option<String>,
+    lease_ttl: Option<String>,
+    cache_capacity: Option<String>,
+}
+
+pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let file: FileConfig = match &a.config {
+        Some(p) => toml::from_str(
+            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+        )
+        .with_context(|| format!("parsing {}", p.display()))?,
+        None => FileConfig::default(),
+    };
+    let dur = |flag: Option<std::time::Duration>,
+               f: &Option<String>|
+     -> anyhow::Result<Option<std::time::Duration>> {
+        Ok(match (flag, f) {
+            (Some(d), _) => Some(d),
+            (None, Some(s)) => Some(crate::units::parse_duration(s).map_err(anyhow::Error::msg)?),
+            _ => None,
+        })
+    };
+    let size = |flag: Option<u64>, f: &Option<String>| -> anyhow::Result<Option<u64>> {
+        Ok(match (flag, f) {
+            (Some(d), _) => Some(d),
+            (None, Some(s)) => Some(crate::units::parse_size(s).map_err(anyhow::Error::msg)?),
+            _ => None,
+        })
+    };
+    let mut cfg = strata_engine::EngineConfig::new(&g.data);
+    if let Some(d) = dur(a.upload_interval, &file.upload_interval)? {
+        cfg.upload_interval = d;
+    }
+    if let Some(n) = size(a.upload_max_bytes, &file.upload_max_bytes)? {
+        cfg.upload_max_bytes = n;
+    }
+    if let Some(d) = dur(a.lease_ttl, &file.lease_ttl)? {
+        cfg.lease_ttl = d;
+    }
+    if let Some(n) = size(a.cache_capacity, &file.cache_capacity)? {
+        cfg.cache_capacity = n;
+    }
+    let listen = a
+        .listen
+        .or(file.listen)
+        .unwrap_or_else(|| "127.0.0.1:7420".into());
+    let admin = std::env::var("STRATA_ADMIN_TOKEN")
+        .ok()
+        .or(file.admin_token);
+    let catalog_url = a
+        .catalog
+        .or(file.catalog)
+        .unwrap_or_else(|| format!("sqlite:{}", g.data.join("catalog.db").display()));
+    let store_url = a
+        .store
+        .or(file.store)
+        .unwrap_or_else(|| format!("file:{}", g.data.join("objects").display()));
+    let Some(path) = catalog_url.strip_prefix("sqlite:") else {
+        anyhow::bail!("catalog {catalog_url:?}: only sqlite:PATH is supported by this build (PostgreSQL is coming)");
+    };
+    let catalog = Arc::new(strata_catalog::SqliteCatalog::open(std::path::Path::new(
+        path,
+    ))?);
+    let store = strata_store::Store::open(&store_url)?;
+    let engine = Engine::open_with(cfg, catalog, store, Arc::new(strata_engine::fs::RealFs))?;
+    if admin.is_none() {
+        tracing::warn!("no admin token (STRATA_ADMIN_TOKEN or admin_token in the config): tenants cannot be created over the API");
+    }
+    let daemon = strata_daemon::Daemon::new(engine, admin.as_deref());
+    let resumed = daemon.resume().await;
+    let listener = tokio::net::TcpListener::bind(&listen)
+        .await
+        .with_context(|| format!("binding {listen}"))?;
+    let addr = listener.local_addr()?;
+    if g.json {
+        println!(
+            "{}",
+            serde_json::json!({"listening": addr.to_string(), "node": daemon_node(&daemon), "resumed": resumed})
+        );
+    } else {
+        println!(
+            "strata listening on http://{addr} (node {}, {} workspace(s) resumed)",
+            daemon_node(&daemon),
+            resumed.len()
+        );
+    }
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let shutdown = async {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(t) => t,
+                Err(_) => return,
+            };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    };
+    axum::serve(listener, daemon.router())
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    daemon.shutdown().await;
+    Ok(())
+}
+
+fn daemon_node(d: &strata_daemon::Daemon) -> String {
+    d.node_id().to_string()
 }

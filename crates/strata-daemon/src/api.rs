@@ -1,0 +1,109 @@
+//! Request and response bodies of the HTTP API (shared by the daemon, the CLI and tests).
+//! Requests refuse unknown fields, so a typo is an error rather than a silent default.
+
+use serde::{Deserialize, Serialize};
+use strata_catalog::{Lease, Mode, Workspace};
+use strata_engine::VolumeStats;
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateTenant {
+    pub name: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct TenantToken {
+    pub tenant: String,
+    /// Shown once; strata stores only its hash.
+    pub token: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BuildTemplate {
+    pub name: String,
+    /// A directory on the daemon's host, made into ext4 with `mkfs.ext4 -d`.
+    #[serde(default)]
+    pub from_dir: Option<String>,
+    /// A raw or qcow2 image on the daemon's host.
+    #[serde(default)]
+    pub from_image: Option<String>,
+    /// Disk size in bytes for `from_dir` (derived when absent).
+    #[serde(default)]
+    pub size: Option<u64>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateWorkspace {
+    pub name: String,
+    #[serde(default)]
+    pub template: Option<String>,
+    /// `WS` or `WS@VERSION`.
+    #[serde(default)]
+    pub from: Option<String>,
+    /// An empty disk of this many bytes.
+    #[serde(default)]
+    pub size: Option<u64>,
+    #[serde(default)]
+    pub mode: Option<Mode>,
+    /// Seconds until an ephemeral workspace is deleted.
+    #[serde(default)]
+    pub ttl_secs: Option<u64>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct WorkspaceView {
+    pub workspace: Workspace,
+    pub lease: Lease,
+    pub attached: bool,
+    pub export: Option<String>,
+    /// Present while attached on this node: includes the remote window.
+    pub stats: Option<VolumeStats>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Attached {
+    pub workspace: String,
+    pub export: String,
+    pub socket: String,
+}
+
+#[derive(Debug, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointRequest {
+    #[serde(default)]
+    pub label: Option<String>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    /// The new workspace's name.
+    pub name: String,
+    #[serde(default)]
+    pub version: Option<u64>,
+    #[serde(default)]
+    pub mode: Option<Mode>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RollbackRequest {
+    pub version: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    /// Stable machine-readable kind: not_found, invalid, conflict, unauthorized, forbidden,
+    /// too_large, unavailable, internal.
+    pub kind: String,
+    pub message: String,
+    /// Whether retrying the same request may succeed.
+    pub retryable: bool,
+}

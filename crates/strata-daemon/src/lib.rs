@@ -1,0 +1,115 @@
+//! `strata serve`: one node of strata as a long-running daemon.
+//!
+//! - HTTP API under `/v1` (JSON; OpenAPI at `/v1/openapi.json`, committed as `openapi.json`),
+//!   Prometheus text at `/metrics`;
+//! - tenancy: every request carries a bearer token, stored only as a BLAKE3 hash; another
+//!   tenant's workspace is indistinguishable from a missing one (404);
+//! - NBD exports: an attached workspace is served on a unix socket under
+//!   `DATA/run/{tenant}/{ws}.sock` (directories 0700, sockets 0600);
+//! - restart: workspaces with local state on this node are re-attached at the same socket
+//!   paths, unless their lease was lost (then they are not served).
+
+mod api;
+mod error;
+mod routes;
+
+pub use api::*;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use strata_engine::Engine;
+use tokio::task::JoinHandle;
+
+/// A running export of one workspace.
+pub(crate) struct ExportHandle {
+    pub uri: String,
+    pub socket: PathBuf,
+    pub task: JoinHandle<()>,
+}
+
+pub struct Daemon {
+    pub(crate) engine: Arc<Engine>,
+    pub(crate) admin_hash: Option<String>,
+    pub(crate) run_dir: PathBuf,
+    pub(crate) exports: tokio::sync::Mutex<HashMap<(String, String), ExportHandle>>,
+}
+
+/// Hash under which a token is stored.
+pub fn token_hash(token: &str) -> String {
+    blake3::hash(token.as_bytes()).to_hex().to_string()
+}
+
+/// A new random API token.
+pub fn new_token() -> String {
+    use rand::Rng;
+    let mut b = [0u8; 24];
+    rand::rng().fill(&mut b);
+    format!("st_{}", blake3::hash(&b).to_hex().as_str()[..40].to_owned())
+}
+
+impl Daemon {
+    pub fn new(engine: Arc<Engine>, admin_token: Option<&str>) -> Arc<Daemon> {
+        let run_dir = engine.config().data_dir.join("run");
+        Arc::new(Daemon {
+            engine,
+            admin_hash: admin_token.filter(|t| !t.is_empty()).map(token_hash),
+            run_dir,
+            exports: tokio::sync::Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn node_id(&self) -> &str {
+        self.engine.node_id()
+    }
+
+    pub fn router(self: &Arc<Self>) -> axum::Router {
+        routes::router(self.clone())
+    }
+
+    /// Re-attaches and re-exports every workspace this node has local state for (after a clean
+    /// restart or a kill -9), unless its lease is now held by another node.
+    pub async fn resume(self: &Arc<Self>) -> Vec<(String, String)> {
+        let mut resumed = vec![];
+        let root = self.engine.config().data_dir.join("volumes");
+        let Ok(tenants) = std::fs::read_dir(&root) else {
+            return resumed;
+        };
+        for t in tenants.flatten() {
+            let tenant = t.file_name().to_string_lossy().into_owned();
+            let Ok(wss) = std::fs::read_dir(t.path()) else {
+                continue;
+            };
+            for w in wss.flatten() {
+                let ws = w.file_name().to_string_lossy().into_owned();
+                if !w.path().join("state.json").exists() {
+                    continue;
+                }
+                match routes::attach_and_export(self, &tenant, &ws).await {
+                    Ok(_) => resumed.push((tenant.clone(), ws)),
+                    Err(e) => {
+                        tracing::warn!(tenant, workspace = ws, error = %e.message, "not resuming workspace")
+                    }
+                }
+            }
+        }
+        resumed
+    }
+
+    /// Orderly stop: make every attached volume's acknowledged writes durable, stop exports,
+    /// keep leases and local state so that a restart resumes at the same addresses.
+    pub async fn shutdown(&self) {
+        let mut ex = self.exports.lock().await;
+        for ((t, w), h) in ex.drain() {
+            h.task.abort();
+            if let Some(v) = self.engine.volume(&t, &w).await {
+                if let Err(e) = v.flush().await {
+                    tracing::error!(tenant = t, workspace = w, error = %e, "flush at shutdown failed");
+                }
+            }
+            let _ = std::fs::remove_file(&h.socket);
+        }
+        self.engine.abandon().await;
+    }
+}

@@ -1,0 +1,534 @@
+//! HTTP routes. Every tenant route resolves the caller's tenant from its token first; names
+//! from paths and bodies are validated by the engine; errors are JSON (`ErrorBody`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, FromRequestParts, Path, State};
+use axum::http::request::Parts;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use strata_catalog::{Checkpoint, Mode, Template, Workspace};
+use strata_engine::{Published, Source};
+use strata_nbd::{Export, Exports, Server, ServerConfig};
+
+use crate::api::*;
+use crate::error::ApiError;
+use crate::{new_token, token_hash, Daemon, ExportHandle};
+
+type D = State<Arc<Daemon>>;
+type R<T> = Result<Json<T>, ApiError>;
+
+pub const OPENAPI: &str = include_str!("../openapi.json");
+
+pub fn router(d: Arc<Daemon>) -> Router {
+    Router::new()
+        .route("/v1/health", get(health))
+        .route(
+            "/v1/openapi.json",
+            get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
+        )
+        .route("/metrics", get(metrics))
+        .route("/v1/tenants", post(create_tenant))
+        .route("/v1/tenants/{name}/tokens", post(create_token))
+        .route("/v1/templates", get(list_templates).post(build_template))
+        .route(
+            "/v1/templates/{name}",
+            get(show_template).delete(delete_template),
+        )
+        .route(
+            "/v1/workspaces",
+            get(list_workspaces).post(create_workspace),
+        )
+        .route(
+            "/v1/workspaces/{name}",
+            get(show_workspace).delete(delete_workspace),
+        )
+        .route("/v1/workspaces/{name}/attach", post(attach))
+        .route("/v1/workspaces/{name}/detach", post(detach))
+        .route("/v1/workspaces/{name}/checkpoint", post(checkpoint))
+        .route("/v1/workspaces/{name}/fork", post(fork))
+        .route("/v1/workspaces/{name}/rollback", post(rollback))
+        .route("/v1/workspaces/{name}/log", get(log))
+        .route("/v1/workspaces/{name}/freeze", post(freeze))
+        .route("/v1/workspaces/{name}/thaw", post(thaw))
+        .fallback(|| async { ApiError::not_found("no such endpoint (see /v1/openapi.json)") })
+        .layer(DefaultBodyLimit::max(64 * 1024))
+        .with_state(d)
+}
+
+/// The caller's tenant, from `Authorization: Bearer TOKEN`.
+pub struct Tenant(pub String);
+/// The caller holds the admin token.
+pub struct Admin;
+
+fn bearer(parts: &Parts) -> Option<&str> {
+    parts
+        .headers
+        .get(header::AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
+}
+
+impl FromRequestParts<Arc<Daemon>> for Tenant {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, d: &Arc<Daemon>) -> Result<Self, ApiError> {
+        let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
+        match d
+            .engine
+            .catalog()
+            .tenant_for_token(&token_hash(token))
+            .await?
+        {
+            Some(t) => Ok(Tenant(t)),
+            None if d.admin_hash.as_deref() == Some(&token_hash(token)) => {
+                Err(ApiError::forbidden(
+                    "the admin token manages tenants; use a tenant's token for its data",
+                ))
+            }
+            None => Err(ApiError::unauthorized()),
+        }
+    }
+}
+
+impl FromRequestParts<Arc<Daemon>> for Admin {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, d: &Arc<Daemon>) -> Result<Self, ApiError> {
+        let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
+        match &d.admin_hash {
+            Some(h) if *h == token_hash(token) => Ok(Admin),
+            Some(_) => Err(ApiError::forbidden("this needs the admin token")),
+            None => Err(ApiError::forbidden(
+                "no admin token is configured (STRATA_ADMIN_TOKEN)",
+            )),
+        }
+    }
+}
+
+fn body<T>(b: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
+    match b {
+        Ok(Json(v)) => Ok(v),
+        Err(JsonRejection::MissingJsonContentType(_)) => Err(ApiError::invalid(
+            "send a JSON body with Content-Type: application/json",
+        )),
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            "request body over 64 KiB",
+        )),
+        Err(e) => Err(ApiError::invalid(format!(
+            "bad request body: {}",
+            e.body_text()
+        ))),
+    }
+}
+
+async fn health(State(d): D) -> impl IntoResponse {
+    Json(serde_json::json!({"status": "ok", "node": d.engine.node_id()}))
+}
+
+async fn create_tenant(
+    _: Admin,
+    State(d): D,
+    b: Result<Json<CreateTenant>, JsonRejection>,
+) -> Result<(StatusCode, Json<TenantToken>), ApiError> {
+    let b = body(b)?;
+    strata_format::name::validate("tenant name", &b.name)
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    d.engine.catalog().create_tenant(&b.name).await?;
+    let token = new_token();
+    d.engine
+        .catalog()
+        .add_token(&b.name, &token_hash(&token))
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(TenantToken {
+            tenant: b.name,
+            token,
+        }),
+    ))
+}
+
+async fn create_token(
+    _: Admin,
+    State(d): D,
+    Path(name): Path<String>,
+) -> Result<(StatusCode, Json<TenantToken>), ApiError> {
+    let token = new_token();
+    d.engine
+        .catalog()
+        .add_token(&name, &token_hash(&token))
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(TenantToken {
+            tenant: name,
+            token,
+        }),
+    ))
+}
+
+async fn list_templates(Tenant(t): Tenant, State(d): D) -> R<Vec<Template>> {
+    Ok(Json(d.engine.catalog().list_templates(&t).await?))
+}
+
+async fn show_template(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Template> {
+    Ok(Json(d.engine.catalog().get_template(&t, &name).await?))
+}
+
+async fn delete_template(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    d.engine.catalog().delete_template(&t, &name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn build_template(
+    Tenant(t): Tenant,
+    State(d): D,
+    b: Result<Json<BuildTemplate>, JsonRejection>,
+) -> Result<(StatusCode, Json<Template>), ApiError> {
+    let b = body(b)?;
+    let tpl = match (&b.from_dir, &b.from_image) {
+        (Some(dir), None) => {
+            d.engine
+                .build_template_from_dir(&t, &b.name, std::path::Path::new(dir), b.size, &|_, _| {})
+                .await?
+        }
+        (None, Some(img)) => {
+            d.engine
+                .build_template_from_image(&t, &b.name, std::path::Path::new(img), &|_, _| {})
+                .await?
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                "give exactly one of from_dir or from_image",
+            ))
+        }
+    };
+    Ok((StatusCode::CREATED, Json(tpl)))
+}
+
+async fn list_workspaces(Tenant(t): Tenant, State(d): D) -> R<Vec<Workspace>> {
+    Ok(Json(d.engine.list_workspaces(&t).await?))
+}
+
+async fn create_workspace(
+    Tenant(t): Tenant,
+    State(d): D,
+    b: Result<Json<CreateWorkspace>, JsonRejection>,
+) -> Result<(StatusCode, Json<Workspace>), ApiError> {
+    let b = body(b)?;
+    let source = match (b.template, b.from, b.size) {
+        (Some(tpl), None, None) => Source::Template(tpl),
+        (None, Some(from), None) => {
+            let (w, v) = match from.split_once('@') {
+                Some((w, v)) => (
+                    w.to_string(),
+                    Some(
+                        v.parse::<u64>()
+                            .map_err(|_| ApiError::invalid(format!("bad version in {from:?}")))?,
+                    ),
+                ),
+                None => (from, None),
+            };
+            Source::Checkpoint {
+                workspace: w,
+                version: v,
+            }
+        }
+        (None, None, Some(size)) => {
+            if size == 0 || size > strata_format::manifest::MAX_DISK_SIZE {
+                return Err(ApiError::invalid("size must be between 1 byte and 1 PiB"));
+            }
+            Source::Empty { size }
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                "give exactly one of template, from or size",
+            ))
+        }
+    };
+    let mode = b.mode.unwrap_or(Mode::Durable);
+    let w = d
+        .engine
+        .create_workspace(
+            &t,
+            &b.name,
+            source,
+            mode,
+            b.ttl_secs.map(Duration::from_secs),
+        )
+        .await?;
+    Ok((StatusCode::CREATED, Json(w)))
+}
+
+async fn show_workspace(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+) -> R<WorkspaceView> {
+    let workspace = d.engine.workspace(&t, &name).await?;
+    let lease = d.engine.catalog().get_lease(&t, &name).await?;
+    let export = d
+        .exports
+        .lock()
+        .await
+        .get(&(t.clone(), name.clone()))
+        .map(|h| h.uri.clone());
+    let vol = d.engine.volume(&t, &name).await;
+    Ok(Json(WorkspaceView {
+        workspace,
+        lease,
+        attached: vol.is_some(),
+        export,
+        stats: vol.map(|v| v.stats()),
+    }))
+}
+
+async fn delete_workspace(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    d.engine.workspace(&t, &name).await?;
+    stop_export(&d, &t, &name).await;
+    d.engine.delete_workspace(&t, &name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Attaches (idempotently) and serves the workspace over NBD on its unix socket.
+pub(crate) async fn attach_and_export(
+    d: &Arc<Daemon>,
+    t: &str,
+    name: &str,
+) -> Result<Attached, ApiError> {
+    let mut ex = d.exports.lock().await;
+    let key = (t.to_string(), name.to_string());
+    if let Some(h) = ex.get(&key) {
+        return Ok(Attached {
+            workspace: name.into(),
+            export: h.uri.clone(),
+            socket: h.socket.display().to_string(),
+        });
+    }
+    let vol = d.engine.attach(t, name).await?;
+    let dir = d.run_dir.join(t);
+    let io = |e: std::io::Error| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("export socket: {e}"),
+        )
+    };
+    std::fs::create_dir_all(&dir).map_err(io)?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&d.run_dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+    }
+    let socket = dir.join(format!("{name}.sock"));
+    let exports = Exports::new();
+    exports.insert(
+        name,
+        Export {
+            device: vol.clone(),
+            description: format!("strata workspace {name} ({})", vol.mode()),
+            multi_conn: true,
+        },
+    );
+    let listener = Server::bind_unix(&socket).map_err(io)?;
+    let server = Server::new(exports, ServerConfig::default());
+    let task = tokio::spawn(async move {
+        if let Err(e) = server.serve_unix(listener).await {
+            tracing::error!(error = %e, "nbd listener failed");
+        }
+    });
+    let uri = format!("nbd+unix:///{name}?socket={}", socket.display());
+    ex.insert(
+        key,
+        ExportHandle {
+            uri: uri.clone(),
+            socket: socket.clone(),
+            task,
+        },
+    );
+    Ok(Attached {
+        workspace: name.into(),
+        export: uri,
+        socket: socket.display().to_string(),
+    })
+}
+
+async fn stop_export(d: &Daemon, t: &str, name: &str) {
+    if let Some(h) = d
+        .exports
+        .lock()
+        .await
+        .remove(&(t.to_string(), name.to_string()))
+    {
+        h.task.abort();
+        let _ = std::fs::remove_file(&h.socket);
+    }
+}
+
+async fn attach(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Attached> {
+    d.engine.workspace(&t, &name).await?;
+    Ok(Json(attach_and_export(&d, &t, &name).await?))
+}
+
+async fn detach(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Option<Published>> {
+    d.engine.workspace(&t, &name).await?;
+    stop_export(&d, &t, &name).await;
+    Ok(Json(d.engine.detach(&t, &name).await?))
+}
+
+async fn checkpoint(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+    b: Result<Json<CheckpointRequest>, JsonRejection>,
+) -> R<Published> {
+    let b = match b {
+        Err(JsonRejection::MissingJsonContentType(_)) => CheckpointRequest::default(),
+        b => body(b)?,
+    };
+    d.engine.workspace(&t, &name).await?;
+    Ok(Json(d.engine.checkpoint(&t, &name, b.label).await?))
+}
+
+async fn fork(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+    b: Result<Json<ForkRequest>, JsonRejection>,
+) -> Result<(StatusCode, Json<Workspace>), ApiError> {
+    let b = body(b)?;
+    let w = d.engine.fork(&t, &name, b.version, &b.name, b.mode).await?;
+    Ok((StatusCode::CREATED, Json(w)))
+}
+
+async fn rollback(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+    b: Result<Json<RollbackRequest>, JsonRejection>,
+) -> R<Published> {
+    let b = body(b)?;
+    d.engine.workspace(&t, &name).await?;
+    Ok(Json(d.engine.rollback(&t, &name, b.version).await?))
+}
+
+async fn log(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Vec<Checkpoint>> {
+    Ok(Json(d.engine.log(&t, &name).await?))
+}
+
+async fn attached_volume(
+    d: &Daemon,
+    t: &str,
+    name: &str,
+) -> Result<Arc<strata_engine::Volume>, ApiError> {
+    d.engine.workspace(t, name).await?;
+    d.engine.volume(t, name).await.ok_or_else(|| {
+        ApiError::new(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!("workspace {name:?} is not attached on this node: attach it first"),
+        )
+    })
+}
+
+async fn freeze(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<serde_json::Value> {
+    let v = attached_volume(&d, &t, &name).await?;
+    v.freeze().await;
+    Ok(Json(serde_json::json!({"workspace": name, "frozen": true})))
+}
+
+async fn thaw(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<serde_json::Value> {
+    let v = attached_volume(&d, &t, &name).await?;
+    v.thaw();
+    Ok(Json(
+        serde_json::json!({"workspace": name, "frozen": false}),
+    ))
+}
+
+/// Prometheus text exposition.
+async fn metrics(State(d): D) -> impl IntoResponse {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let r = d.engine.reader().stats();
+    let _ = writeln!(
+        out,
+        "# TYPE strata_object_gets_total counter\nstrata_object_gets_total {}",
+        r.gets
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE strata_object_bytes_fetched_total counter\nstrata_object_bytes_fetched_total {}",
+        r.bytes_fetched
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE strata_object_bytes_uploaded_total counter\nstrata_object_bytes_uploaded_total {}",
+        r.bytes_put
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE strata_cache_hits_total counter\nstrata_cache_hits_total {}",
+        r.cache_hits
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE strata_cache_misses_total counter\nstrata_cache_misses_total {}",
+        r.cache_misses
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE strata_verify_failures_total counter\nstrata_verify_failures_total {}",
+        r.verify_failures
+    );
+    let keys: Vec<(String, String)> = d.exports.lock().await.keys().cloned().collect();
+    type Series = (
+        &'static str,
+        &'static str,
+        fn(&strata_engine::VolumeStats) -> u64,
+    );
+    let series: [Series; 8] = [
+        ("strata_volume_bytes_written_total", "counter", |s| {
+            s.bytes_written
+        }),
+        ("strata_volume_bytes_read_total", "counter", |s| {
+            s.bytes_read
+        }),
+        ("strata_volume_flushes_total", "counter", |s| s.flushes),
+        ("strata_volume_publishes_total", "counter", |s| s.publishes),
+        ("strata_volume_remote_window_bytes", "gauge", |s| {
+            s.window_bytes
+        }),
+        ("strata_volume_remote_window_age_ms", "gauge", |s| {
+            s.window_age_ms
+        }),
+        ("strata_volume_journal_bytes", "gauge", |s| s.journal_bytes),
+        ("strata_volume_lease_epoch", "gauge", |s| s.lease_epoch),
+    ];
+    let mut stats = vec![];
+    for (t, w) in &keys {
+        if let Some(v) = d.engine.volume(t, w).await {
+            stats.push((t, w, v.stats()));
+        }
+    }
+    for (name, kind, f) in series {
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for (t, w, s) in &stats {
+            let _ = writeln!(out, "{name}{{tenant=\"{t}\",workspace=\"{w}\"}} {}", f(s));
+        }
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+}

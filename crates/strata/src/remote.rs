@@ -1,0 +1,174 @@
+//! The CLI talking to a daemon (`STRATA_URL`, `STRATA_TOKEN`).
+
+use serde_json::{json, Value};
+
+use crate::{Cmd, TemplateCmd, TenantCmd, WsCmd};
+
+struct Http {
+    c: reqwest::Client,
+    url: String,
+    token: String,
+}
+
+impl Http {
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> anyhow::Result<Value> {
+        let mut r = self
+            .c
+            .request(method, format!("{}{path}", self.url.trim_end_matches('/')));
+        if !self.token.is_empty() {
+            r = r.bearer_auth(&self.token);
+        }
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        let resp = r
+            .send()
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot reach the daemon at {}: {e}", self.url))?;
+        let status = resp.status();
+        let text = resp.text().await?;
+        let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        if !status.is_success() {
+            let msg = v["error"]["message"].as_str().unwrap_or(&text).to_string();
+            let kind = v["error"]["kind"].as_str().unwrap_or("error").to_string();
+            return Err(RemoteError {
+                status: status.as_u16(),
+                kind,
+                msg,
+            }
+            .into());
+        }
+        Ok(v)
+    }
+}
+
+/// An error reported by the daemon; exit code 2 for client errors.
+#[derive(Debug)]
+pub struct RemoteError {
+    pub status: u16,
+    pub kind: String,
+    pub msg: String,
+}
+
+impl std::fmt::Display for RemoteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({}, HTTP {})", self.msg, self.kind, self.status)
+    }
+}
+
+impl std::error::Error for RemoteError {}
+
+fn out(json_out: bool, v: &Value, human: impl FnOnce(&Value) -> String) {
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    } else {
+        println!("{}", human(v));
+    }
+}
+
+pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
+    use reqwest::Method as M;
+    let h = Http {
+        c: reqwest::Client::new(),
+        url: url.into(),
+        token: std::env::var("STRATA_TOKEN").unwrap_or_default(),
+    };
+    let ws_path = |ws: &str, tail: &str| format!("/v1/workspaces/{ws}{tail}");
+    match cmd {
+        Cmd::Tenant(TenantCmd::Create { name }) => {
+            let v = h
+                .call(M::POST, "/v1/tenants", Some(json!({"name": name})))
+                .await?;
+            out(json_out, &v, |v| {
+                format!(
+                    "tenant {} created; its token (shown once):\n{}",
+                    v["tenant"].as_str().unwrap_or(""),
+                    v["token"].as_str().unwrap_or("")
+                )
+            });
+        }
+        Cmd::Tenant(TenantCmd::Token { name }) => {
+            let v = h
+                .call(M::POST, &format!("/v1/tenants/{name}/tokens"), None)
+                .await?;
+            out(json_out, &v, |v| {
+                v["token"].as_str().unwrap_or("").to_string()
+            });
+        }
+        Cmd::Template(c) => {
+            let v = match c {
+                TemplateCmd::Build {
+                    name,
+                    from_dir,
+                    from_image,
+                    size,
+                } => {
+                    let abs = |p: std::path::PathBuf| {
+                        std::fs::canonicalize(&p).unwrap_or(p).display().to_string()
+                    };
+                    h.call(M::POST, "/v1/templates", Some(json!({"name": name, "from_dir": from_dir.map(abs), "from_image": from_image.map(abs), "size": size}))).await?
+                }
+                TemplateCmd::List => h.call(M::GET, "/v1/templates", None).await?,
+                TemplateCmd::Show { name } => {
+                    h.call(M::GET, &format!("/v1/templates/{name}"), None)
+                        .await?
+                }
+                TemplateCmd::Delete { name } => {
+                    h.call(M::DELETE, &format!("/v1/templates/{name}"), None)
+                        .await?;
+                    json!({"deleted": name})
+                }
+            };
+            out(json_out, &v, |v| {
+                serde_json::to_string_pretty(v).unwrap_or_default()
+            });
+        }
+        Cmd::Ws(c) => {
+            let v = match c {
+                WsCmd::Create { ws, template, from, size, mode, ttl } => {
+                    h.call(M::POST, "/v1/workspaces", Some(json!({"name": ws, "template": template, "from": from, "size": size, "mode": mode, "ttl_secs": ttl.map(|d| d.as_secs())}))).await?
+                }
+                WsCmd::List => h.call(M::GET, "/v1/workspaces", None).await?,
+                WsCmd::Show { ws } => h.call(M::GET, &ws_path(&ws, ""), None).await?,
+                WsCmd::Log { ws } => h.call(M::GET, &ws_path(&ws, "/log"), None).await?,
+                WsCmd::Attach { ws, socket, tcp } => {
+                    if socket.is_some() || tcp.is_some() {
+                        anyhow::bail!("--socket and --tcp apply to a foreground attach without a daemon (unset STRATA_URL)");
+                    }
+                    let v = h.call(M::POST, &ws_path(&ws, "/attach"), Some(json!({}))).await?;
+                    if !json_out {
+                        println!("{}", v["export"].as_str().unwrap_or(""));
+                        return Ok(());
+                    }
+                    v
+                }
+                WsCmd::Detach { ws } => h.call(M::POST, &ws_path(&ws, "/detach"), Some(json!({}))).await?,
+                WsCmd::Checkpoint { ws, label } => h.call(M::POST, &ws_path(&ws, "/checkpoint"), Some(json!({"label": label}))).await?,
+                WsCmd::Fork { src, new } => {
+                    let (s, v) = crate::split_at_version(&src)?;
+                    h.call(M::POST, &ws_path(&s, "/fork"), Some(json!({"name": new, "version": v}))).await?
+                }
+                WsCmd::Rollback { ws, version } => h.call(M::POST, &ws_path(&ws, "/rollback"), Some(json!({"version": version}))).await?,
+                WsCmd::Freeze { ws } => h.call(M::POST, &ws_path(&ws, "/freeze"), Some(json!({}))).await?,
+                WsCmd::Thaw { ws } => h.call(M::POST, &ws_path(&ws, "/thaw"), Some(json!({}))).await?,
+                WsCmd::Delete { ws } => {
+                    h.call(M::DELETE, &ws_path(&ws, ""), None).await?;
+                    json!({"deleted": ws})
+                }
+                WsCmd::Write { .. } | WsCmd::Export { .. } => {
+                    anyhow::bail!("`ws write` and `ws export` work on a local data directory: unset STRATA_URL, or attach and use an NBD client")
+                }
+            };
+            out(json_out, &v, |v| {
+                serde_json::to_string_pretty(v).unwrap_or_default()
+            });
+        }
+        Cmd::Serve(_) | Cmd::Demo => unreachable!("handled locally"),
+    }
+    Ok(())
+}

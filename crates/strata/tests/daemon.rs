@@ -1,0 +1,444 @@
+//! `strata serve` end to end, through HTTP and NBD only: lifecycle, tenant isolation, bad
+//! input, kill -9 and resume, restore on a second daemon with another data directory.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use strata_nbd::client::Client;
+
+const ADMIN: &str = "admin-secret";
+
+struct Daemon {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(data: &Path, extra: &[&str]) -> Daemon {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .arg("--data")
+        .arg(data)
+        .args([
+            "--json",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--lease-ttl",
+            "2s",
+        ])
+        .args(extra)
+        .env("STRATA_ADMIN_TOKEN", ADMIN)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    Daemon {
+        child,
+        url: format!("http://{}", v["listening"].as_str().unwrap()),
+    }
+}
+
+struct Api {
+    http: reqwest::Client,
+    url: String,
+    token: String,
+}
+
+impl Api {
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let mut r = self
+            .http
+            .request(method, format!("{}{path}", self.url))
+            .bearer_auth(&self.token);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        let resp = r.send().await.unwrap();
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+    async fn get(&self, p: &str) -> (StatusCode, Value) {
+        self.call(reqwest::Method::GET, p, None).await
+    }
+    async fn post(&self, p: &str, b: Value) -> (StatusCode, Value) {
+        self.call(reqwest::Method::POST, p, Some(b)).await
+    }
+    async fn delete(&self, p: &str) -> (StatusCode, Value) {
+        self.call(reqwest::Method::DELETE, p, None).await
+    }
+}
+
+async fn tenant(url: &str, name: &str) -> Api {
+    let admin = Api {
+        http: reqwest::Client::new(),
+        url: url.into(),
+        token: ADMIN.into(),
+    };
+    let (s, v) = admin.post("/v1/tenants", json!({"name": name})).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    Api {
+        http: reqwest::Client::new(),
+        url: url.into(),
+        token: v["token"].as_str().unwrap().into(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_isolation_and_bad_input() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("a");
+    let daemon = serve(&data, &[]);
+    let a = tenant(&daemon.url, "alpha").await;
+    let b = tenant(&daemon.url, "beta").await;
+    let (s, v) = a.get("/v1/health").await;
+    assert_eq!((s, v["status"].as_str()), (StatusCode::OK, Some("ok")));
+
+    // Template from a host directory, workspace, attach, write through NBD, checkpoint, fork.
+    let src = d.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("hello.txt"), "hello from the template\n").unwrap();
+    let (s, v) = a
+        .post(
+            "/v1/templates",
+            json!({"name": "base", "from_dir": src.to_str().unwrap(), "size": 32 << 20}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (s, v) = a
+        .post(
+            "/v1/workspaces",
+            json!({"name": "w1", "template": "base", "mode": "durable"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (s, att) = a.post("/v1/workspaces/w1/attach", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{att}");
+    let (_, att2) = a.post("/v1/workspaces/w1/attach", json!({})).await;
+    assert_eq!(att["export"], att2["export"], "attach is idempotent");
+    let sock = att["socket"].as_str().unwrap().to_string();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let mut c = Client::connect_unix(Path::new(&sock), "w1").await.unwrap();
+    c.write(20 << 20, &[0x42; 8192], false).await.unwrap();
+    c.flush().await.unwrap();
+    let (s, cp) = a
+        .post(
+            "/v1/workspaces/w1/checkpoint",
+            json!({"label": "after write"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{cp}");
+    let version = cp["version"].as_u64().unwrap();
+    let (s, v) = a
+        .post(
+            "/v1/workspaces/w1/fork",
+            json!({"name": "w2", "version": version}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (_, view) = a.get("/v1/workspaces/w1").await;
+    assert_eq!(view["attached"], true);
+    assert!(view["stats"]["window_bytes"].is_u64());
+    let (_, log) = a.get("/v1/workspaces/w1/log").await;
+    assert!(log
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|c| c["label"] == "after write"));
+    let (s, _) = a.post("/v1/workspaces/w1/freeze", json!({})).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, _) = a.post("/v1/workspaces/w1/thaw", json!({})).await;
+    assert_eq!(s, StatusCode::OK);
+    let metrics = reqwest::get(format!("{}/metrics", daemon.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("strata_volume_remote_window_bytes{tenant=\"alpha\",workspace=\"w1\"}"),
+        "{metrics}"
+    );
+
+    // Tenant isolation: beta sees nothing of alpha's, on every endpoint, and changes nothing.
+    for (m, p, body) in [
+        ("GET", "/v1/workspaces/w1", None),
+        ("GET", "/v1/workspaces/w1/log", None),
+        ("POST", "/v1/workspaces/w1/attach", Some(json!({}))),
+        ("POST", "/v1/workspaces/w1/detach", Some(json!({}))),
+        ("POST", "/v1/workspaces/w1/checkpoint", Some(json!({}))),
+        (
+            "POST",
+            "/v1/workspaces/w1/fork",
+            Some(json!({"name": "stolen"})),
+        ),
+        (
+            "POST",
+            "/v1/workspaces/w1/rollback",
+            Some(json!({"version": 1})),
+        ),
+        ("POST", "/v1/workspaces/w1/freeze", Some(json!({}))),
+        ("DELETE", "/v1/workspaces/w1", None),
+        ("GET", "/v1/templates/base", None),
+        ("DELETE", "/v1/templates/base", None),
+    ] {
+        let (s, v) = b.call(m.parse().unwrap(), p, body).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{m} {p}: {v}");
+        assert_eq!(v["error"]["kind"], "not_found");
+    }
+    let (s, v) = b
+        .post("/v1/workspaces", json!({"name": "mine", "from": "w1"}))
+        .await;
+    assert_eq!(
+        s,
+        StatusCode::NOT_FOUND,
+        "forking another tenant's workspace: {v}"
+    );
+    assert_eq!(b.get("/v1/workspaces").await.1, json!([]));
+    assert!(a.get("/v1/workspaces/stolen").await.0 == StatusCode::NOT_FOUND);
+    assert_eq!(a.get("/v1/workspaces/w1").await.1["attached"], true);
+
+    // Authentication.
+    let nobody = Api {
+        http: reqwest::Client::new(),
+        url: daemon.url.clone(),
+        token: "st_wrong".into(),
+    };
+    assert_eq!(
+        nobody.get("/v1/workspaces").await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        a.post("/v1/tenants", json!({"name": "x"})).await.0,
+        StatusCode::FORBIDDEN
+    );
+    let admin = Api {
+        http: reqwest::Client::new(),
+        url: daemon.url.clone(),
+        token: ADMIN.into(),
+    };
+    assert_eq!(admin.get("/v1/workspaces").await.0, StatusCode::FORBIDDEN);
+
+    // Bad input: a 4xx with a JSON message, and nothing changed.
+    for (body, why) in [
+        (json!({"name": "../x", "size": 1048576}), "hostile name"),
+        (json!({"name": "a/b", "size": 1048576}), "slash"),
+        (json!({"name": "a\u{0}b", "size": 1048576}), "NUL"),
+        (
+            json!({"name": "x".repeat(300), "size": 1048576}),
+            "too long",
+        ),
+        (json!({"name": "ok", "size": -5}), "negative size"),
+        (json!({"name": "ok", "size": 1u64 << 62}), "absurd size"),
+        (json!({"name": "ok", "size": 0}), "zero size"),
+        (
+            json!({"name": "ok", "size": 4096, "colour": "blue"}),
+            "unknown field",
+        ),
+        (json!({"name": "ok"}), "no source"),
+        (
+            json!({"name": "ok", "size": 4096, "template": "base"}),
+            "two sources",
+        ),
+        (
+            json!({"name": "ok", "template": "nope"}),
+            "missing template",
+        ),
+    ] {
+        let (s, v) = a.post("/v1/workspaces", body).await;
+        assert!(s.is_client_error(), "{why}: {s} {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{why}: {v}"
+        );
+    }
+    let raw = reqwest::Client::new()
+        .post(format!("{}/v1/workspaces", daemon.url))
+        .bearer_auth(&a.token)
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(raw.status(), StatusCode::BAD_REQUEST);
+    let huge = reqwest::Client::new()
+        .post(format!("{}/v1/workspaces", daemon.url))
+        .bearer_auth(&a.token)
+        .header("content-type", "application/json")
+        .body(format!("{{\"name\": \"{}\"}}", "x".repeat(200_000)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(huge.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    let names: Vec<String> = a
+        .get("/v1/workspaces")
+        .await
+        .1
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names, vec!["w1", "w2"]);
+    assert_eq!(
+        a.delete("/v1/workspaces/w2").await.0,
+        StatusCode::NO_CONTENT
+    );
+    assert_eq!(a.get("/v1/workspaces/w2").await.0, StatusCode::NOT_FOUND);
+
+    // The committed OpenAPI document is what is served, and it lists every route.
+    let (_, doc) = a.get("/v1/openapi.json").await;
+    let committed: Value =
+        serde_json::from_str(include_str!("../../strata-daemon/openapi.json")).unwrap();
+    assert_eq!(doc, committed);
+    for p in [
+        "/v1/workspaces/{name}/attach",
+        "/v1/workspaces/{name}/freeze",
+        "/v1/templates",
+        "/v1/tenants",
+        "/metrics",
+    ] {
+        assert!(
+            doc["paths"].get(p).is_some(),
+            "{p} missing from openapi.json"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_resume_and_restore_on_another_daemon() {
+    let d = tempfile::tempdir().unwrap();
+    let data_a = d.path().join("a");
+    let daemon = serve(&data_a, &[]);
+    let a = tenant(&daemon.url, "alpha").await;
+    let (s, v) = a
+        .post("/v1/workspaces", json!({"name": "w", "size": 16 << 20}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (_, att) = a.post("/v1/workspaces/w/attach", json!({})).await;
+    let sock = att["socket"].as_str().unwrap().to_string();
+    let mut c = Client::connect_unix(Path::new(&sock), "w").await.unwrap();
+    c.write(0, &[7; 65536], false).await.unwrap();
+    c.flush().await.unwrap();
+    drop(c);
+    drop(daemon); // SIGKILL
+                  // Restart: the workspace is served again at the same socket, with every flushed write.
+    let daemon = serve(&data_a, &[]);
+    let mut c = Client::connect_unix(Path::new(&sock), "w").await.unwrap();
+    assert!(c.read(0, 65536).await.unwrap().iter().all(|&b| b == 7));
+    c.write(65536, &[8; 4096], true).await.unwrap();
+    let a = Api {
+        http: reqwest::Client::new(),
+        url: daemon.url.clone(),
+        token: a.token.clone(),
+    };
+    let (s, v) = a.post("/v1/workspaces/w/checkpoint", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, v) = a.post("/v1/workspaces/w/fork", json!({"name": "f"})).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    // A second daemon, its own data directory, sharing the catalog and the object store.
+    let cat = format!("sqlite:{}", data_a.join("catalog.db").display());
+    let store = format!("file:{}", data_a.join("objects").display());
+    let other = serve(&d.path().join("b"), &["--catalog", &cat, "--store", &store]);
+    let b = Api {
+        http: reqwest::Client::new(),
+        url: other.url.clone(),
+        token: a.token.clone(),
+    };
+    // w is attached on node a: node b is refused, with the holder named.
+    let (s, v) = b.post("/v1/workspaces/w/attach", json!({})).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    let (s, att) = b.post("/v1/workspaces/f/attach", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{att}");
+    let mut c = Client::connect_unix(Path::new(att["socket"].as_str().unwrap()), "f")
+        .await
+        .unwrap();
+    assert!(c.read(0, 65536).await.unwrap().iter().all(|&b| b == 7));
+    assert!(c.read(65536, 4096).await.unwrap().iter().all(|&b| b == 8));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_drives_the_daemon() {
+    let d = tempfile::tempdir().unwrap();
+    let daemon = serve(&d.path().join("a"), &[]);
+    let cli = |token: &str, args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(args)
+            .env("STRATA_URL", &daemon.url)
+            .env("STRATA_TOKEN", token)
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (c, o, e) = cli(ADMIN, &["--json", "tenant", "create", "gamma"]);
+    assert_eq!(c, 0, "{e}");
+    let token = serde_json::from_str::<Value>(&o).unwrap()["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (c, _, e) = cli(
+        &token,
+        &["ws", "create", "w", "--size", "4MiB", "--mode", "sync"],
+    );
+    assert_eq!(c, 0, "{e}");
+    let (c, o, e) = cli(&token, &["ws", "attach", "w"]);
+    assert_eq!(c, 0, "{e}");
+    assert!(o.trim().starts_with("nbd+unix:///w?socket="), "{o}");
+    let (c, o, e) = cli(&token, &["--json", "ws", "checkpoint", "w", "--label", "v"]);
+    assert_eq!(c, 0, "{e}");
+    assert!(serde_json::from_str::<Value>(&o).unwrap()["version"]
+        .as_u64()
+        .is_some());
+    let (c, _, e) = cli(&token, &["ws", "fork", "w@1", "w2"]);
+    assert_eq!(c, 0, "{e}");
+    let (c, o, _) = cli(&token, &["--json", "ws", "list"]);
+    assert_eq!(c, 0);
+    assert_eq!(
+        serde_json::from_str::<Value>(&o)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+    let (c, _, e) = cli(&token, &["ws", "show", "nope"]);
+    assert_eq!(c, 2, "{e}");
+    assert!(e.contains("not_found"), "{e}");
+    let (c, _, e) = cli("wrong", &["ws", "list"]);
+    assert_eq!(c, 2, "{e}");
+    assert!(e.contains("token"), "{e}");
+    let (c, _, e) = cli(&token, &["ws", "detach", "w"]);
+    assert_eq!(c, 0, "{e}");
+}
