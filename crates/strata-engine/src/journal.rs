@@ -310,18 +310,18 @@ impl Journal {
         }
     }
 
-    /// The oldest sealed segment: (id, bytes).
-    pub fn oldest_sealed(&self) -> Option<(u64, u64)> {
+    /// The oldest sealed segment: (id, bytes, last sequence number in it).
+    pub fn oldest_sealed(&self) -> Option<(u64, u64, u64)> {
         self.segments
             .iter()
             .next()
             .filter(|(id, _)| **id != self.active)
-            .map(|(id, s)| (*id, s.len))
+            .map(|(id, s)| (*id, s.len, s.last_seq))
     }
 
     /// Deletes the oldest sealed segment (after its live data was copied forward and synced).
     pub fn remove_oldest(&mut self, id: u64) -> io::Result<()> {
-        if self.oldest_sealed().map(|(o, _)| o) != Some(id) {
+        if self.oldest_sealed().map(|(o, _, _)| o) != Some(id) {
             return Err(io::Error::other(format!(
                 "segment {id} is not the oldest sealed segment"
             )));

@@ -893,20 +893,28 @@ impl Volume {
             if j.bytes() <= live.saturating_mul(2).saturating_add(slack) {
                 return Ok(reclaimed);
             }
-            let Some((victim, len)) = j.oldest_sealed() else {
+            let Some((victim, len, victim_last)) = j.oldest_sealed() else {
                 return Ok(reclaimed);
             };
-            let runs: Vec<(u64, u64, u64)> = self
+            // Live records of the victim: data runs stored in it, and zero runs (trims,
+            // write-zeroes) whose record it holds. Being the oldest segment, it holds every
+            // live record with a sequence number up to its last one.
+            let runs: Vec<(u64, u64, Option<u64>)> = self
                 .st()
                 .active
                 .iter()
                 .filter_map(|(lba, r)| match r.loc {
-                    Loc::Journal { seg, off } if seg == victim => Some((lba, r.len, off)),
+                    Loc::Journal { seg, off } if seg == victim => Some((lba, r.len, Some(off))),
+                    Loc::Zero if r.seq <= victim_last => Some((lba, r.len, None)),
                     _ => None,
                 })
                 .collect();
             let file = self.st().files.get(&victim).cloned();
             for (lba, n, off) in runs {
+                let Some(off) = off else {
+                    self.append_inner(&mut j, Kind::Zero, lba, n, &[], true)?;
+                    continue;
+                };
                 let file = file
                     .clone()
                     .ok_or_else(|| Error::Invalid(format!("segment {victim} has no file")))?;

@@ -67,6 +67,9 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
                 next[b as usize] = tag;
             }
             let fua = rng.random_bool(0.1);
+            if std::env::var("STRATA_CRASH_TRACE").is_ok() {
+                eprintln!("write lba {lba} n {n} tag {tag} fua {fua}");
+            }
             vol.write(lba * 4096, &data, fua).await.unwrap();
             states.push(next);
             if fua {
@@ -93,6 +96,9 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
             // A checkpoint exercises publish, local state and segment deletion.
             node.checkpoint(TENANT, &name, None).await.unwrap();
         }
+    }
+    if std::env::var("STRATA_CRASH_TRACE").is_ok() {
+        eprintln!("POWER LOSS");
     }
     // Power cut (the process dies with it).
     node.abandon().await;
