@@ -42,6 +42,7 @@ pub async fn run_all(cat: Arc<dyn Catalog>) {
     heads_move_only_by_cas_with_the_current_lease(&*cat).await;
     leases_expire_and_fence(&*cat).await;
     concurrent_checkpoints_one_winner_per_version(cat.clone()).await;
+    ttls_expire(&*cat).await;
     tenants_do_not_see_each_other(&*cat).await;
 }
 
@@ -293,6 +294,27 @@ async fn concurrent_checkpoints_one_winner_per_version(cat: Arc<dyn Catalog>) {
         "history is linear with no gaps"
     );
     cat.release_lease("acme", "race", &g).await.unwrap();
+}
+
+async fn ttls_expire(cat: &dyn Catalog) {
+    let mut w = new_ws("acme", "short", h(1));
+    w.mode = Mode::Ephemeral;
+    w.ttl_ms = Some(1);
+    let created = cat.create_workspace(&w).await.unwrap();
+    let far = created.created_ms + 10;
+    let expired = cat.list_expired(far).await.unwrap();
+    assert!(expired.contains(&("acme".to_string(), "short".to_string())));
+    assert!(
+        !expired.iter().any(|(_, n)| n == "race"),
+        "workspaces without a TTL never expire"
+    );
+    assert!(cat
+        .list_expired(created.created_ms - 1)
+        .await
+        .unwrap()
+        .iter()
+        .all(|(_, n)| n != "short"));
+    cat.delete_workspace("acme", "short").await.unwrap();
 }
 
 async fn tenants_do_not_see_each_other(cat: &dyn Catalog) {

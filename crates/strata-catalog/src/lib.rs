@@ -80,6 +80,8 @@ pub trait Catalog: Send + Sync + 'static {
     async fn create_workspace(&self, w: &NewWorkspace) -> Result<Workspace>;
     async fn get_workspace(&self, tenant: &str, name: &str) -> Result<Workspace>;
     async fn list_workspaces(&self, tenant: &str) -> Result<Vec<Workspace>>;
+    /// Workspaces whose TTL has run out: (tenant, name).
+    async fn list_expired(&self, now_ms: u64) -> Result<Vec<(String, String)>>;
     /// Deletes the workspace and its history. Refused while a live lease is held.
     async fn delete_workspace(&self, tenant: &str, name: &str) -> Result<()>;
 

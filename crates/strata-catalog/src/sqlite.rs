@@ -422,6 +422,17 @@ impl Catalog for SqliteCatalog {
         .await
     }
 
+    async fn list_expired(&self, now_ms: u64) -> Result<Vec<(String, String)>> {
+        self.run(move |c| {
+            let mut s = c
+                .prepare("SELECT tenant, name FROM workspaces WHERE ttl_ms IS NOT NULL AND created_ms + ttl_ms <= ?1 ORDER BY tenant, name")
+                .map_err(be)?;
+            let rows = s.query_map(params![now_ms as i64], |r| Ok((r.get(0)?, r.get(1)?))).map_err(be)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
+        })
+        .await
+    }
+
     async fn delete_workspace(&self, tenant: &str, name: &str) -> Result<()> {
         let (t, n) = (tenant.to_string(), name.to_string());
         self.run(move |c| {

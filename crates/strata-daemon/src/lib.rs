@@ -31,6 +31,10 @@ pub(crate) struct ExportHandle {
 
 pub struct Daemon {
     pub(crate) engine: Arc<Engine>,
+    pub(crate) nbd_metrics: Arc<strata_nbd::NbdMetrics>,
+    pub(crate) checkpoint_seconds: strata_nbd::metrics::Histogram,
+    pub(crate) fork_seconds: strata_nbd::metrics::Histogram,
+    pub(crate) expired_deleted: std::sync::atomic::AtomicU64,
     pub(crate) admin_hash: Option<String>,
     pub(crate) run_dir: PathBuf,
     pub(crate) exports: tokio::sync::Mutex<HashMap<(String, String), ExportHandle>>,
@@ -54,6 +58,10 @@ impl Daemon {
         let run_dir = engine.config().data_dir.join("run");
         Arc::new(Daemon {
             engine,
+            nbd_metrics: Arc::default(),
+            checkpoint_seconds: Default::default(),
+            fork_seconds: Default::default(),
+            expired_deleted: Default::default(),
             admin_hash: admin_token.filter(|t| !t.is_empty()).map(token_hash),
             run_dir,
             exports: tokio::sync::Mutex::new(HashMap::new()),
@@ -95,6 +103,50 @@ impl Daemon {
             }
         }
         resumed
+    }
+
+    /// Background work: deletes ephemeral workspaces whose TTL ran out (on purpose: that is
+    /// what a TTL means), when this node holds them or nobody does.
+    pub fn spawn_background(self: &Arc<Self>) -> JoinHandle<()> {
+        let d = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                let Some(d) = d.upgrade() else { return };
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|t| t.as_millis() as u64)
+                    .unwrap_or(0);
+                let expired = match d.engine.catalog().list_expired(now).await {
+                    Ok(e) => e,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "listing expired workspaces failed");
+                        continue;
+                    }
+                };
+                for (t, w) in expired {
+                    let attached_here = d.engine.volume(&t, &w).await.is_some();
+                    if attached_here {
+                        routes::stop_export(&d, &t, &w).await;
+                    }
+                    match d.engine.delete_workspace(&t, &w).await {
+                        Ok(()) => {
+                            d.expired_deleted
+                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            tracing::info!(
+                                tenant = t,
+                                workspace = w,
+                                "deleted ephemeral workspace at the end of its TTL"
+                            );
+                        }
+                        // Held by another node: that node's daemon deletes it.
+                        Err(e) => {
+                            tracing::debug!(tenant = t, workspace = w, error = %e, "expired workspace not deleted here")
+                        }
+                    }
+                }
+            }
+        })
     }
 
     /// Orderly stop: make every attached volume's acknowledged writes durable, stop exports,

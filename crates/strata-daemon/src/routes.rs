@@ -345,7 +345,13 @@ pub(crate) async fn attach_and_export(
         },
     );
     let listener = Server::bind_unix(&socket).map_err(io)?;
-    let server = Server::new(exports, ServerConfig::default());
+    let server = Server::new(
+        exports,
+        ServerConfig {
+            metrics: Some(d.nbd_metrics.clone()),
+            ..ServerConfig::default()
+        },
+    );
     let task = tokio::spawn(async move {
         if let Err(e) = server.serve_unix(listener).await {
             tracing::error!(error = %e, "nbd listener failed");
@@ -367,7 +373,7 @@ pub(crate) async fn attach_and_export(
     })
 }
 
-async fn stop_export(d: &Daemon, t: &str, name: &str) {
+pub(crate) async fn stop_export(d: &Daemon, t: &str, name: &str) {
     if let Some(h) = d
         .exports
         .lock()
@@ -401,7 +407,10 @@ async fn checkpoint(
         b => body(b)?,
     };
     d.engine.workspace(&t, &name).await?;
-    Ok(Json(d.engine.checkpoint(&t, &name, b.label).await?))
+    let started = std::time::Instant::now();
+    let r = d.engine.checkpoint(&t, &name, b.label).await;
+    d.checkpoint_seconds.record(started.elapsed(), 0, r.is_ok());
+    Ok(Json(r?))
 }
 
 async fn fork(
@@ -411,7 +420,10 @@ async fn fork(
     b: Result<Json<ForkRequest>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Workspace>), ApiError> {
     let b = body(b)?;
-    let w = d.engine.fork(&t, &name, b.version, &b.name, b.mode).await?;
+    let started = std::time::Instant::now();
+    let r = d.engine.fork(&t, &name, b.version, &b.name, b.mode).await;
+    d.fork_seconds.record(started.elapsed(), 0, r.is_ok());
+    let w = r?;
     Ok((StatusCode::CREATED, Json(w)))
 }
 
@@ -530,5 +542,17 @@ async fn metrics(State(d): D) -> impl IntoResponse {
             let _ = writeln!(out, "{name}{{tenant=\"{t}\",workspace=\"{w}\"}} {}", f(s));
         }
     }
+    d.nbd_metrics.render(&mut out);
+    let _ = writeln!(out, "# TYPE strata_checkpoint_seconds histogram");
+    d.checkpoint_seconds
+        .render(&mut out, "strata_checkpoint_seconds", "op=\"checkpoint\"");
+    let _ = writeln!(out, "# TYPE strata_fork_seconds histogram");
+    d.fork_seconds
+        .render(&mut out, "strata_fork_seconds", "op=\"fork\"");
+    let _ = writeln!(
+        out,
+        "# TYPE strata_expired_workspaces_deleted_total counter\nstrata_expired_workspaces_deleted_total {}",
+        d.expired_deleted.load(std::sync::atomic::Ordering::Relaxed)
+    );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
 }

@@ -209,6 +209,12 @@ impl Engine {
         progress: template::Progress<'_>,
     ) -> Result<Template> {
         self.check_new_template(tenant, name).await?;
+        if !dir.is_dir() {
+            return Err(Error::Invalid(format!(
+                "{} is not a directory on this host",
+                dir.display()
+            )));
+        }
         let size = match size {
             Some(s) => s.div_ceil(strata_format::BLOCK_SIZE) * strata_format::BLOCK_SIZE,
             None => template::derive_size(dir)?,
@@ -234,6 +240,11 @@ impl Engine {
         ttl: Option<Duration>,
     ) -> Result<Workspace> {
         name::validate("workspace name", ws)?;
+        if ttl.is_some() && mode != Mode::Ephemeral {
+            return Err(Error::Invalid(
+                "a TTL applies to ephemeral workspaces only: durable and sync workspaces are never deleted behind your back".into(),
+            ));
+        }
         let (manifest, disk_size, source, kind) = match source {
             Source::Template(t) => {
                 let t = self.catalog.get_template(tenant, &t).await?;

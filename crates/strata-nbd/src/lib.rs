@@ -8,8 +8,10 @@
 
 pub mod client;
 pub mod device;
+pub mod metrics;
 pub mod proto;
 pub mod server;
 
 pub use device::{BlockDevice, DevError, MemDevice};
+pub use metrics::NbdMetrics;
 pub use server::{Export, Exports, Server, ServerConfig};

@@ -85,6 +85,8 @@ pub struct ServerConfig {
     pub handshake_timeout: Duration,
     /// Close a connection idle this long in transmission (None: never; kernel clients idle).
     pub idle_timeout: Option<Duration>,
+    /// Where request latencies are recorded (shared across servers if wanted).
+    pub metrics: Option<Arc<crate::NbdMetrics>>,
 }
 
 impl Default for ServerConfig {
@@ -94,6 +96,7 @@ impl Default for ServerConfig {
             max_inflight_bytes: 64 << 20,
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: None,
+            metrics: None,
         }
     }
 }
@@ -484,8 +487,19 @@ impl Server {
                 continue;
             }
             let (dev, tx) = (dev.clone(), tx.clone());
+            let metrics = self.cfg.metrics.clone();
             tasks.spawn(async move {
+                let started = std::time::Instant::now();
                 let reply = execute(&*dev, &req, payload, structured).await;
+                if let Some(h) = metrics.as_ref().and_then(|m| m.for_command(req.kind)) {
+                    let ok = reply_ok(&reply);
+                    let bytes = if matches!(req.kind, CMD_READ | CMD_WRITE) && ok {
+                        req.length as u64
+                    } else {
+                        0
+                    };
+                    h.record(started.elapsed(), bytes, ok);
+                }
                 let _ = tx.send(reply).await;
                 drop(permit);
             });
@@ -550,6 +564,19 @@ fn validate(
         Some(end) if end <= size => None,
         _ if write => Some((ENOSPC, "beyond the end of the export")),
         _ => Some((EINVAL, "beyond the end of the export")),
+    }
+}
+
+/// Whether an encoded reply reports success.
+fn reply_ok(reply: &[u8]) -> bool {
+    match reply.get(..4) {
+        Some(m) if m == SIMPLE_REPLY_MAGIC.to_be_bytes() => {
+            reply.get(4..8) == Some(&[0, 0, 0, 0][..])
+        }
+        Some(_) => reply
+            .get(6..8)
+            .is_some_and(|t| u16::from_be_bytes([t[0], t[1]]) & (1 << 15) == 0),
+        None => false,
     }
 }
 

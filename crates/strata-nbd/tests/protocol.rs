@@ -91,7 +91,7 @@ async fn commands_on_a_volume() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_the_specified_errors_and_the_server_survives() {
     let rig = Rig::new(ServerConfig {
-        max_request: 1 << 20,
+        max_request: 1 << 19,
         ..ServerConfig::default()
     })
     .await;

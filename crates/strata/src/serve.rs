@@ -192,6 +192,7 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
     }
     let daemon = strata_daemon::Daemon::new(engine, admin.as_deref());
     let resumed = daemon.resume().await;
+    let _background = daemon.spawn_background();
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .with_context(|| format!("binding {listen}"))?;

@@ -280,6 +280,69 @@ async fn lifecycle_isolation_and_bad_input() {
             "{why}: {v}"
         );
     }
+    // Every endpoint that takes a body: malformed JSON, unknown fields, hostile values.
+    for (path, bodies) in [
+        (
+            "/v1/templates",
+            vec![
+                json!({"name": "../t", "from_dir": "/tmp"}),
+                json!({"name": "t"}),
+                json!({"name": "t", "from_dir": "/nonexistent/dir"}),
+                json!({"name": "t", "from_dir": "/tmp", "from_image": "/x"}),
+                json!({"name": "t", "x": 1}),
+            ],
+        ),
+        (
+            "/v1/workspaces/w1/fork",
+            vec![
+                json!({"name": "a/b"}),
+                json!({"name": "ok", "version": -1}),
+                json!({"name": "ok", "extra": true}),
+                json!({}),
+            ],
+        ),
+        (
+            "/v1/workspaces/w1/rollback",
+            vec![
+                json!({"version": "one"}),
+                json!({}),
+                json!({"version": 1, "now": true}),
+            ],
+        ),
+        (
+            "/v1/workspaces/w1/checkpoint",
+            vec![
+                json!({"label": "bell\u{7}"}),
+                json!({"label": "x".repeat(300)}),
+                json!({"labels": "a"}),
+            ],
+        ),
+    ] {
+        for b in bodies {
+            let (s, v) = a.post(path, b.clone()).await;
+            assert!(s.is_client_error(), "{path} {b}: {s} {v}");
+            assert!(v["error"]["message"].as_str().is_some(), "{path} {b}: {v}");
+        }
+        let raw = reqwest::Client::new()
+            .post(format!("{}{path}", daemon.url))
+            .bearer_auth(&a.token)
+            .header("content-type", "application/json")
+            .body("[1,")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(raw.status(), StatusCode::BAD_REQUEST, "{path}");
+    }
+    let (s, v) = admin.post("/v1/tenants", json!({"name": "../evil"})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let (_, log) = a.get("/v1/workspaces/w1/log").await;
+    assert!(
+        log.as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["kind"] != "rollback"),
+        "a refused request changed history"
+    );
     let raw = reqwest::Client::new()
         .post(format!("{}/v1/workspaces", daemon.url))
         .bearer_auth(&a.token)
