@@ -76,6 +76,14 @@ impl Daemon {
         routes::router(self.clone())
     }
 
+    /// Attaches a workspace and serves it over NBD (what `POST …/attach` does); returns the
+    /// export address and socket.
+    pub async fn attach(self: &Arc<Self>, tenant: &str, ws: &str) -> Result<Attached, String> {
+        routes::attach_and_export(self, tenant, ws)
+            .await
+            .map_err(|e| e.message)
+    }
+
     /// Re-attaches and re-exports every workspace this node has local state for (after a clean
     /// restart or a kill -9), unless its lease is now held by another node.
     pub async fn resume(self: &Arc<Self>) -> Vec<(String, String)> {

@@ -1,8 +1,8 @@
 //! `strata demo`: the lifecycle on a throwaway data directory, explained as it runs.
 //!
-//! Until the NBD export lands, the "sandbox" is played by debugfs: it edits a copy of the disk
-//! (adds a file to the ext4 filesystem) and the demo writes every changed block into the
-//! workspace, exactly the blocks a guest would have written.
+//! The "sandbox" is played by debugfs: it edits a copy of the disk (adds a file to the ext4
+//! filesystem) and the demo writes every changed block over NBD, through the daemon's export of
+//! the workspace, exactly the blocks a guest would have written, then FLUSHes.
 
 use std::path::Path;
 use std::process::Command;
@@ -80,8 +80,21 @@ async fn run_in(root: &Path, json: bool) -> anyhow::Result<()> {
         None,
     )
     .await?;
-    let vol = a.attach(TENANT, "agent-1").await?;
-    step(json, t, "workspace agent-1 created (durable) and attached");
+    let daemon = strata_daemon::Daemon::new(a.clone(), None);
+    let att = daemon
+        .attach(TENANT, "agent-1")
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let mut nbd =
+        strata_nbd::client::Client::connect_unix(Path::new(&att.socket), "agent-1").await?;
+    step(
+        json,
+        t,
+        &format!(
+            "workspace agent-1 created (durable), exported at {}",
+            att.export
+        ),
+    );
 
     // The "sandbox" adds a file to the filesystem; we write the blocks it changed.
     let before = root.join("before.img");
@@ -99,16 +112,17 @@ async fn run_in(root: &Path, json: bool) -> anyhow::Result<()> {
     let mut changed = 0;
     for (i, (x, y)) in b0.chunks(4096).zip(b1.chunks(4096)).enumerate() {
         if x != y {
-            vol.write(i as u64 * 4096, y, false).await?;
+            nbd.write(i as u64 * 4096, y, false).await?;
             changed += 1;
         }
     }
-    vol.flush().await?;
+    nbd.flush().await?;
+    nbd.disconnect().await?;
     step(
         json,
         t,
         &format!(
-            "sandbox wrote notes.txt: {changed} blocks written, FLUSH returned (journal fsync'd)"
+            "sandbox wrote notes.txt over NBD: {changed} blocks, FLUSH returned (journal fsync'd)"
         ),
     );
 
@@ -165,7 +179,7 @@ async fn run_in(root: &Path, json: bool) -> anyhow::Result<()> {
             cat.trim()
         ),
     );
-    a.detach(TENANT, "agent-1").await?;
+    daemon.shutdown().await;
 
     if json {
         println!(

@@ -505,3 +505,140 @@ async fn the_cli_drives_the_daemon() {
     let (c, _, e) = cli(&token, &["ws", "detach", "w"]);
     assert_eq!(c, 0, "{e}");
 }
+
+/// A real ext4 through the daemon's NBD export (nbdfuse + loop), checkpointed, then read back
+/// on a second daemon with another data directory that shares only the catalog and the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ext4_written_on_one_daemon_reads_back_on_another() {
+    let have = |t: &str| {
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!("command -v {t}"))
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let root = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(2) == Some("0"))
+        })
+        .unwrap_or(false);
+    if !(root
+        && ["nbdfuse", "losetup", "mkfs.ext4", "e2fsck", "fusermount3"]
+            .iter()
+            .all(|t| have(t)))
+    {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI runs as root with nbdfuse installed"
+        );
+        eprintln!("skipping: needs root, nbdfuse and a loop device");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let data_a = d.path().join("a");
+    let daemon = serve(&data_a, &[]);
+    let a = tenant(&daemon.url, "alpha").await;
+    let (s, v) = a
+        .post("/v1/workspaces", json!({"name": "fs", "size": 128 << 20}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (_, att) = a.post("/v1/workspaces/fs/attach", json!({})).await;
+    let uri = att["export"].as_str().unwrap().to_string();
+    let mount = |uri: &str, tag: &str, body: &str| {
+        let fuse = d.path().join(format!("fuse-{tag}"));
+        let mnt = d.path().join(format!("mnt-{tag}"));
+        std::fs::create_dir_all(&fuse).unwrap();
+        std::fs::create_dir_all(&mnt).unwrap();
+        let pid = d.path().join(format!("{tag}.pid"));
+        format!(
+            r#"set -eu
+fuse={fuse}; mnt={mnt}; file={fuse}/disk
+nbdfuse -P {pid} "$file" '{uri}' &
+for i in $(seq 1 100); do [ -s {pid} ] && break; sleep 0.1; done
+cleanup() {{ umount "$mnt" 2>/dev/null || true; [ -n "${{loop:-}}" ] && losetup -d "$loop" 2>/dev/null || true; fusermount3 -u "$fuse" 2>/dev/null || true; }}
+trap cleanup EXIT
+{body}
+"#,
+            fuse = fuse.display(),
+            mnt = mnt.display(),
+            pid = pid.display(),
+        )
+    };
+    let write = mount(
+        &uri,
+        "w",
+        r#"mkfs.ext4 -q -F "$file"
+loop=$(losetup -f --show "$file")
+mount "$loop" "$mnt"
+mkdir "$mnt/agent"
+for i in $(seq 1 10); do head -c $((i * 50000)) /dev/urandom > "$mnt/agent/out$i"; done
+(cd "$mnt/agent" && sha256sum out* > ../SUMS)
+umount "$mnt"
+e2fsck -f -n "$loop""#,
+    );
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("bash").arg("-c").arg(write).output().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (s, cp) = a
+        .post(
+            "/v1/workspaces/fs/checkpoint",
+            json!({"label": "ext4 written"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{cp}");
+    let (s, v) = a
+        .post(
+            "/v1/workspaces/fs/fork",
+            json!({"name": "fs2", "version": cp["version"]}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    // Node B: its own data directory; restores the fork from the head alone.
+    let cat = format!("sqlite:{}", data_a.join("catalog.db").display());
+    let store = format!("file:{}", data_a.join("objects").display());
+    let other = serve(&d.path().join("b"), &["--catalog", &cat, "--store", &store]);
+    let b = Api {
+        http: reqwest::Client::new(),
+        url: other.url.clone(),
+        token: a.token.clone(),
+    };
+    let (s, att) = b.post("/v1/workspaces/fs2/attach", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{att}");
+    let uri_b = att["export"].as_str().unwrap().to_string();
+    let read = mount(
+        &uri_b,
+        "r",
+        r#"loop=$(losetup -f --show -r "$file")
+e2fsck -f -n "$loop"
+mount -o ro "$loop" "$mnt"
+(cd "$mnt/agent" && sha256sum -c --quiet ../SUMS)
+ls "$mnt/agent" | wc -l"#,
+    );
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("bash").arg("-c").arg(read).output().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .last()
+            .map(str::trim),
+        Some("10")
+    );
+}
