@@ -85,6 +85,18 @@ impl Overlay {
         Some(r)
     }
 
+    /// Re-inserts the part of run `r` (starting at `s`) that lies past `end`, if any.
+    fn keep_tail(&mut self, s: u64, r: Run, end: u64) {
+        if s + r.len > end {
+            let tail = Run {
+                len: s + r.len - end,
+                loc: r.loc.advance(end - s),
+                ..r
+            };
+            self.put(end, tail);
+        }
+    }
+
     /// Makes blocks `lba..lba+len` map to `loc` (written at `seq`), replacing what was there.
     pub fn insert(&mut self, lba: u64, len: u64, seq: u64, loc: Loc) {
         let end = lba + len;
@@ -93,32 +105,14 @@ impl Overlay {
             if s + r.len > lba {
                 self.take(s);
                 self.put(s, Run { len: lba - s, ..r });
-                if s + r.len > end {
-                    self.put(
-                        end,
-                        Run {
-                            len: s + r.len - end,
-                            loc: r.loc.advance(end - s),
-                            ..r
-                        },
-                    );
-                }
+                self.keep_tail(s, r, end);
             }
         }
         // Runs starting inside the range: drop them, keeping any tail past `end`.
         let inside: Vec<u64> = self.map.range(lba..end).map(|(k, _)| *k).collect();
         for s in inside {
             if let Some(r) = self.take(s) {
-                if s + r.len > end {
-                    self.put(
-                        end,
-                        Run {
-                            len: s + r.len - end,
-                            loc: r.loc.advance(end - s),
-                            ..r
-                        },
-                    );
-                }
+                self.keep_tail(s, r, end);
             }
         }
         self.put(lba, Run { len, seq, loc });
