@@ -43,6 +43,7 @@ pub(crate) async fn pack(
     frozen: &Overlay,
     files: &HashMap<u64, Arc<dyn FsFile>>,
     target: u64,
+    progress: &std::sync::atomic::AtomicU64,
 ) -> Result<Packed> {
     let mut planned: Vec<Planned> = Vec::new();
     let mut uploads = FuturesUnordered::new();
@@ -116,7 +117,12 @@ pub(crate) async fn pack(
                 }
                 if buf.len() as u64 >= target {
                     if uploads.len() >= MAX_IN_FLIGHT {
-                        collect(uploads.next().await, &mut done, &mut bytes_uploaded)?;
+                        collect(
+                            uploads.next().await,
+                            &mut done,
+                            &mut bytes_uploaded,
+                            progress,
+                        )?;
                     }
                     uploads.push(upload(n_objects, std::mem::take(&mut buf)));
                     n_objects += 1;
@@ -129,7 +135,7 @@ pub(crate) async fn pack(
         uploads.push(upload(n_objects, std::mem::take(&mut buf)));
     }
     while let Some(r) = uploads.next().await {
-        collect(Some(r), &mut done, &mut bytes_uploaded)?;
+        collect(Some(r), &mut done, &mut bytes_uploaded, progress)?;
     }
     let mut changes = Vec::with_capacity(planned.len());
     for p in planned {
@@ -154,10 +160,12 @@ fn collect(
     r: Option<UploadResult>,
     done: &mut HashMap<usize, ObjectRef>,
     bytes: &mut u64,
+    progress: &std::sync::atomic::AtomicU64,
 ) -> Result<()> {
     if let Some((idx, n, r)) = r {
         done.insert(idx, r?);
         *bytes += n;
+        progress.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
     }
     Ok(())
 }

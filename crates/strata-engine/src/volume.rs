@@ -74,6 +74,10 @@ pub struct VolumeStats {
     pub journal_bytes: u64,
     /// Bytes of journal data still live (not overwritten, not yet published).
     pub journal_live_bytes: u64,
+    /// A publish in progress: bytes of live data it packs (0 when none is running) …
+    pub publish_total_bytes: u64,
+    /// … and how many of them are uploaded so far (for progress bars).
+    pub publish_done_bytes: u64,
     pub overlay_runs: u64,
     pub head_version: u64,
     pub lease_epoch: u64,
@@ -131,6 +135,8 @@ pub struct Volume {
     synced_seq: AtomicU64,
     published_seq: AtomicU64,
     window: Mutex<Window>,
+    publish_total: AtomicU64,
+    publish_done: AtomicU64,
     failed: Mutex<Option<String>>,
     closed: AtomicBool,
     counters: Counters,
@@ -305,6 +311,8 @@ impl Volume {
             synced_seq: AtomicU64::new(last),
             published_seq: AtomicU64::new(base_seq),
             window: Mutex::new(window),
+            publish_total: AtomicU64::new(0),
+            publish_done: AtomicU64::new(0),
             failed: Mutex::new(None),
             closed: AtomicBool::new(false),
             counters: Counters::default(),
@@ -843,14 +851,20 @@ impl Volume {
     ) -> Result<(u64, Hash, Manifest, u64)> {
         let files = self.st().files.clone();
         // 2. Pack and upload every live block <= cut.
+        self.publish_done.store(0, SeqCst);
+        self.publish_total
+            .store(frozen.data_blocks() * BLOCK_SIZE, SeqCst);
         let packed = pack(
             &self.reader,
             &self.tenant,
             frozen,
             &files,
             self.opts.object_target_bytes,
+            &self.publish_done,
         )
-        .await?;
+        .await;
+        self.publish_total.store(0, SeqCst);
+        let packed = packed?;
         // 3. The new cumulative manifest.
         let m = base.apply(&packed.changes)?;
         let id = self.reader.store().put_manifest(&self.tenant, &m).await?;
@@ -1088,6 +1102,8 @@ impl Volume {
             window_age_ms,
             journal_bytes: self.writer.try_lock().map(|j| j.bytes()).unwrap_or(0),
             journal_live_bytes: live_blocks * BLOCK_SIZE,
+            publish_total_bytes: self.publish_total.load(SeqCst),
+            publish_done_bytes: self.publish_done.load(SeqCst),
             overlay_runs,
             head_version,
             lease_epoch: self.lease().epoch,

@@ -177,7 +177,38 @@ enum WsCmd {
     },
 }
 
-fn split_at_version(s: &str) -> anyhow::Result<(String, Option<u64>)> {
+/// On a terminal, shows upload progress while a publish runs, by polling `poll` for
+/// (bytes uploaded, bytes to pack). Returns the ticker to pass to [`end_progress`].
+pub(crate) fn upload_progress<F, Fut>(poll: F) -> Option<tokio::task::JoinHandle<()>>
+where
+    F: Fn() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Option<(u64, u64)>> + Send,
+{
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        return None;
+    }
+    Some(tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            if let Some((done, total)) = poll().await.filter(|(_, t)| *t > 0) {
+                eprint!(
+                    "\r\x1b[Kuploading: {} of up to {}",
+                    units::fmt_size(done),
+                    units::fmt_size(total)
+                );
+            }
+        }
+    }))
+}
+
+pub(crate) fn end_progress(ticker: Option<tokio::task::JoinHandle<()>>) {
+    if let Some(t) = ticker {
+        t.abort();
+        eprint!("\r\x1b[K");
+    }
+}
+
+pub(crate) fn split_at_version(s: &str) -> anyhow::Result<(String, Option<u64>)> {
     match s.split_once('@') {
         Some((w, v)) => Ok((
             w.to_string(),
@@ -364,7 +395,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     });
                 }
                 WsCmd::Checkpoint { ws, label } => {
-                    let p = e.checkpoint(t, &ws, label).await?;
+                    let ticker = {
+                        let (e, t, ws) = (e.clone(), t.to_string(), ws.clone());
+                        upload_progress(move || {
+                            let (e, t, ws) = (e.clone(), t.clone(), ws.clone());
+                            async move {
+                                let s = e.volume(&t, &ws).await?.stats();
+                                Some((s.publish_done_bytes, s.publish_total_bytes))
+                            }
+                        })
+                    };
+                    let p = e.checkpoint(t, &ws, label).await;
+                    end_progress(ticker);
+                    let p = p?;
                     print(g.json, &p, |p| {
                         format!(
                             "checkpoint v{} ({} uploaded, stall {:?}, total {:?})",
@@ -418,8 +461,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 WsCmd::Detach { ws } => {
                     // Without a daemon nothing stays attached between commands: attaching
                     // replays any journal a crashed `ws attach` left, then detach publishes it.
-                    e.attach(t, &ws).await?;
-                    let p = e.detach(t, &ws).await?;
+                    let vol = e.attach(t, &ws).await?;
+                    let ticker = upload_progress(move || {
+                        let s = vol.stats();
+                        async move { Some((s.publish_done_bytes, s.publish_total_bytes)) }
+                    });
+                    let p = e.detach(t, &ws).await;
+                    end_progress(ticker);
+                    let p = p?;
                     print(g.json, &p, |_| format!("{ws} detached"));
                 }
                 WsCmd::Freeze { .. } | WsCmd::Thaw { .. } => {

@@ -63,6 +63,29 @@ impl std::fmt::Display for RemoteError {
 
 impl std::error::Error for RemoteError {}
 
+/// Polls the daemon's view of a workspace for upload progress while a publish runs.
+fn poll_remote(h: &Http, ws: &str) -> Option<tokio::task::JoinHandle<()>> {
+    let (c, url, token, ws) = (h.c.clone(), h.url.clone(), h.token.clone(), ws.to_string());
+    crate::upload_progress(move || {
+        let (c, url, token, ws) = (c.clone(), url.clone(), token.clone(), ws.clone());
+        async move {
+            let v: Value = c
+                .get(format!("{}/v1/workspaces/{ws}", url.trim_end_matches('/')))
+                .bearer_auth(token)
+                .send()
+                .await
+                .ok()?
+                .json()
+                .await
+                .ok()?;
+            Some((
+                v["stats"]["publish_done_bytes"].as_u64()?,
+                v["stats"]["publish_total_bytes"].as_u64()?,
+            ))
+        }
+    })
+}
+
 fn out(json_out: bool, v: &Value, human: impl FnOnce(&Value) -> String) {
     if json_out {
         println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
@@ -147,8 +170,18 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                     }
                     v
                 }
-                WsCmd::Detach { ws } => h.call(M::POST, &ws_path(&ws, "/detach"), Some(json!({}))).await?,
-                WsCmd::Checkpoint { ws, label } => h.call(M::POST, &ws_path(&ws, "/checkpoint"), Some(json!({"label": label}))).await?,
+                WsCmd::Detach { ws } => {
+                    let ticker = poll_remote(&h, &ws);
+                    let r = h.call(M::POST, &ws_path(&ws, "/detach"), Some(json!({}))).await;
+                    crate::end_progress(ticker);
+                    r?
+                }
+                WsCmd::Checkpoint { ws, label } => {
+                    let ticker = poll_remote(&h, &ws);
+                    let r = h.call(M::POST, &ws_path(&ws, "/checkpoint"), Some(json!({"label": label}))).await;
+                    crate::end_progress(ticker);
+                    r?
+                }
                 WsCmd::Fork { src, new } => {
                     let (s, v) = crate::split_at_version(&src)?;
                     h.call(M::POST, &ws_path(&s, "/fork"), Some(json!({"name": new, "version": v}))).await?
