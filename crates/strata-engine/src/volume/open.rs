@@ -1,0 +1,159 @@
+//! Opening a volume: deciding whether a local journal still applies to the catalog head,
+//! loading the base manifest, replaying the journal and making what survived durable.
+
+use super::*;
+
+impl Volume {
+    /// Opens the volume for a workspace whose lease `p.lease` is held: decides whether the local
+    /// journal (if any) still applies to the catalog head, loads the base manifest, replays the
+    /// journal and makes the replayed records durable.
+    pub(crate) async fn open(p: VolumeParts) -> Result<Arc<Volume>> {
+        let ws = p.catalog.get_workspace(&p.tenant, &p.name).await?;
+        let head = p
+            .catalog
+            .get_checkpoint(&p.tenant, &p.name, ws.head_version)
+            .await?;
+        let local = LocalState::load(&*p.fs, &p.dir)?;
+        let (journal_id, base_seq) = match local {
+            Some(l) if head.journal_id.as_deref() == Some(l.journal_id.as_str()) => {
+                // We published the head ourselves (possibly without recording it locally).
+                (l.journal_id, head.cut_seq.max(l.base_seq))
+            }
+            Some(l) if l.base_version == ws.head_version && l.base_manifest == ws.head_manifest => {
+                (l.journal_id, l.base_seq)
+            }
+            Some(l) => {
+                tracing::warn!(
+                    tenant = %p.tenant, workspace = %p.name, local_base = l.base_version,
+                    head = ws.head_version,
+                    "local journal is based on a head that has since moved elsewhere; discarding it"
+                );
+                p.fs.remove_dir_all(&p.dir)
+                    .map_err(Error::io("discarding stale journal"))?;
+                (new_journal_id(), 0)
+            }
+            None => (new_journal_id(), 0),
+        };
+        p.fs.create_dir_all(&p.dir)
+            .map_err(Error::io(format!("creating {}", p.dir.display())))?;
+        let base = p
+            .reader
+            .store()
+            .get_manifest(&p.tenant, &ws.head_manifest)
+            .await?;
+        if base.disk_size != ws.disk_size {
+            return Err(Error::Invalid(format!(
+                "manifest {} describes {} bytes, workspace says {}",
+                ws.head_manifest, base.disk_size, ws.disk_size
+            )));
+        }
+        LocalState {
+            format: crate::local::LOCAL_FORMAT,
+            tenant: p.tenant.clone(),
+            workspace: p.name.clone(),
+            journal_id: journal_id.clone(),
+            base_version: ws.head_version,
+            base_manifest: ws.head_manifest,
+            base_seq,
+        }
+        .store(&*p.fs, &p.dir)?;
+
+        let mut active = Overlay::default();
+        let mut files: HashMap<u64, Arc<dyn FsFile>> = HashMap::new();
+        let mut replayed_bytes = 0u64;
+        let disk_blocks = base.disk_blocks();
+        let (mut journal, discarded) = Journal::open(
+            p.fs.clone(),
+            &p.dir.join("journal"),
+            base_seq,
+            p.opts.segment_max_bytes,
+            |r, file| {
+                if r.lba + r.nblocks > disk_blocks {
+                    tracing::error!(
+                        lba = r.lba,
+                        "journal record past the end of the disk; ignored"
+                    );
+                    return;
+                }
+                files.entry(r.seg).or_insert_with(|| file.clone());
+                let loc = match r.kind {
+                    Kind::Write => {
+                        replayed_bytes += r.nblocks * BLOCK_SIZE;
+                        Loc::Journal {
+                            seg: r.seg,
+                            off: r.data_off,
+                        }
+                    }
+                    Kind::Zero => Loc::Zero,
+                };
+                active.insert(r.lba, r.nblocks, r.seq, loc);
+            },
+        )
+        .map_err(Error::io("replaying journal"))?;
+        if discarded > 0 {
+            tracing::info!(tenant = %p.tenant, workspace = %p.name, discarded, "dropped torn journal tail");
+        }
+        // What survived a process crash may still be only in the page cache: make it durable
+        // now, so that "replayed" implies "flushed".
+        let batch = journal.take_dirty();
+        for f in files.values() {
+            f.sync_data()
+                .map_err(Error::io("syncing replayed journal"))?;
+        }
+        if let Some(d) = &batch.dir {
+            p.fs.sync_dir(d)
+                .map_err(Error::io("syncing journal directory"))?;
+        }
+        let active_seg = journal.active();
+        if let Some(f) = journal.file(active_seg) {
+            files.insert(active_seg, f);
+        }
+        let last = journal.last_seq();
+        let flush_honoured = match ws.mode {
+            Mode::Ephemeral => false,
+            Mode::Durable => !p.opts.cache_unsafe,
+            Mode::Sync => true,
+        };
+        let window = Window {
+            bytes: replayed_bytes,
+            since: (replayed_bytes > 0).then(Instant::now),
+            ..Window::default()
+        };
+        Ok(Arc::new(Volume {
+            tenant: p.tenant,
+            name: p.name,
+            mode: ws.mode,
+            disk_size: ws.disk_size,
+            flush_honoured,
+            dir: p.dir,
+            fs: p.fs,
+            reader: p.reader,
+            catalog: p.catalog,
+            lease: Mutex::new(p.lease),
+            journal_id,
+            opts: p.opts,
+            gate: Arc::new(tokio::sync::RwLock::new(())),
+            freeze_guard: Mutex::new(None),
+            writer: tokio::sync::Mutex::new(journal),
+            state: RwLock::new(State {
+                base: Arc::new(base),
+                base_id: ws.head_manifest,
+                base_version: ws.head_version,
+                frozen: None,
+                active,
+                files,
+            }),
+            sync_lock: tokio::sync::Mutex::new(()),
+            publish_lock: tokio::sync::Mutex::new(()),
+            acked_seq: AtomicU64::new(last),
+            synced_seq: AtomicU64::new(last),
+            published_seq: AtomicU64::new(base_seq),
+            window: Mutex::new(window),
+            publish_total: AtomicU64::new(0),
+            publish_done: AtomicU64::new(0),
+            failed: Mutex::new(None),
+            closed: AtomicBool::new(false),
+            counters: Counters::default(),
+        }))
+    }
+}
