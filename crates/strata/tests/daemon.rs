@@ -91,6 +91,19 @@ impl Api {
     }
 }
 
+/// Another node: its own data directory, sharing node A's catalog and object store.
+fn second_node(data_a: &Path, data_b: &Path, token: &str) -> (Daemon, Api) {
+    let cat = format!("sqlite:{}", data_a.join("catalog.db").display());
+    let store = format!("file:{}", data_a.join("objects").display());
+    let other = serve(data_b, &["--catalog", &cat, "--store", &store]);
+    let api = Api {
+        http: reqwest::Client::new(),
+        url: other.url.clone(),
+        token: token.into(),
+    };
+    (other, api)
+}
+
 async fn tenant(url: &str, name: &str) -> Api {
     let admin = Api {
         http: reqwest::Client::new(),
@@ -428,14 +441,7 @@ async fn kill_9_resume_and_restore_on_another_daemon() {
     let (s, v) = a.post("/v1/workspaces/w/fork", json!({"name": "f"})).await;
     assert_eq!(s, StatusCode::CREATED, "{v}");
     // A second daemon, its own data directory, sharing the catalog and the object store.
-    let cat = format!("sqlite:{}", data_a.join("catalog.db").display());
-    let store = format!("file:{}", data_a.join("objects").display());
-    let other = serve(&d.path().join("b"), &["--catalog", &cat, "--store", &store]);
-    let b = Api {
-        http: reqwest::Client::new(),
-        url: other.url.clone(),
-        token: a.token.clone(),
-    };
+    let (_other, b) = second_node(&data_a, &d.path().join("b"), &a.token);
     // w is attached on node a: node b is refused, with the holder named.
     let (s, v) = b.post("/v1/workspaces/w/attach", json!({})).await;
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
@@ -604,14 +610,7 @@ e2fsck -f -n "$loop""#,
         .await;
     assert_eq!(s, StatusCode::CREATED, "{v}");
     // Node B: its own data directory; restores the fork from the head alone.
-    let cat = format!("sqlite:{}", data_a.join("catalog.db").display());
-    let store = format!("file:{}", data_a.join("objects").display());
-    let other = serve(&d.path().join("b"), &["--catalog", &cat, "--store", &store]);
-    let b = Api {
-        http: reqwest::Client::new(),
-        url: other.url.clone(),
-        token: a.token.clone(),
-    };
+    let (_other, b) = second_node(&data_a, &d.path().join("b"), &a.token);
     let (s, att) = b.post("/v1/workspaces/fs2/attach", json!({})).await;
     assert_eq!(s, StatusCode::OK, "{att}");
     let uri_b = att["export"].as_str().unwrap().to_string();
