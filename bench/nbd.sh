@@ -5,6 +5,7 @@
 #
 #   bench/nbd.sh                 # full run (release build; ~15 min)
 #   BENCH_SMOKE=1 bench/nbd.sh   # seconds-long check that the suite works (CI)
+#   BENCH_ONLY='write' bench/nbd.sh   # only scenarios whose name matches the regex
 #
 # Installs nothing: it checks for its tools and says what is missing. Writes a Markdown table to
 # stdout and machine-readable results to ${BENCH_OUT:-docs/bench/nbd-results.json}.
@@ -72,6 +73,7 @@ echo "[" > "$work/results.json"; first=1
 for rep in $(seq 1 "$reps"); do
   for sc in "${scenarios[@]}"; do
     set -- $sc; name=$1; rw=$2; bs=$3; qd=$4; shift 4
+    [[ "$name" =~ ${BENCH_ONLY:-.} ]] || continue
     for srv in "${servers[@]}"; do
       start_server "$srv"
       # The write scenarios land on a fresh overlay/fork: first writes pay copy-on-write.

@@ -553,6 +553,9 @@ async fn background(vol: Weak<Volume>, interval: Duration, ttl: Duration, segmen
                 Err(e) => tracing::warn!(workspace = v.name(), error = %e, "lease renewal failed"),
             }
         }
+        if let Err(e) = v.prepare_journal().await {
+            tracing::warn!(workspace = v.name(), error = %e, "preparing a journal segment failed");
+        }
         if let Err(e) = v.clean_journal(4 * segment_max).await {
             tracing::warn!(workspace = v.name(), error = %e, "journal cleaning failed");
         }

@@ -44,6 +44,8 @@ struct SegMeta {
     len: u64,
     last_seq: u64,
     nonce: u64,
+    /// The file came from the pool (recycled or zero-filled): appends overwrite written blocks.
+    prepared: bool,
 }
 
 pub(crate) struct Journal {
@@ -60,7 +62,7 @@ pub(crate) struct Journal {
 }
 
 /// Recycled files kept for reuse; more are deleted.
-const FREE_POOL: usize = 4;
+const FREE_POOL: usize = 2;
 
 /// What a flush must make durable, taken from the journal in one step.
 pub(crate) struct SyncBatch {
@@ -91,6 +93,10 @@ impl Journal {
             .filter_map(|n| n.strip_suffix(".seg"))
             .filter_map(|h| u64::from_str_radix(h, 16).ok())
             .collect();
+        for n in names.iter().filter(|n| n.ends_with(".prep")) {
+            // An interrupted preparation: never part of the journal.
+            fs.remove(&dir.join(n))?;
+        }
         let free: Vec<PathBuf> = names
             .iter()
             .filter(|n| n.ends_with(".free"))
@@ -194,6 +200,7 @@ impl Journal {
                     len: pos,
                     last_seq: seg_last,
                     nonce,
+                    prepared: false,
                 },
             );
         }
@@ -245,7 +252,9 @@ impl Journal {
         }
         let id = self.active + 1;
         let path = seg_path(&self.dir, id);
-        let file = match self.free.pop() {
+        let recycled = self.free.pop();
+        let prepared = recycled.is_some();
+        let file = match recycled {
             Some(f) => {
                 self.fs.rename(&f, &path)?;
                 self.fs.open(&path, false)?
@@ -263,11 +272,36 @@ impl Journal {
                 len: SEGMENT_HEADER_LEN as u64,
                 last_seq: 0,
                 nonce,
+                prepared,
             },
         );
         self.active = id;
         self.dir_dirty = true;
         Ok((id, file))
+    }
+
+    /// Whether a prepared (allocated, written) file should be made for the pool.
+    pub fn wants_prepared(&self) -> bool {
+        self.free.is_empty()
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Adds a prepared file to the pool; if the active segment is a fresh (growing) file that
+    /// is still young, rotates into the prepared one at once so flushes stop paying for file
+    /// growth. Returns the new active segment if it rotated.
+    pub fn add_prepared(&mut self, path: PathBuf) -> io::Result<Option<(u64, Arc<dyn FsFile>)>> {
+        self.free.push(path);
+        let fresh = self
+            .segments
+            .get(&self.active)
+            .is_some_and(|s| !s.prepared && s.len < self.max_segment / 2);
+        if fresh {
+            return self.rotate().map(Some);
+        }
+        Ok(None)
     }
 
     /// Appends one record; returns (seq, segment, offset of its payload). Rotates first when
@@ -363,4 +397,25 @@ impl Journal {
         }
         Ok(victims)
     }
+}
+
+/// Makes a segment-sized file of written zeros (so later appends overwrite allocated blocks and
+/// an fdatasync commits no metadata), durably, under a name replay ignores until it is ready.
+pub(crate) fn prepare_file(fs: &dyn Fs, dir: &Path, size: u64) -> io::Result<PathBuf> {
+    let tag: u64 = rand::random();
+    let tmp = dir.join(format!("p{tag:016x}.prep"));
+    let f = fs.open(&tmp, true)?;
+    let zeros = vec![0u8; 1 << 20];
+    let mut off = 0;
+    while off < size {
+        let n = (size - off).min(zeros.len() as u64) as usize;
+        f.write_at(&zeros[..n], off)?;
+        off += n as u64;
+    }
+    f.sync_data()?;
+    drop(f);
+    let ready = dir.join(format!("p{tag:016x}.free"));
+    fs.rename(&tmp, &ready)?;
+    fs.sync_dir(dir)?;
+    Ok(ready)
 }

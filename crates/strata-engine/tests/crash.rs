@@ -88,10 +88,13 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
             vol.flush().await.unwrap();
             flushed = states.len() - 1;
             flushes += 1;
-        } else if r < 94 {
+        } else if r < 91 {
             // Segment cleaning copies live data forward and deletes the oldest segments; it
             // syncs what it copies, but must not make un-flushed writes look flushed.
             vol.clean_journal(0).await.unwrap();
+        } else if r < 94 {
+            // A prepared (zero-filled) segment file, and a rotation onto it.
+            vol.prepare_journal().await.unwrap();
         } else {
             // A checkpoint exercises publish, local state and segment deletion.
             node.checkpoint(TENANT, &name, None).await.unwrap();

@@ -68,4 +68,31 @@ impl Volume {
             reclaimed += len;
         }
     }
+
+    /// Keeps one prepared (zero-filled, allocated) segment file ready, and moves a young,
+    /// growing active segment onto it, so FLUSH does not pay for file growth. Background work.
+    pub async fn prepare_journal(&self) -> Result<()> {
+        let dir = {
+            let j = self.writer.lock().await;
+            if !j.wants_prepared() {
+                return Ok(());
+            }
+            j.dir().to_path_buf()
+        };
+        let (fs, size) = (self.fs.clone(), self.opts.segment_max_bytes);
+        let path =
+            tokio::task::spawn_blocking(move || crate::journal::prepare_file(&*fs, &dir, size))
+                .await
+                .map_err(|e| Error::Invalid(format!("prepare task failed: {e}")))?
+                .map_err(Error::io("preparing a journal segment"))?;
+        self.usable()?;
+        let mut j = self.writer.lock().await;
+        if let Some((id, f)) = j
+            .add_prepared(path)
+            .map_err(Error::io("rotating onto a prepared segment"))?
+        {
+            self.st_mut().files.insert(id, f);
+        }
+        Ok(())
+    }
 }

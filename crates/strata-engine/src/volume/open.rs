@@ -95,8 +95,10 @@ impl Volume {
         }
         // What survived a process crash may still be only in the page cache: make it durable
         // now, so that "replayed" implies "flushed".
+        // …and so does what opening wrote (the new active segment's header): a segment whose
+        // header never reached the disk would end replay there after a power cut.
         let batch = journal.take_dirty();
-        for f in files.values() {
+        for f in files.values().chain(batch.files.iter()) {
             f.sync_data()
                 .map_err(Error::io("syncing replayed journal"))?;
         }
