@@ -320,11 +320,9 @@ impl Volume {
         self.read_blocks(lba, end - lba, &mut buf).await?;
         self.counters.bytes_read.fetch_add(len, SeqCst);
         let head = (offset - lba * BLOCK_SIZE) as usize;
-        if head == 0 {
-            buf.truncate(len as usize);
-            return Ok(buf);
-        }
-        Ok(buf[head..head + len as usize].to_vec())
+        buf.drain(..head);
+        buf.truncate(len as usize);
+        Ok(buf)
     }
 
     /// Allocation map of `len` bytes at `offset`: runs of (bytes, reads-as-zeros), in order,

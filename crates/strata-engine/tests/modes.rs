@@ -25,10 +25,7 @@ async fn ephemeral_flush_does_not_fsync_durable_does() {
         cfg.cache_unsafe = unsafe_;
         let node = c.node_with(cfg, fs.clone());
         let name = format!("m-{mode}-{unsafe_}");
-        node.create_workspace(TENANT, &name, Source::Empty { size: DISK }, mode, None)
-            .await
-            .unwrap();
-        let v = node.attach(TENANT, &name).await.unwrap();
+        let v = empty_volume(&node, &name, DISK, mode).await;
         let before = fs.counter("sync_data");
         v.write(0, &[1; 4096], false).await.unwrap();
         v.flush().await.unwrap();
@@ -47,16 +44,7 @@ async fn group_commit_one_fsync_for_many_writers() {
     let c = Cluster::new().await;
     let fs = Arc::new(SimFs::new());
     let node = c.node_with(c.config("n"), fs.clone());
-    node.create_workspace(
-        TENANT,
-        "g",
-        Source::Empty { size: DISK },
-        Mode::Durable,
-        None,
-    )
-    .await
-    .unwrap();
-    let v = node.attach(TENANT, "g").await.unwrap();
+    let v = empty_volume(&node, "g", DISK, Mode::Durable).await;
     for i in 0..64u64 {
         v.write(i * 4096, &tagged(i + 1, i), false).await.unwrap();
     }
@@ -78,10 +66,7 @@ async fn group_commit_one_fsync_for_many_writers() {
 async fn sync_mode_flush_reaches_the_object_store() {
     let c = Cluster::new().await;
     let a = c.node("a");
-    a.create_workspace(TENANT, "s", Source::Empty { size: DISK }, Mode::Sync, None)
-        .await
-        .unwrap();
-    let v = a.attach(TENANT, "s").await.unwrap();
+    let v = empty_volume(&a, "s", DISK, Mode::Sync).await;
     v.write(8192, &tagged(9, 2), false).await.unwrap();
     v.flush().await.unwrap();
     assert_eq!(v.stats().window_bytes, 0);
@@ -99,16 +84,7 @@ async fn durable_mode_window_is_bounded_by_the_upload_interval() {
     let mut cfg = c.config("a");
     cfg.upload_interval = Duration::from_millis(200);
     let a = c.node_with(cfg, Arc::new(strata_engine::fs::RealFs));
-    a.create_workspace(
-        TENANT,
-        "d",
-        Source::Empty { size: DISK },
-        Mode::Durable,
-        None,
-    )
-    .await
-    .unwrap();
-    let v = a.attach(TENANT, "d").await.unwrap();
+    let v = empty_volume(&a, "d", DISK, Mode::Durable).await;
     v.write(0, &tagged(5, 0), false).await.unwrap();
     v.flush().await.unwrap();
     assert_eq!(v.stats().window_bytes, 4096);
@@ -136,16 +112,7 @@ async fn durable_mode_window_is_bounded_by_the_upload_interval() {
 async fn concurrent_checkpoints_get_distinct_versions_and_lose_nothing() {
     let c = Cluster::new().await;
     let a = c.node("a");
-    a.create_workspace(
-        TENANT,
-        "r",
-        Source::Empty { size: DISK },
-        Mode::Durable,
-        None,
-    )
-    .await
-    .unwrap();
-    let v = a.attach(TENANT, "r").await.unwrap();
+    let v = empty_volume(&a, "r", DISK, Mode::Durable).await;
     let mut tasks = vec![];
     for i in 0..8u64 {
         let (v, a) = (v.clone(), a.clone());
@@ -186,16 +153,7 @@ async fn a_fenced_writer_cannot_move_the_head() {
     cfg.lease_ttl = Duration::from_millis(300);
     cfg.upload_interval = Duration::from_secs(3600);
     let a = c.node_with(cfg, Arc::new(strata_engine::fs::RealFs));
-    a.create_workspace(
-        TENANT,
-        "f",
-        Source::Empty { size: DISK },
-        Mode::Durable,
-        None,
-    )
-    .await
-    .unwrap();
-    let va = a.attach(TENANT, "f").await.unwrap();
+    let va = empty_volume(&a, "f", DISK, Mode::Durable).await;
     va.write(0, &tagged(1, 0), false).await.unwrap();
     a.checkpoint(TENANT, "f", None).await.unwrap();
     // Node b cannot attach while a's lease is live, and the error names the holder.
@@ -235,16 +193,7 @@ async fn corrupt_objects_and_manifests_are_errors_not_data() {
     use object_store::{ObjectStoreExt, PutPayload};
     let c = Cluster::new().await;
     let a = c.node("a");
-    a.create_workspace(
-        TENANT,
-        "x",
-        Source::Empty { size: DISK },
-        Mode::Durable,
-        None,
-    )
-    .await
-    .unwrap();
-    let v = a.attach(TENANT, "x").await.unwrap();
+    let v = empty_volume(&a, "x", DISK, Mode::Durable).await;
     v.write(0, &vec![0xab; 65536], false).await.unwrap();
     let p = a.checkpoint(TENANT, "x", None).await.unwrap();
     a.detach(TENANT, "x").await.unwrap();
@@ -316,16 +265,7 @@ async fn bad_requests_get_clear_errors() {
             .unwrap_err();
         assert!(e.to_string().contains("workspace name"), "{e}");
     }
-    a.create_workspace(
-        TENANT,
-        "ok",
-        Source::Empty { size: DISK },
-        Mode::Durable,
-        None,
-    )
-    .await
-    .unwrap();
-    let v = a.attach(TENANT, "ok").await.unwrap();
+    let v = empty_volume(&a, "ok", DISK, Mode::Durable).await;
     assert!(matches!(
         v.write(DISK - 10, &[1; 20], false).await,
         Err(Error::OutOfRange { .. })
@@ -346,16 +286,7 @@ async fn bad_requests_get_clear_errors() {
 async fn truncated_journal_recovers_a_clean_prefix() {
     let c = Cluster::new().await;
     let a = c.node("a");
-    a.create_workspace(
-        TENANT,
-        "t",
-        Source::Empty { size: DISK },
-        Mode::Durable,
-        None,
-    )
-    .await
-    .unwrap();
-    let v = a.attach(TENANT, "t").await.unwrap();
+    let v = empty_volume(&a, "t", DISK, Mode::Durable).await;
     v.write(0, &tagged(1, 0), false).await.unwrap();
     v.flush().await.unwrap();
     v.write(4096, &tagged(2, 1), false).await.unwrap();
@@ -404,16 +335,7 @@ async fn ephemeral_overwrites_do_not_grow_local_space() {
     let mut cfg = c.config("n");
     cfg.segment_max_bytes = 128 << 10;
     let node = c.node_with(cfg, fs.clone());
-    node.create_workspace(
-        TENANT,
-        "e",
-        Source::Empty { size: DISK },
-        Mode::Ephemeral,
-        None,
-    )
-    .await
-    .unwrap();
-    let v = node.attach(TENANT, "e").await.unwrap();
+    let v = empty_volume(&node, "e", DISK, Mode::Ephemeral).await;
     // 64 passes over the same 256 KiB: 16 MiB written, 256 KiB live.
     for pass in 0..64u64 {
         for b in 0..64u64 {
@@ -448,16 +370,7 @@ async fn ephemeral_overwrites_do_not_grow_local_space() {
 async fn freeze_holds_writes_until_thaw_and_checkpoint_works_while_frozen() {
     let c = Cluster::new().await;
     let a = c.node("a");
-    a.create_workspace(
-        TENANT,
-        "z",
-        Source::Empty { size: DISK },
-        Mode::Durable,
-        None,
-    )
-    .await
-    .unwrap();
-    let v = a.attach(TENANT, "z").await.unwrap();
+    let v = empty_volume(&a, "z", DISK, Mode::Durable).await;
     v.write(0, &tagged(1, 0), false).await.unwrap();
     v.freeze().await;
     assert!(v.is_frozen());
@@ -497,16 +410,7 @@ async fn lifecycle_on_an_s3_protocol_server() {
         return;
     };
     let a = c.node("a");
-    a.create_workspace(
-        TENANT,
-        "s3ws",
-        Source::Empty { size: DISK },
-        Mode::Sync,
-        None,
-    )
-    .await
-    .unwrap();
-    let v = a.attach(TENANT, "s3ws").await.unwrap();
+    let v = empty_volume(&a, "s3ws", DISK, Mode::Sync).await;
     v.write(0, &vec![3u8; 300_000], false).await.unwrap();
     v.flush().await.unwrap();
     let p = a
@@ -538,16 +442,7 @@ async fn cleaning_keeps_trims_across_power_loss() {
     let mut cfg = c.config("n");
     cfg.segment_max_bytes = 64 << 10;
     let node = c.node_with(cfg.clone(), fs.clone());
-    node.create_workspace(
-        TENANT,
-        "t",
-        Source::Empty { size: DISK },
-        Mode::Durable,
-        None,
-    )
-    .await
-    .unwrap();
-    let v = node.attach(TENANT, "t").await.unwrap();
+    let v = empty_volume(&node, "t", DISK, Mode::Durable).await;
     v.write(5 * 4096, &tagged(1, 5), false).await.unwrap();
     node.checkpoint(TENANT, "t", None).await.unwrap();
     v.trim(5 * 4096, 4096).await.unwrap();

@@ -259,15 +259,20 @@ pub fn simple_reply(error: u32, cookie: u64, data: &[u8]) -> Vec<u8> {
     v
 }
 
-/// A structured reply chunk header followed by `payload` parts.
-pub fn structured_chunk(flags: u16, kind: u16, cookie: u64, payload: &[&[u8]]) -> Vec<u8> {
-    let len: usize = payload.iter().map(|p| p.len()).sum();
-    let mut v = Vec::with_capacity(20 + len);
+/// The 20-byte header of a structured reply chunk whose payload is `len` bytes.
+pub fn structured_header(flags: u16, kind: u16, cookie: u64, len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(20 + len.min(64));
     v.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
     v.extend_from_slice(&flags.to_be_bytes());
     v.extend_from_slice(&kind.to_be_bytes());
     v.extend_from_slice(&cookie.to_be_bytes());
     v.extend_from_slice(&(len as u32).to_be_bytes());
+    v
+}
+
+/// A structured reply chunk header followed by `payload` parts.
+pub fn structured_chunk(flags: u16, kind: u16, cookie: u64, payload: &[&[u8]]) -> Vec<u8> {
+    let mut v = structured_header(flags, kind, cookie, payload.iter().map(|p| p.len()).sum());
     for p in payload {
         v.extend_from_slice(p);
     }

@@ -400,10 +400,13 @@ impl Server {
         R: AsyncRead + Unpin,
         W: AsyncWrite + Unpin + Send + 'static,
     {
-        let (tx, mut rx) = mpsc::channel::<Vec<u8>>(128);
+        let (tx, mut rx) = mpsc::channel::<Reply>(128);
         let writer = tokio::spawn(async move {
-            while let Some(buf) = rx.recv().await {
-                wr.write_all(&buf).await?;
+            while let Some(r) = rx.recv().await {
+                wr.write_all(&r.head).await?;
+                if !r.data.is_empty() {
+                    wr.write_all(&r.data).await?;
+                }
                 if rx.is_empty() {
                     wr.flush().await?;
                 }
@@ -456,12 +459,15 @@ impl Server {
                     left -= n as u64;
                 }
                 let _ = tx
-                    .send(error_reply(
-                        structured,
-                        &req,
-                        EINVAL,
-                        "request larger than the advertised maximum",
-                    ))
+                    .send(
+                        error_reply(
+                            structured,
+                            &req,
+                            EINVAL,
+                            "request larger than the advertised maximum",
+                        )
+                        .into(),
+                    )
                     .await;
                 continue;
             }
@@ -483,7 +489,9 @@ impl Server {
             if let Some((errno, msg)) =
                 validate(&req, size, ro, structured, neg.meta, self.cfg.max_request)
             {
-                let _ = tx.send(error_reply(structured, &req, errno, msg)).await;
+                let _ = tx
+                    .send(error_reply(structured, &req, errno, msg).into())
+                    .await;
                 continue;
             }
             let (dev, tx) = (dev.clone(), tx.clone());
@@ -492,7 +500,7 @@ impl Server {
                 let started = std::time::Instant::now();
                 let reply = execute(&*dev, &req, payload, structured).await;
                 if let Some(h) = metrics.as_ref().and_then(|m| m.for_command(req.kind)) {
-                    let ok = reply_ok(&reply);
+                    let ok = reply_ok(&reply.head);
                     let bytes = if matches!(req.kind, CMD_READ | CMD_WRITE) && ok {
                         req.length as u64
                     } else {
@@ -580,6 +588,22 @@ fn reply_ok(reply: &[u8]) -> bool {
     }
 }
 
+/// A reply on its way to the wire: header, then (for reads) the data, moved rather than copied
+/// into one buffer.
+struct Reply {
+    head: Vec<u8>,
+    data: Vec<u8>,
+}
+
+impl From<Vec<u8>> for Reply {
+    fn from(head: Vec<u8>) -> Self {
+        Reply {
+            head,
+            data: Vec::new(),
+        }
+    }
+}
+
 fn error_reply(structured: bool, req: &Request, errno: u32, msg: &str) -> Vec<u8> {
     if structured && matches!(req.kind, CMD_READ | CMD_BLOCK_STATUS) {
         structured_error(req.cookie, errno, msg)
@@ -593,7 +617,7 @@ async fn execute(
     req: &Request,
     payload: Vec<u8>,
     structured: bool,
-) -> Vec<u8> {
+) -> Reply {
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let done = |r: Result<(), DevError>| match r {
         Ok(()) => simple_reply(0, req.cookie, &[]),
@@ -602,23 +626,28 @@ async fn execute(
             error_reply(structured, req, e.errno, &e.msg)
         }
     };
-    match req.kind {
+    let head = match req.kind {
         CMD_READ => match dev.read(req.offset, req.length).await {
-            Ok(data) if structured => structured_chunk(
-                REPLY_FLAG_DONE,
-                REPLY_TYPE_OFFSET_DATA,
-                req.cookie,
-                &[&req.offset.to_be_bytes()[..], &data[..]],
-            ),
-            Ok(data) => simple_reply(0, req.cookie, &data),
+            Ok(data) if structured => {
+                let mut head = structured_header(
+                    REPLY_FLAG_DONE,
+                    REPLY_TYPE_OFFSET_DATA,
+                    req.cookie,
+                    8 + data.len(),
+                );
+                head.extend_from_slice(&req.offset.to_be_bytes());
+                return Reply { head, data };
+            }
+            Ok(data) => {
+                return Reply {
+                    head: simple_reply(0, req.cookie, &[]),
+                    data,
+                }
+            }
             Err(e) => {
                 tracing::warn!(errno = e.errno, error = %e.msg, "nbd read failed");
-                if structured {
-                    structured_error(req.cookie, e.errno, &e.msg)
-                } else {
-                    // A simple error reply for a read carries no data.
-                    simple_reply(e.errno, req.cookie, &[])
-                }
+                // A simple error reply for a read carries no data.
+                error_reply(structured, req, e.errno, &e.msg)
             }
         },
         CMD_WRITE => done(dev.write(req.offset, &payload, fua).await),
@@ -628,7 +657,8 @@ async fn execute(
             if req.flags & CMD_FLAG_NO_HOLE != 0 {
                 if req.flags & CMD_FLAG_FAST_ZERO != 0 {
                     // Writing allocated zeros is not guaranteed fast.
-                    return error_reply(structured, req, ENOTSUP, "NO_HOLE zeroing is not fast");
+                    return error_reply(structured, req, ENOTSUP, "NO_HOLE zeroing is not fast")
+                        .into();
                 }
                 let zeros = vec![0u8; req.length as usize];
                 done(dev.write(req.offset, &zeros, fua).await)
@@ -655,5 +685,6 @@ async fn execute(
             Err(e) => structured_error(req.cookie, e.errno, &e.msg),
         },
         _ => error_reply(structured, req, EINVAL, "unknown command"),
-    }
+    };
+    head.into()
 }

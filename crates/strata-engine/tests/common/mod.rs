@@ -107,6 +107,25 @@ impl Cluster {
     }
 }
 
+/// Creates an empty workspace of `size` bytes in `mode` and attaches it on `node`.
+pub async fn empty_volume(
+    node: &Arc<Engine>,
+    name: &str,
+    size: u64,
+    mode: strata_engine::Mode,
+) -> Arc<strata_engine::Volume> {
+    node.create_workspace(
+        TENANT,
+        name,
+        strata_engine::Source::Empty { size },
+        mode,
+        None,
+    )
+    .await
+    .unwrap();
+    node.attach(TENANT, name).await.unwrap()
+}
+
 /// A block whose contents say what it is: (tag, lba) repeated. Tag 0 is reserved for zeros.
 pub fn tagged(tag: u64, lba: u64) -> Vec<u8> {
     let mut b = Vec::with_capacity(4096);
