@@ -44,6 +44,108 @@ pub async fn run_all(cat: Arc<dyn Catalog>) {
     concurrent_checkpoints_one_winner_per_version(cat.clone()).await;
     ttls_expire(&*cat).await;
     tenants_do_not_see_each_other(&*cat).await;
+    nodes_report_and_list(&*cat).await;
+}
+
+/// Checks for two handles on the same catalog (two nodes): `a` and `b` must be separate
+/// connections/pools to one database. Run after [`run_all`] or on a fresh catalog.
+pub async fn run_shared(a: Arc<dyn Catalog>, b: Arc<dyn Catalog>) {
+    match a.create_tenant("shared").await {
+        Ok(()) | Err(CatalogError::AlreadyExists { .. }) => {}
+        Err(e) => panic!("{e}"),
+    }
+    assert!(
+        b.tenant_exists("shared").await.unwrap(),
+        "b sees a's writes"
+    );
+    for round in 0..5u8 {
+        let name = format!("contended{round}");
+        a.create_workspace(&new_ws("shared", &name, h(1)))
+            .await
+            .unwrap();
+        // Both nodes race for the lease: exactly one wins, the loser is told who holds it.
+        let tasks: Vec<_> = (0..8)
+            .map(|i| {
+                let (cat, name) = (if i % 2 == 0 { a.clone() } else { b.clone() }, name.clone());
+                tokio::spawn(async move {
+                    let node = format!("node-{i}");
+                    (
+                        node.clone(),
+                        cat.acquire_lease("shared", &name, &node, 60_000).await,
+                    )
+                })
+            })
+            .collect();
+        let mut winner = None;
+        for t in tasks {
+            match t.await.unwrap() {
+                (node, Ok(g)) => {
+                    assert!(winner.is_none(), "two nodes acquired {name}");
+                    assert_eq!(g.epoch, 1);
+                    winner = Some((node, g));
+                }
+                (_, Err(CatalogError::LeaseHeld { .. })) => {}
+                (_, Err(e)) => panic!("unexpected {e}"),
+            }
+        }
+        let (node, g) = winner.expect("one node acquires");
+        let l = b.get_lease("shared", &name).await.unwrap();
+        assert_eq!((l.holder.as_deref(), l.epoch), (Some(node.as_str()), 1));
+        // Checkpoints through both handles with the one valid grant: one winner per version.
+        let mut versions = vec![];
+        for step in 0..4u64 {
+            let tasks: Vec<_> = [a.clone(), b.clone()]
+                .into_iter()
+                .enumerate()
+                .map(|(i, cat)| {
+                    let (g, name) = (g.clone(), name.clone());
+                    tokio::spawn(async move {
+                        cat.advance_head("shared", &name, step + 1, &g, &cp(h(50 + i as u8), None))
+                            .await
+                    })
+                })
+                .collect();
+            let mut wins = 0;
+            for t in tasks {
+                match t.await.unwrap() {
+                    Ok(v) => {
+                        wins += 1;
+                        versions.push(v);
+                    }
+                    Err(CatalogError::Conflict { .. }) => {}
+                    Err(e) => panic!("unexpected {e}"),
+                }
+            }
+            assert_eq!(wins, 1);
+        }
+        assert_eq!(versions, vec![2, 3, 4, 5]);
+        a.release_lease("shared", &name, &g).await.unwrap();
+    }
+}
+
+async fn nodes_report_and_list(cat: &dyn Catalog) {
+    let mut st = NodeStatus {
+        node: "node-x".into(),
+        url: Some("http://127.0.0.1:1".into()),
+        seen_ms: 0,
+        seen_ago_ms: 0,
+        attached: vec![AttachedStatus {
+            tenant: "acme".into(),
+            workspace: "race".into(),
+            mode: Mode::Durable,
+            epoch: 3,
+            head_version: 6,
+            remote_window_bytes: 4096,
+            remote_window_age_ms: 12,
+        }],
+    };
+    cat.report_node(&st).await.unwrap();
+    st.attached[0].remote_window_bytes = 0;
+    cat.report_node(&st).await.unwrap();
+    let nodes = cat.list_nodes().await.unwrap();
+    let n = nodes.iter().find(|n| n.node == "node-x").expect("listed");
+    assert_eq!(n.attached, st.attached, "the latest report wins");
+    assert!(n.seen_ms > 0 && n.seen_ago_ms < 60_000);
 }
 
 async fn tenants_and_templates(cat: &dyn Catalog) {

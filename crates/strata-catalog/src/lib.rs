@@ -10,9 +10,11 @@
 //! was taken over (a higher epoch exists) can never move the head.
 
 pub mod conformance;
+mod postgres;
 mod sqlite;
 mod types;
 
+pub use postgres::{create_database, PostgresCatalog};
 pub use sqlite::SqliteCatalog;
 pub use types::*;
 
@@ -124,6 +126,29 @@ pub trait Catalog: Send + Sync + 'static {
     /// Releases a held lease (no-op if already taken over).
     async fn release_lease(&self, tenant: &str, workspace: &str, lease: &LeaseGrant) -> Result<()>;
     async fn get_lease(&self, tenant: &str, workspace: &str) -> Result<Lease>;
+
+    /// Records a node's heartbeat and what it serves (upsert; `seen_ms` is the catalog's clock).
+    async fn report_node(&self, status: &NodeStatus) -> Result<()>;
+    /// Every node that ever reported, with the time since it was last heard from.
+    async fn list_nodes(&self) -> Result<Vec<NodeStatus>>;
+}
+
+/// Opens a catalog from its URL: `sqlite:PATH` (embedded) or `postgres://…` /
+/// `postgresql://…` (scale-out; `pool_size` connections at most).
+pub async fn open_url(url: &str, pool_size: usize) -> Result<std::sync::Arc<dyn Catalog>> {
+    if let Some(path) = url.strip_prefix("sqlite:") {
+        return Ok(std::sync::Arc::new(SqliteCatalog::open(
+            std::path::Path::new(path),
+        )?));
+    }
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        return Ok(std::sync::Arc::new(
+            PostgresCatalog::connect(url, pool_size).await?,
+        ));
+    }
+    Err(CatalogError::Backend(format!(
+        "catalog {url:?}: use sqlite:PATH or postgres://user@host:port/db"
+    )))
 }
 
 pub(crate) fn now_ms() -> u64 {

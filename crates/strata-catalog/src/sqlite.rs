@@ -42,6 +42,9 @@ CREATE TABLE objects (tenant TEXT NOT NULL, id TEXT NOT NULL, data_len INTEGER N
     r#"
 CREATE TABLE tokens (hash TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_ms INTEGER NOT NULL);
 "#,
+    r#"
+CREATE TABLE nodes (id TEXT PRIMARY KEY, url TEXT, seen_ms INTEGER NOT NULL, attached TEXT NOT NULL);
+"#,
 ];
 
 pub struct SqliteCatalog {
@@ -602,5 +605,55 @@ impl Catalog for SqliteCatalog {
     async fn get_lease(&self, tenant: &str, workspace: &str) -> Result<Lease> {
         let (t, n) = (tenant.to_string(), workspace.to_string());
         self.run(move |c| lease_of(c, &t, &n).map_err(be)).await
+    }
+
+    async fn report_node(&self, status: &NodeStatus) -> Result<()> {
+        let attached = serde_json::to_string(&status.attached)
+            .map_err(|e| CatalogError::Backend(e.to_string()))?;
+        let (node, url) = (status.node.clone(), status.url.clone());
+        self.run(move |c| {
+            c.execute(
+                "INSERT INTO nodes (id, url, seen_ms, attached) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (id) DO UPDATE SET url = ?2, seen_ms = ?3, attached = ?4",
+                params![node, url, now_ms() as i64, attached],
+            )
+            .map_err(be)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn list_nodes(&self) -> Result<Vec<NodeStatus>> {
+        self.run(move |c| {
+            let now = now_ms();
+            let mut s = c
+                .prepare("SELECT id, url, seen_ms, attached FROM nodes ORDER BY id")
+                .map_err(be)?;
+            let rows = s
+                .query_map([], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, Option<String>>(1)?,
+                        r.get::<_, i64>(2)? as u64,
+                        r.get::<_, String>(3)?,
+                    ))
+                })
+                .map_err(be)?
+                .collect::<rusqlite::Result<Vec<_>>>()
+                .map_err(be)?;
+            rows.into_iter()
+                .map(|(node, url, seen, attached)| {
+                    Ok(NodeStatus {
+                        node,
+                        url,
+                        seen_ms: seen,
+                        seen_ago_ms: now.saturating_sub(seen),
+                        attached: serde_json::from_str(&attached)
+                            .map_err(|e| CatalogError::Backend(format!("corrupt node row: {e}")))?,
+                    })
+                })
+                .collect()
+        })
+        .await
     }
 }

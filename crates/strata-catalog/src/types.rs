@@ -167,3 +167,32 @@ pub struct Lease {
     pub epoch: u64,
     pub expires_ms: u64,
 }
+
+/// What a node reports about itself (heartbeat) for the `nodes` view.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub node: String,
+    /// The node's API address, if it serves one.
+    pub url: Option<String>,
+    /// When the catalog last heard from it (the catalog's clock; set by the backend).
+    #[serde(default)]
+    pub seen_ms: u64,
+    /// How long ago that was, by the catalog's clock at the time of listing.
+    #[serde(default)]
+    pub seen_ago_ms: u64,
+    pub attached: Vec<AttachedStatus>,
+}
+
+/// One workspace a node serves, as of its last report.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttachedStatus {
+    pub tenant: String,
+    pub workspace: String,
+    pub mode: Mode,
+    pub epoch: u64,
+    pub head_version: u64,
+    /// Bytes acknowledged locally but not yet in a published head (lost if the node is lost).
+    pub remote_window_bytes: u64,
+    /// Age of the oldest write in that window.
+    pub remote_window_age_ms: u64,
+}

@@ -7,6 +7,10 @@ async fn sqlite_passes_the_conformance_suite() {
     let d = tempfile::tempdir().unwrap();
     let cat = SqliteCatalog::open(&d.path().join("catalog.db")).unwrap();
     conformance::run_all(Arc::new(cat)).await;
+    // Two handles on one file stand in for two processes sharing it.
+    let a = SqliteCatalog::open(&d.path().join("catalog.db")).unwrap();
+    let b = SqliteCatalog::open(&d.path().join("catalog.db")).unwrap();
+    conformance::run_shared(Arc::new(a), Arc::new(b)).await;
 }
 
 #[tokio::test]

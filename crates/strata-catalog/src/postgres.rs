@@ -1,0 +1,807 @@
+//! The scale-out catalog: PostgreSQL (any compatible server) through `tokio-postgres` with a
+//! `deadpool` connection pool. Several nodes share one database.
+//!
+//! Every head move and lease change is one transaction that first locks the workspace row
+//! (`SELECT … FOR UPDATE`), so concurrent nodes serialize on the workspace and the checks read
+//! committed state. Lease expiry is judged by the *database server's* clock
+//! (`clock_timestamp()`), never a node's, so nodes with skewed clocks still agree on who holds a
+//! lease. A node enforces its own lease locally with a monotonic deadline measured from before
+//! it asked (see the volume), which is always earlier than the server's expiry.
+
+use async_trait::async_trait;
+use deadpool_postgres::GenericClient;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use strata_format::manifest::ObjectRef;
+use strata_format::Hash;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{NoTls, Row};
+
+use crate::*;
+
+/// Schema migrations, applied in order under an advisory lock; `strata_schema.version` records
+/// how many ran.
+const MIGRATIONS: &[&str] = &[r#"
+CREATE TABLE tenants (id TEXT PRIMARY KEY, created_ms BIGINT NOT NULL);
+CREATE TABLE tokens (hash TEXT PRIMARY KEY, tenant TEXT NOT NULL REFERENCES tenants(id),
+    created_ms BIGINT NOT NULL);
+CREATE TABLE templates (
+    tenant TEXT NOT NULL, name TEXT NOT NULL, manifest TEXT NOT NULL,
+    disk_size BIGINT NOT NULL, stored_bytes BIGINT NOT NULL, created_ms BIGINT NOT NULL,
+    PRIMARY KEY (tenant, name));
+CREATE TABLE workspaces (
+    tenant TEXT NOT NULL, name TEXT NOT NULL, mode TEXT NOT NULL, disk_size BIGINT NOT NULL,
+    head_version BIGINT NOT NULL, head_manifest TEXT NOT NULL, source TEXT NOT NULL,
+    created_ms BIGINT NOT NULL, ttl_ms BIGINT,
+    PRIMARY KEY (tenant, name));
+CREATE TABLE checkpoints (
+    tenant TEXT NOT NULL, workspace TEXT NOT NULL, version BIGINT NOT NULL,
+    manifest TEXT NOT NULL, label TEXT, kind TEXT NOT NULL, created_ms BIGINT NOT NULL,
+    bytes BIGINT NOT NULL, cut_seq BIGINT NOT NULL, journal_id TEXT, epoch BIGINT NOT NULL,
+    PRIMARY KEY (tenant, workspace, version));
+CREATE TABLE leases (
+    tenant TEXT NOT NULL, workspace TEXT NOT NULL, holder TEXT, epoch BIGINT NOT NULL,
+    expires_ms BIGINT NOT NULL,
+    PRIMARY KEY (tenant, workspace));
+CREATE TABLE manifests (tenant TEXT NOT NULL, id TEXT NOT NULL, created_ms BIGINT NOT NULL,
+    PRIMARY KEY (tenant, id));
+CREATE TABLE manifest_objects (tenant TEXT NOT NULL, manifest TEXT NOT NULL, object TEXT NOT NULL,
+    PRIMARY KEY (tenant, manifest, object));
+CREATE TABLE objects (tenant TEXT NOT NULL, id TEXT NOT NULL, data_len BIGINT NOT NULL,
+    created_ms BIGINT NOT NULL, PRIMARY KEY (tenant, id));
+CREATE TABLE nodes (id TEXT PRIMARY KEY, url TEXT, seen_ms BIGINT NOT NULL,
+    attached TEXT NOT NULL);
+"#];
+
+/// The server's clock in milliseconds since the epoch.
+const SERVER_NOW: &str = "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::BIGINT";
+
+const WS_COLS: &str =
+    "tenant, name, mode, disk_size, head_version, head_manifest, source, created_ms, ttl_ms";
+const CP_COLS: &str =
+    "workspace, version, manifest, label, kind, created_ms, bytes, cut_seq, journal_id, epoch";
+const TPL_COLS: &str = "tenant, name, manifest, disk_size, stored_bytes, created_ms";
+
+pub struct PostgresCatalog {
+    pool: Pool,
+}
+
+fn be(e: tokio_postgres::Error) -> CatalogError {
+    match e.as_db_error() {
+        Some(d) => {
+            CatalogError::Backend(format!("postgres: {} ({})", d.message(), d.code().code()))
+        }
+        None => CatalogError::Backend(format!("postgres: {e}")),
+    }
+}
+
+fn pool_err(e: deadpool_postgres::PoolError) -> CatalogError {
+    CatalogError::Backend(format!("postgres pool: {e}"))
+}
+
+fn is_unique(e: &tokio_postgres::Error) -> bool {
+    e.code() == Some(&SqlState::UNIQUE_VIOLATION)
+}
+
+fn hash(s: &str) -> Result<Hash> {
+    s.parse()
+        .map_err(|e| CatalogError::Backend(format!("corrupt hash {s:?} in catalog: {e}")))
+}
+
+fn u(r: &Row, i: usize) -> u64 {
+    r.get::<_, i64>(i) as u64
+}
+
+fn ws_row(r: &Row) -> Result<Workspace> {
+    Ok(Workspace {
+        tenant: r.get(0),
+        name: r.get(1),
+        mode: r.get::<_, String>(2).parse().unwrap_or_default(),
+        disk_size: u(r, 3),
+        head_version: u(r, 4),
+        head_manifest: hash(r.get(5))?,
+        source: r.get(6),
+        created_ms: u(r, 7),
+        ttl_ms: r.get::<_, Option<i64>>(8).map(|v| v as u64),
+    })
+}
+
+fn cp_row(r: &Row) -> Result<Checkpoint> {
+    Ok(Checkpoint {
+        workspace: r.get(0),
+        version: u(r, 1),
+        manifest: hash(r.get(2))?,
+        label: r.get(3),
+        kind: CheckpointKind::parse(r.get(4)).unwrap_or(CheckpointKind::Auto),
+        created_ms: u(r, 5),
+        bytes: u(r, 6),
+        cut_seq: u(r, 7),
+        journal_id: r.get(8),
+        epoch: u(r, 9),
+    })
+}
+
+fn tpl_row(r: &Row) -> Result<Template> {
+    Ok(Template {
+        tenant: r.get(0),
+        name: r.get(1),
+        manifest: hash(r.get(2))?,
+        disk_size: u(r, 3),
+        stored_bytes: u(r, 4),
+        created_ms: u(r, 5),
+    })
+}
+
+async fn server_now(c: &impl GenericClient) -> Result<u64> {
+    Ok(c.query_one(SERVER_NOW, &[])
+        .await
+        .map_err(be)?
+        .get::<_, i64>(0) as u64)
+}
+
+/// Reads the workspace, locking its row until the transaction ends when `lock` is set.
+async fn get_ws(c: &impl GenericClient, tenant: &str, name: &str, lock: bool) -> Result<Workspace> {
+    let q = format!(
+        "SELECT {WS_COLS} FROM workspaces WHERE tenant = $1 AND name = $2{}",
+        if lock { " FOR UPDATE" } else { "" }
+    );
+    match c.query_opt(&q, &[&tenant, &name]).await.map_err(be)? {
+        Some(r) => ws_row(&r),
+        None => Err(CatalogError::NotFound {
+            what: "workspace",
+            name: name.into(),
+        }),
+    }
+}
+
+async fn lease_of(c: &impl GenericClient, tenant: &str, ws: &str) -> Result<Lease> {
+    Ok(c.query_opt(
+        "SELECT holder, epoch, expires_ms FROM leases WHERE tenant = $1 AND workspace = $2",
+        &[&tenant, &ws],
+    )
+    .await
+    .map_err(be)?
+    .map(|r| Lease {
+        holder: r.get(0),
+        epoch: u(&r, 1),
+        expires_ms: u(&r, 2),
+    })
+    .unwrap_or(Lease {
+        holder: None,
+        epoch: 0,
+        expires_ms: 0,
+    }))
+}
+
+impl PostgresCatalog {
+    /// Connects to `postgres://user[:password]@host[:port]/dbname[?options]` (or the key=value
+    /// form) and applies any pending migrations. `pool_size` bounds the open connections.
+    pub async fn connect(url: &str, pool_size: usize) -> Result<PostgresCatalog> {
+        let cfg: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e| CatalogError::Backend(format!("bad PostgreSQL URL: {e}")))?;
+        let mgr = Manager::from_config(
+            cfg,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(mgr)
+            .max_size(pool_size.max(1))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .create_timeout(Some(std::time::Duration::from_secs(10)))
+            .wait_timeout(Some(std::time::Duration::from_secs(30)))
+            .build()
+            .map_err(|e| CatalogError::Backend(format!("postgres pool: {e}")))?;
+        let cat = PostgresCatalog { pool };
+        cat.migrate().await?;
+        Ok(cat)
+    }
+
+    async fn migrate(&self) -> Result<()> {
+        let mut c = self.pool.get().await.map_err(pool_err)?;
+        let tx = c.transaction().await.map_err(be)?;
+        // Nodes starting together take turns; the lock ends with the transaction.
+        tx.execute("SELECT pg_advisory_xact_lock(7365726174610001)", &[])
+            .await
+            .map_err(be)?;
+        tx.batch_execute("CREATE TABLE IF NOT EXISTS strata_schema (version INTEGER NOT NULL)")
+            .await
+            .map_err(be)?;
+        let v: i32 = match tx
+            .query_opt("SELECT version FROM strata_schema", &[])
+            .await
+            .map_err(be)?
+        {
+            Some(r) => r.get(0),
+            None => {
+                tx.execute("INSERT INTO strata_schema (version) VALUES (0)", &[])
+                    .await
+                    .map_err(be)?;
+                0
+            }
+        };
+        if v as usize > MIGRATIONS.len() {
+            return Err(CatalogError::Backend(format!(
+                "catalog schema version {v} is newer than this build ({}); upgrade strata",
+                MIGRATIONS.len()
+            )));
+        }
+        for m in &MIGRATIONS[v as usize..] {
+            tx.batch_execute(m).await.map_err(be)?;
+        }
+        tx.execute(
+            "UPDATE strata_schema SET version = $1",
+            &[&(MIGRATIONS.len() as i32)],
+        )
+        .await
+        .map_err(be)?;
+        tx.commit().await.map_err(be)
+    }
+
+    async fn conn(&self) -> Result<deadpool_postgres::Object> {
+        self.pool.get().await.map_err(pool_err)
+    }
+}
+
+/// Creates an empty database next to the one `admin_url` names and returns its URL (tests and
+/// throwaway clusters). `name` must be a plain identifier.
+pub async fn create_database(admin_url: &str, name: &str) -> Result<String> {
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+    {
+        return Err(CatalogError::Backend(format!("bad database name {name:?}")));
+    }
+    let (client, conn) = tokio_postgres::connect(admin_url, NoTls)
+        .await
+        .map_err(be)?;
+    let task = tokio::spawn(conn);
+    client
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .map_err(be)?;
+    drop(client);
+    let _ = task.await;
+    let (base, query) = match admin_url.split_once('?') {
+        Some((b, q)) => (b, format!("?{q}")),
+        None => (admin_url, String::new()),
+    };
+    let Some(cut) = base
+        .rfind('/')
+        .filter(|&i| i > base.find("//").map_or(0, |j| j + 1))
+    else {
+        return Ok(format!("{base}/{name}{query}"));
+    };
+    Ok(format!("{}/{name}{query}", &base[..cut]))
+}
+
+#[async_trait]
+impl Catalog for PostgresCatalog {
+    async fn create_tenant(&self, tenant: &str) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute(
+            "INSERT INTO tenants (id, created_ms) VALUES ($1, $2)",
+            &[&tenant, &(now_ms() as i64)],
+        )
+        .await
+        .map_err(|e| {
+            if is_unique(&e) {
+                CatalogError::AlreadyExists {
+                    what: "tenant",
+                    name: tenant.into(),
+                }
+            } else {
+                be(e)
+            }
+        })?;
+        Ok(())
+    }
+
+    async fn tenant_exists(&self, tenant: &str) -> Result<bool> {
+        let c = self.conn().await?;
+        Ok(
+            c.query_opt("SELECT 1 FROM tenants WHERE id = $1", &[&tenant])
+                .await
+                .map_err(be)?
+                .is_some(),
+        )
+    }
+
+    async fn add_token(&self, tenant: &str, hash: &str) -> Result<()> {
+        if !self.tenant_exists(tenant).await? {
+            return Err(CatalogError::NotFound {
+                what: "tenant",
+                name: tenant.into(),
+            });
+        }
+        let c = self.conn().await?;
+        c.execute(
+            "INSERT INTO tokens (hash, tenant, created_ms) VALUES ($1, $2, $3)",
+            &[&hash, &tenant, &(now_ms() as i64)],
+        )
+        .await
+        .map_err(|e| {
+            if e.code() == Some(&SqlState::FOREIGN_KEY_VIOLATION) {
+                CatalogError::NotFound {
+                    what: "tenant",
+                    name: tenant.into(),
+                }
+            } else {
+                be(e)
+            }
+        })?;
+        Ok(())
+    }
+
+    async fn tenant_for_token(&self, hash: &str) -> Result<Option<String>> {
+        let c = self.conn().await?;
+        Ok(
+            c.query_opt("SELECT tenant FROM tokens WHERE hash = $1", &[&hash])
+                .await
+                .map_err(be)?
+                .map(|r| r.get(0)),
+        )
+    }
+
+    async fn record_manifest(
+        &self,
+        tenant: &str,
+        manifest: Hash,
+        objects: &[ObjectRef],
+    ) -> Result<()> {
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(be)?;
+        let now = now_ms() as i64;
+        let m = manifest.to_hex();
+        tx.execute(
+            "INSERT INTO manifests (tenant, id, created_ms) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            &[&tenant, &m, &now],
+        )
+        .await
+        .map_err(be)?;
+        if !objects.is_empty() {
+            // One statement per table for the whole manifest (arrays unnested server-side).
+            let ids: Vec<String> = objects.iter().map(|o| o.id.to_hex()).collect();
+            let lens: Vec<i64> = objects.iter().map(|o| o.data_len as i64).collect();
+            tx.execute(
+                "INSERT INTO objects (tenant, id, data_len, created_ms)
+                 SELECT $1, id, len, $4 FROM unnest($2::TEXT[], $3::BIGINT[]) AS u(id, len)
+                 ON CONFLICT DO NOTHING",
+                &[&tenant, &ids, &lens, &now],
+            )
+            .await
+            .map_err(be)?;
+            tx.execute(
+                "INSERT INTO manifest_objects (tenant, manifest, object)
+                 SELECT DISTINCT $1, $2, id FROM unnest($3::TEXT[]) AS u(id)
+                 ON CONFLICT DO NOTHING",
+                &[&tenant, &m, &ids],
+            )
+            .await
+            .map_err(be)?;
+        }
+        tx.commit().await.map_err(be)
+    }
+
+    async fn create_template(&self, t: &Template) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute(
+            &format!("INSERT INTO templates ({TPL_COLS}) VALUES ($1, $2, $3, $4, $5, $6)"),
+            &[
+                &t.tenant,
+                &t.name,
+                &t.manifest.to_hex(),
+                &(t.disk_size as i64),
+                &(t.stored_bytes as i64),
+                &(t.created_ms as i64),
+            ],
+        )
+        .await
+        .map_err(|e| {
+            if is_unique(&e) {
+                CatalogError::AlreadyExists {
+                    what: "template",
+                    name: t.name.clone(),
+                }
+            } else {
+                be(e)
+            }
+        })?;
+        Ok(())
+    }
+
+    async fn get_template(&self, tenant: &str, name: &str) -> Result<Template> {
+        let c = self.conn().await?;
+        match c
+            .query_opt(
+                &format!("SELECT {TPL_COLS} FROM templates WHERE tenant = $1 AND name = $2"),
+                &[&tenant, &name],
+            )
+            .await
+            .map_err(be)?
+        {
+            Some(r) => tpl_row(&r),
+            None => Err(CatalogError::NotFound {
+                what: "template",
+                name: name.into(),
+            }),
+        }
+    }
+
+    async fn list_templates(&self, tenant: &str) -> Result<Vec<Template>> {
+        let c = self.conn().await?;
+        c.query(
+            &format!("SELECT {TPL_COLS} FROM templates WHERE tenant = $1 ORDER BY name"),
+            &[&tenant],
+        )
+        .await
+        .map_err(be)?
+        .iter()
+        .map(tpl_row)
+        .collect()
+    }
+
+    async fn delete_template(&self, tenant: &str, name: &str) -> Result<()> {
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(be)?;
+        // Lock the template row so a concurrent create-from-template cannot slip in unseen.
+        if tx
+            .query_opt(
+                "SELECT 1 FROM templates WHERE tenant = $1 AND name = $2 FOR UPDATE",
+                &[&tenant, &name],
+            )
+            .await
+            .map_err(be)?
+            .is_none()
+        {
+            return Err(CatalogError::NotFound {
+                what: "template",
+                name: name.into(),
+            });
+        }
+        let users: Vec<String> = tx
+            .query(
+                "SELECT name FROM workspaces WHERE tenant = $1 AND source = $2 ORDER BY name",
+                &[&tenant, &format!("template:{name}")],
+            )
+            .await
+            .map_err(be)?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        if !users.is_empty() {
+            return Err(CatalogError::InUse(format!(
+                "template {name:?} is used by workspaces: {}",
+                users.join(", ")
+            )));
+        }
+        tx.execute(
+            "DELETE FROM templates WHERE tenant = $1 AND name = $2",
+            &[&tenant, &name],
+        )
+        .await
+        .map_err(be)?;
+        tx.commit().await.map_err(be)
+    }
+
+    async fn create_workspace(&self, w: &NewWorkspace) -> Result<Workspace> {
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(be)?;
+        let now = now_ms() as i64;
+        let m = w.manifest.to_hex();
+        tx.execute(
+            &format!(
+                "INSERT INTO workspaces ({WS_COLS}) VALUES ($1, $2, $3, $4, 1, $5, $6, $7, $8)"
+            ),
+            &[
+                &w.tenant,
+                &w.name,
+                &w.mode.as_str(),
+                &(w.disk_size as i64),
+                &m,
+                &w.source,
+                &now,
+                &w.ttl_ms.map(|v| v as i64),
+            ],
+        )
+        .await
+        .map_err(|e| {
+            if is_unique(&e) {
+                CatalogError::AlreadyExists {
+                    what: "workspace",
+                    name: w.name.clone(),
+                }
+            } else {
+                be(e)
+            }
+        })?;
+        tx.execute(
+            &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES ($1, $2, 1, $3, NULL, $4, $5, 0, 0, NULL, 0)"),
+            &[&w.tenant, &w.name, &m, &w.kind.as_str(), &now],
+        )
+        .await
+        .map_err(be)?;
+        let ws = get_ws(&tx, &w.tenant, &w.name, false).await?;
+        tx.commit().await.map_err(be)?;
+        Ok(ws)
+    }
+
+    async fn get_workspace(&self, tenant: &str, name: &str) -> Result<Workspace> {
+        let c = self.conn().await?;
+        get_ws(&c, tenant, name, false).await
+    }
+
+    async fn list_workspaces(&self, tenant: &str) -> Result<Vec<Workspace>> {
+        let c = self.conn().await?;
+        c.query(
+            &format!("SELECT {WS_COLS} FROM workspaces WHERE tenant = $1 ORDER BY name"),
+            &[&tenant],
+        )
+        .await
+        .map_err(be)?
+        .iter()
+        .map(ws_row)
+        .collect()
+    }
+
+    async fn list_expired(&self, now_ms: u64) -> Result<Vec<(String, String)>> {
+        let c = self.conn().await?;
+        Ok(c
+            .query(
+                "SELECT tenant, name FROM workspaces WHERE ttl_ms IS NOT NULL AND created_ms + ttl_ms <= $1 ORDER BY tenant, name",
+                &[&(now_ms as i64)],
+            )
+            .await
+            .map_err(be)?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect())
+    }
+
+    async fn delete_workspace(&self, tenant: &str, name: &str) -> Result<()> {
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(be)?;
+        get_ws(&tx, tenant, name, true).await?;
+        let now = server_now(&tx).await?;
+        let l = lease_of(&tx, tenant, name).await?;
+        if let Some(h) = l.holder.filter(|_| l.expires_ms > now) {
+            return Err(CatalogError::LeaseHeld {
+                holder: h,
+                epoch: l.epoch,
+                expires_in_ms: l.expires_ms.saturating_sub(now),
+            });
+        }
+        for q in [
+            "DELETE FROM checkpoints WHERE tenant = $1 AND workspace = $2",
+            "DELETE FROM workspaces WHERE tenant = $1 AND name = $2",
+            // The lease row stays so epochs never go backwards if the name is reused.
+            "UPDATE leases SET holder = NULL, expires_ms = 0 WHERE tenant = $1 AND workspace = $2",
+        ] {
+            tx.execute(q, &[&tenant, &name]).await.map_err(be)?;
+        }
+        tx.commit().await.map_err(be)
+    }
+
+    async fn advance_head(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        expected: u64,
+        lease: &LeaseGrant,
+        cp: &NewCheckpoint,
+    ) -> Result<u64> {
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(be)?;
+        let ws = get_ws(&tx, tenant, workspace, true).await?;
+        let l = lease_of(&tx, tenant, workspace).await?;
+        if l.epoch != lease.epoch || l.holder.as_deref() != Some(lease.node.as_str()) {
+            return Err(CatalogError::Fenced {
+                held: lease.epoch,
+                current: l.epoch,
+                holder: l.holder,
+            });
+        }
+        if ws.head_version != expected {
+            return Err(CatalogError::Conflict {
+                expected,
+                actual: ws.head_version,
+            });
+        }
+        let v = (expected + 1) as i64;
+        let m = cp.manifest.to_hex();
+        let k = tx
+            .execute(
+                "UPDATE workspaces SET head_version = $3, head_manifest = $4 WHERE tenant = $1 AND name = $2 AND head_version = $5",
+                &[&tenant, &workspace, &v, &m, &(expected as i64)],
+            )
+            .await
+            .map_err(be)?;
+        if k != 1 {
+            return Err(CatalogError::Backend(
+                "head changed under a row lock".into(),
+            ));
+        }
+        tx.execute(
+            &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"),
+            &[
+                &tenant,
+                &workspace,
+                &v,
+                &m,
+                &cp.label,
+                &cp.kind.as_str(),
+                &(now_ms() as i64),
+                &(cp.bytes as i64),
+                &(cp.cut_seq as i64),
+                &cp.journal_id,
+                &(lease.epoch as i64),
+            ],
+        )
+        .await
+        .map_err(be)?;
+        tx.commit().await.map_err(be)?;
+        Ok(v as u64)
+    }
+
+    async fn list_checkpoints(&self, tenant: &str, workspace: &str) -> Result<Vec<Checkpoint>> {
+        let c = self.conn().await?;
+        get_ws(&c, tenant, workspace, false).await?;
+        c.query(
+            &format!("SELECT {CP_COLS} FROM checkpoints WHERE tenant = $1 AND workspace = $2 ORDER BY version"),
+            &[&tenant, &workspace],
+        )
+        .await
+        .map_err(be)?
+        .iter()
+        .map(cp_row)
+        .collect()
+    }
+
+    async fn get_checkpoint(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        version: u64,
+    ) -> Result<Checkpoint> {
+        let c = self.conn().await?;
+        match c
+            .query_opt(
+                &format!("SELECT {CP_COLS} FROM checkpoints WHERE tenant = $1 AND workspace = $2 AND version = $3"),
+                &[&tenant, &workspace, &(version as i64)],
+            )
+            .await
+            .map_err(be)?
+        {
+            Some(r) => cp_row(&r),
+            None => Err(CatalogError::NotFound {
+                what: "checkpoint",
+                name: format!("{workspace}@{version}"),
+            }),
+        }
+    }
+
+    async fn acquire_lease(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        node: &str,
+        ttl_ms: u64,
+    ) -> Result<LeaseGrant> {
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(be)?;
+        get_ws(&tx, tenant, workspace, true).await?;
+        let now = server_now(&tx).await?;
+        let l = lease_of(&tx, tenant, workspace).await?;
+        if let Some(h) = l
+            .holder
+            .as_ref()
+            .filter(|h| *h != node && l.expires_ms > now)
+        {
+            return Err(CatalogError::LeaseHeld {
+                holder: h.clone(),
+                epoch: l.epoch,
+                expires_in_ms: l.expires_ms - now,
+            });
+        }
+        let grant = LeaseGrant {
+            node: node.into(),
+            epoch: l.epoch + 1,
+            expires_ms: now + ttl_ms,
+        };
+        tx.execute(
+            "INSERT INTO leases (tenant, workspace, holder, epoch, expires_ms) VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (tenant, workspace) DO UPDATE SET holder = $3, epoch = $4, expires_ms = $5",
+            &[&tenant, &workspace, &grant.node, &(grant.epoch as i64), &(grant.expires_ms as i64)],
+        )
+        .await
+        .map_err(be)?;
+        tx.commit().await.map_err(be)?;
+        Ok(grant)
+    }
+
+    async fn renew_lease(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        lease: &LeaseGrant,
+        ttl_ms: u64,
+    ) -> Result<()> {
+        let c = self.conn().await?;
+        let k = c
+            .execute(
+                &format!(
+                    "UPDATE leases SET expires_ms = ({SERVER_NOW}) + $5 WHERE tenant = $1 AND workspace = $2 AND holder = $3 AND epoch = $4"
+                ),
+                &[&tenant, &workspace, &lease.node, &(lease.epoch as i64), &(ttl_ms as i64)],
+            )
+            .await
+            .map_err(be)?;
+        if k == 0 {
+            let l = lease_of(&c, tenant, workspace).await?;
+            return Err(CatalogError::Fenced {
+                held: lease.epoch,
+                current: l.epoch,
+                holder: l.holder,
+            });
+        }
+        Ok(())
+    }
+
+    async fn release_lease(&self, tenant: &str, workspace: &str, lease: &LeaseGrant) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute(
+            "UPDATE leases SET holder = NULL, expires_ms = 0 WHERE tenant = $1 AND workspace = $2 AND holder = $3 AND epoch = $4",
+            &[&tenant, &workspace, &lease.node, &(lease.epoch as i64)],
+        )
+        .await
+        .map_err(be)?;
+        Ok(())
+    }
+
+    async fn get_lease(&self, tenant: &str, workspace: &str) -> Result<Lease> {
+        let c = self.conn().await?;
+        lease_of(&c, tenant, workspace).await
+    }
+
+    async fn report_node(&self, status: &NodeStatus) -> Result<()> {
+        let c = self.conn().await?;
+        let attached = serde_json::to_string(&status.attached)
+            .map_err(|e| CatalogError::Backend(e.to_string()))?;
+        c.execute(
+            &format!(
+                "INSERT INTO nodes (id, url, seen_ms, attached) VALUES ($1, $2, ({SERVER_NOW}), $3)
+                 ON CONFLICT (id) DO UPDATE SET url = $2, seen_ms = ({SERVER_NOW}), attached = $3"
+            ),
+            &[&status.node, &status.url, &attached],
+        )
+        .await
+        .map_err(be)?;
+        Ok(())
+    }
+
+    async fn list_nodes(&self) -> Result<Vec<NodeStatus>> {
+        let c = self.conn().await?;
+        let now = server_now(&c).await?;
+        c.query(
+            "SELECT id, url, seen_ms, attached FROM nodes ORDER BY id",
+            &[],
+        )
+        .await
+        .map_err(be)?
+        .iter()
+        .map(|r| {
+            let seen = u(r, 2);
+            Ok(NodeStatus {
+                node: r.get(0),
+                url: r.get(1),
+                seen_ms: seen,
+                seen_ago_ms: now.saturating_sub(seen),
+                attached: serde_json::from_str(r.get(3))
+                    .map_err(|e| CatalogError::Backend(format!("corrupt node row: {e}")))?,
+            })
+        })
+        .collect()
+    }
+}

@@ -1,0 +1,85 @@
+//! The PostgreSQL catalog against a real server: the same conformance suite as SQLite, plus
+//! two pools (two nodes) racing on one database, and migrations that run once when several
+//! nodes start together.
+//!
+//! Needs `STRATA_TEST_PG` (an admin URL such as `postgres://postgres@127.0.0.1:5432/postgres`);
+//! `.ci/run` starts a throwaway server. With `STRATA_REQUIRE_PG=1` a missing server fails.
+
+use std::sync::Arc;
+
+use strata_catalog::{conformance, create_database, Catalog, PostgresCatalog};
+
+fn admin_url() -> Option<String> {
+    match std::env::var("STRATA_TEST_PG") {
+        Ok(u) if !u.is_empty() => Some(u),
+        _ => {
+            assert!(
+                std::env::var("STRATA_REQUIRE_PG").as_deref() != Ok("1"),
+                "STRATA_REQUIRE_PG=1 but STRATA_TEST_PG is not set"
+            );
+            eprintln!("skipping: set STRATA_TEST_PG to a PostgreSQL admin URL");
+            None
+        }
+    }
+}
+
+async fn fresh_db(tag: &str) -> Option<String> {
+    let admin = admin_url()?;
+    let name = format!(
+        "strata_{tag}_{}_{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+            % 1_000_000_000
+    );
+    Some(create_database(&admin, &name).await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_passes_the_conformance_suite() {
+    let Some(url) = fresh_db("conf").await else {
+        return;
+    };
+    let cat = PostgresCatalog::connect(&url, 8).await.unwrap();
+    conformance::run_all(Arc::new(cat)).await;
+    let a = PostgresCatalog::connect(&url, 4).await.unwrap();
+    let b = PostgresCatalog::connect(&url, 4).await.unwrap();
+    conformance::run_shared(Arc::new(a), Arc::new(b)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_starting_together_migrate_once_and_keep_state() {
+    let Some(url) = fresh_db("mig").await else {
+        return;
+    };
+    let tasks: Vec<_> = (0..6)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { PostgresCatalog::connect(&url, 2).await })
+        })
+        .collect();
+    let cats: Vec<_> = futures_join(tasks).await;
+    cats[0].create_tenant("a").await.unwrap();
+    assert!(cats[5].tenant_exists("a").await.unwrap());
+    drop(cats);
+    let again = PostgresCatalog::connect(&url, 2).await.unwrap();
+    assert!(again.tenant_exists("a").await.unwrap());
+    // A bad URL or an unreachable server is a clear error, not a hang.
+    let e = PostgresCatalog::connect("postgres://nobody@127.0.0.1:1/x", 1)
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("postgres"), "{e}");
+}
+
+async fn futures_join(
+    tasks: Vec<tokio::task::JoinHandle<strata_catalog::Result<PostgresCatalog>>>,
+) -> Vec<PostgresCatalog> {
+    let mut out = vec![];
+    for t in tasks {
+        out.push(t.await.unwrap().unwrap());
+    }
+    out
+}
