@@ -38,7 +38,12 @@ pub struct Daemon {
     pub(crate) admin_hash: Option<String>,
     pub(crate) run_dir: PathBuf,
     pub(crate) exports: tokio::sync::Mutex<HashMap<(String, String), ExportHandle>>,
+    /// This node's API address, as reported to the `nodes` view.
+    pub(crate) url: std::sync::Mutex<Option<String>>,
 }
+
+/// How often a node reports itself to the catalog (the `nodes` view).
+pub const HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Hash under which a token is stored.
 pub fn token_hash(token: &str) -> String {
@@ -65,7 +70,43 @@ impl Daemon {
             admin_hash: admin_token.filter(|t| !t.is_empty()).map(token_hash),
             run_dir,
             exports: tokio::sync::Mutex::new(HashMap::new()),
+            url: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Records the address this node's API listens on (reported in the `nodes` view).
+    pub fn set_url(&self, url: &str) {
+        *self.url.lock().unwrap_or_else(|p| p.into_inner()) = Some(url.to_string());
+    }
+
+    /// This node's report: what it serves, with each workspace's remote window.
+    pub async fn node_status(&self) -> strata_catalog::NodeStatus {
+        let mut attached: Vec<_> = self
+            .engine
+            .attached()
+            .await
+            .iter()
+            .map(|v| {
+                let s = v.stats();
+                strata_catalog::AttachedStatus {
+                    tenant: v.tenant().to_string(),
+                    workspace: v.name().to_string(),
+                    mode: v.mode(),
+                    epoch: s.lease_epoch,
+                    head_version: s.head_version,
+                    remote_window_bytes: s.window_bytes,
+                    remote_window_age_ms: s.window_age_ms,
+                }
+            })
+            .collect();
+        attached.sort_by(|a, b| (&a.tenant, &a.workspace).cmp(&(&b.tenant, &b.workspace)));
+        strata_catalog::NodeStatus {
+            node: self.node_id().to_string(),
+            url: self.url.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            seen_ms: 0,
+            seen_ago_ms: 0,
+            attached,
+        }
     }
 
     pub fn node_id(&self) -> &str {
@@ -117,6 +158,18 @@ impl Daemon {
     /// what a TTL means), when this node holds them or nobody does.
     pub fn spawn_background(self: &Arc<Self>) -> JoinHandle<()> {
         let d = Arc::downgrade(self);
+        let beat = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(d) = beat.upgrade() else { return };
+                let st = d.node_status().await;
+                if let Err(e) = d.engine.catalog().report_node(&st).await {
+                    tracing::warn!(error = %e, "node heartbeat failed");
+                }
+                drop(d);
+                tokio::time::sleep(HEARTBEAT).await;
+            }
+        });
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(std::time::Duration::from_millis(500)).await;

@@ -32,6 +32,7 @@ pub fn router(d: Arc<Daemon>) -> Router {
             get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
         )
         .route("/metrics", get(metrics))
+        .route("/v1/nodes", get(list_nodes))
         .route("/v1/tenants", post(create_tenant))
         .route("/v1/tenants/{name}/tokens", post(create_token))
         .route("/v1/templates", get(list_templates).post(build_template))
@@ -125,6 +126,21 @@ fn body<T>(b: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
             e.body_text()
         ))),
     }
+}
+
+/// Every node sharing this catalog: what it serves, its remote windows, and whether it is alive
+/// (heard from within three heartbeats). Admin only: it spans tenants.
+async fn list_nodes(_: Admin, State(d): D) -> R<serde_json::Value> {
+    let nodes = d.engine.catalog().list_nodes().await?;
+    let alive_ms = 3 * crate::HEARTBEAT.as_millis() as u64;
+    Ok(Json(serde_json::json!({
+        "this": d.node_id(),
+        "nodes": nodes.iter().map(|n| {
+            let mut v = serde_json::to_value(n).unwrap_or_default();
+            v["alive"] = (n.seen_ago_ms <= alive_ms).into();
+            v
+        }).collect::<Vec<_>>(),
+    })))
 }
 
 async fn health(State(d): D) -> impl IntoResponse {

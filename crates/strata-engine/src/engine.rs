@@ -312,11 +312,13 @@ impl Engine {
             return Ok(a.vol.clone());
         }
         let ttl = self.cfg.lease_ttl.as_millis() as u64;
+        let lease_asked = Instant::now();
         let lease = self
             .catalog
             .acquire_lease(tenant, ws, &self.node, ttl)
             .await?;
         let opened = Volume::open(VolumeParts {
+            lease_asked,
             tenant: tenant.into(),
             name: ws.into(),
             dir: self.volume_dir(tenant, ws),
@@ -344,6 +346,16 @@ impl Engine {
         );
         tracing::info!(tenant, workspace = ws, epoch = lease.epoch, "attached");
         Ok(vol)
+    }
+
+    /// Every volume attached on this node.
+    pub async fn attached(&self) -> Vec<Arc<Volume>> {
+        self.volumes
+            .lock()
+            .await
+            .values()
+            .map(|a| a.vol.clone())
+            .collect()
     }
 
     pub async fn volume(&self, tenant: &str, ws: &str) -> Option<Arc<Volume>> {
@@ -538,21 +550,32 @@ impl Engine {
     }
 }
 
-/// Per-volume background work: lease renewal and window-bounded uploads.
+/// Per-volume background work: lease renewal and window-bounded uploads, as two independent
+/// loops so a slow upload can never delay a renewal past the lease's local deadline.
 async fn background(vol: Weak<Volume>, interval: Duration, ttl: Duration, segment_max: u64) {
+    tokio::join!(renew(vol.clone(), ttl), work(vol, interval, segment_max));
+}
+
+async fn renew(vol: Weak<Volume>, ttl: Duration) {
+    // Three tries before the local deadline (80% of the TTL).
+    let every = (ttl / 4).max(Duration::from_millis(10));
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(v) = vol.upgrade() else { return };
+        match tokio::time::timeout(every, v.renew_lease()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(workspace = v.name(), error = %e, "lease renewal failed"),
+            Err(_) => tracing::warn!(workspace = v.name(), "lease renewal timed out"),
+        }
+    }
+}
+
+async fn work(vol: Weak<Volume>, interval: Duration, segment_max: u64) {
     let tick = (interval / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
-    let renew_every = ttl / 3;
-    let mut renewed = Instant::now();
     let mut backoff = Duration::ZERO;
     loop {
         tokio::time::sleep(tick + backoff).await;
         let Some(v) = vol.upgrade() else { return };
-        if renewed.elapsed() >= renew_every {
-            match v.renew_lease().await {
-                Ok(()) => renewed = Instant::now(),
-                Err(e) => tracing::warn!(workspace = v.name(), error = %e, "lease renewal failed"),
-            }
-        }
         if let Err(e) = v.prepare_journal().await {
             tracing::warn!(workspace = v.name(), error = %e, "preparing a journal segment failed");
         }

@@ -127,6 +127,10 @@ pub struct Volume {
     reader: Arc<ObjectReader>,
     catalog: Arc<dyn Catalog>,
     lease: Mutex<LeaseGrant>,
+    /// Local, monotonic end of the lease: measured from *before* the acquire or renewal that
+    /// granted it and shortened by a safety margin, so it always falls before the catalog's
+    /// expiry. Past it, writes and flushes are refused until a renewal succeeds.
+    lease_deadline: Mutex<Instant>,
     journal_id: String,
     opts: VolumeOptions,
     gate: Arc<tokio::sync::RwLock<()>>,
@@ -166,7 +170,15 @@ pub(crate) struct VolumeParts {
     pub reader: Arc<ObjectReader>,
     pub catalog: Arc<dyn Catalog>,
     pub lease: LeaseGrant,
+    /// When the request that obtained `lease` was sent (see [`lease_deadline`]).
+    pub lease_asked: Instant,
     pub opts: VolumeOptions,
+}
+
+/// The local end of a lease of `ttl` requested at `asked`: 80% of the TTL, leaving a margin for
+/// clock-rate drift and for a write already past the check when the deadline falls.
+pub(crate) fn lease_deadline(asked: Instant, ttl: Duration) -> Instant {
+    asked + ttl.mul_f64(0.8)
 }
 
 impl Volume {
@@ -205,6 +217,28 @@ impl Volume {
             return Err(Error::Unavailable(self.name.clone(), why));
         }
         Ok(())
+    }
+
+    /// Refuses to acknowledge a write or flush once the local lease deadline has passed: by
+    /// then another node may be allowed to take the workspace over.
+    fn lease_valid(&self) -> Result<()> {
+        let d = *lock(&self.lease_deadline);
+        let now = Instant::now();
+        if now >= d {
+            return Err(Error::Unavailable(
+                self.name.clone(),
+                format!(
+                    "lease not renewed for {} ms past its safe end (catalog unreachable or node paused); writes are refused until renewal succeeds",
+                    now.duration_since(d).as_millis()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the lease is still locally valid (the `nodes` view and tests).
+    pub fn lease_ok(&self) -> bool {
+        self.lease_valid().is_ok()
     }
 
     fn fail(&self, why: String) {
@@ -418,6 +452,7 @@ impl Volume {
             let _gate = self.gate.read().await;
             let mut j = self.writer.lock().await;
             self.usable()?;
+            self.lease_valid()?;
             let lba = offset / BLOCK_SIZE;
             let end = (offset + data.len() as u64).div_ceil(BLOCK_SIZE);
             let n = end - lba;
@@ -473,6 +508,7 @@ impl Volume {
             let _gate = self.gate.read().await;
             let mut j = self.writer.lock().await;
             self.usable()?;
+            self.lease_valid()?;
             self.append(&mut j, Kind::Zero, first_full, end_full - first_full, &[])?;
         }
         if fua {
@@ -493,6 +529,7 @@ impl Volume {
         let _gate = self.gate.read().await;
         let mut j = self.writer.lock().await;
         self.usable()?;
+        self.lease_valid()?;
         self.append(&mut j, Kind::Zero, first_full, end_full - first_full, &[])
     }
 
@@ -546,13 +583,16 @@ impl Volume {
                     .await?;
             }
         }
-        Ok(())
+        // A flush that completes after the lease could have passed to another node must not
+        // claim success: that node restores from the head, without this node's journal.
+        self.lease_valid()
     }
 
     /// Renews the lease; on failure the volume stops acknowledging writes.
     pub async fn renew_lease(&self) -> Result<()> {
         let g = self.lease();
         let ttl = self.opts.lease_ttl.as_millis() as u64;
+        let asked = Instant::now();
         match self
             .catalog
             .renew_lease(&self.tenant, &self.name, &g, ttl)
@@ -560,6 +600,9 @@ impl Volume {
         {
             Ok(()) => {
                 lock(&self.lease).expires_ms = crate::now_ms() + ttl;
+                let d = lease_deadline(asked, self.opts.lease_ttl);
+                let mut cur = lock(&self.lease_deadline);
+                *cur = (*cur).max(d);
                 Ok(())
             }
             Err(e @ CatalogError::Fenced { .. }) => {

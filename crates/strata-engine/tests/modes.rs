@@ -167,8 +167,11 @@ async fn a_fenced_writer_cannot_move_the_head() {
     assert_eq!(tag_of(&vb.read(0, 4096).await.unwrap(), 0), Some(1));
     vb.write(4096, &tagged(2, 1), false).await.unwrap();
     b.checkpoint(TENANT, "f", None).await.unwrap();
-    // a wakes up: its checkpoint is fenced and its volume refuses writes from then on.
-    va.write(8192, &tagged(3, 2), false).await.unwrap();
+    // a wakes up: its lease ran out locally, so it no longer acknowledges writes or flushes;
+    // its checkpoint is fenced and its volume refuses writes from then on.
+    let e = va.write(8192, &tagged(3, 2), false).await.unwrap_err();
+    assert!(e.to_string().contains("lease"), "{e}");
+    assert!(va.flush().await.is_err(), "no flush succeeds without a lease");
     let head_before = c.catalog.get_workspace(TENANT, "f").await.unwrap();
     let e = va.checkpoint(None).await.unwrap_err();
     assert!(
@@ -186,6 +189,47 @@ async fn a_fenced_writer_cannot_move_the_head() {
         Some(0),
         "a's write never reached b"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_cannot_renew_stops_acknowledging_before_its_lease_can_be_taken() {
+    let c = Cluster::new().await;
+    let mut cfg = c.config("a");
+    cfg.lease_ttl = Duration::from_millis(500);
+    let a = c.node_with(cfg, Arc::new(strata_engine::fs::RealFs));
+    let va = empty_volume(&a, "r", DISK, Mode::Durable).await;
+    va.write(0, &tagged(1, 0), false).await.unwrap();
+    va.flush().await.unwrap();
+    // Renewals stop (the catalog is unreachable from here, or the node is paused).
+    a.stop_background().await;
+    let granted = c.catalog.get_lease(TENANT, "r").await.unwrap();
+    let t0 = std::time::Instant::now();
+    loop {
+        match va.write(4096, &tagged(2, 1), false).await {
+            Ok(()) => {
+                assert!(t0.elapsed() < Duration::from_millis(500), "acknowledged past the TTL");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(e) => {
+                assert!(e.to_string().contains("lease"), "{e}");
+                break;
+            }
+        }
+    }
+    // The refusal came while the catalog still counted the lease as live: nobody could have
+    // taken the workspace yet.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    assert!(now < granted.expires_ms, "refused only after the catalog expiry");
+    assert!(!va.lease_ok());
+    assert!(va.flush().await.is_err());
+    // Reads still work; a successful renewal (nobody took over) restores writes.
+    assert_eq!(tag_of(&va.read(0, 4096).await.unwrap(), 0), Some(1));
+    va.renew_lease().await.unwrap();
+    va.write(8192, &tagged(3, 2), false).await.unwrap();
+    va.flush().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

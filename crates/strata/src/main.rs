@@ -60,6 +60,9 @@ enum Cmd {
     /// Tenants (through the daemon; needs STRATA_URL and the admin token in STRATA_TOKEN).
     #[command(subcommand)]
     Tenant(TenantCmd),
+    /// Nodes sharing the catalog: which workspaces each serves, lease epochs, remote windows
+    /// (through the daemon with the admin token, or from the local catalog).
+    Nodes,
 }
 
 #[derive(Subcommand)]
@@ -229,6 +232,40 @@ fn print<T: Serialize>(json: bool, v: &T, human: impl FnOnce(&T) -> String) {
     }
 }
 
+/// Prints the `nodes` view (one line per node, one indented line per workspace it serves).
+pub(crate) fn print_nodes(json: bool, v: &serde_json::Value) {
+    if json {
+        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+        return;
+    }
+    for n in v["nodes"].as_array().into_iter().flatten() {
+        let alive = match n.get("alive").and_then(|a| a.as_bool()) {
+            Some(true) => "alive",
+            Some(false) => "silent",
+            None => "",
+        };
+        println!(
+            "{}  {}  last seen {} ms ago  {}",
+            n["node"].as_str().unwrap_or("?"),
+            n["url"].as_str().unwrap_or("-"),
+            n["seen_ago_ms"],
+            alive
+        );
+        for a in n["attached"].as_array().into_iter().flatten() {
+            println!(
+                "  {}/{}  {}  epoch {}  head v{}  remote window {} ({} ms)",
+                a["tenant"].as_str().unwrap_or(""),
+                a["workspace"].as_str().unwrap_or(""),
+                a["mode"].as_str().unwrap_or(""),
+                a["epoch"],
+                a["head_version"],
+                units::fmt_size(a["remote_window_bytes"].as_u64().unwrap_or(0)),
+                a["remote_window_age_ms"]
+            );
+        }
+    }
+}
+
 async fn open(g: &Global) -> anyhow::Result<Arc<Engine>> {
     let e = Engine::open_embedded(EngineConfig::new(&g.data)).await?;
     e.ensure_tenant(&g.tenant).await?;
@@ -262,6 +299,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Tenant(_) => anyhow::bail!("tenants are managed through the daemon: set STRATA_URL (and STRATA_TOKEN to the admin token)"),
         Cmd::Demo => demo::run(g.json).await?,
+        Cmd::Nodes => {
+            let e = open(g).await?;
+            let nodes = e.catalog().list_nodes().await?;
+            let v = serde_json::json!({ "this": e.node_id(), "nodes": nodes });
+            print_nodes(g.json, &v);
+        }
         Cmd::Serve(a) => serve::serve(g, a).await?,
         Cmd::Template(c) => {
             let e = open(g).await?;

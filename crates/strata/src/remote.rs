@@ -151,6 +151,10 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                 serde_json::to_string_pretty(v).unwrap_or_default()
             });
         }
+        Cmd::Nodes => {
+            let v = h.call(M::GET, "/v1/nodes", None).await?;
+            crate::print_nodes(json_out, &v);
+        }
         Cmd::Ws(c) => {
             let v = match c {
                 WsCmd::Create { ws, template, from, size, mode, ttl } => {

@@ -93,13 +93,20 @@ pub struct ServeArgs {
     /// HTTP listen address.
     #[arg(long, env = "STRATA_LISTEN")]
     listen: Option<String>,
-    /// TOML config file (keys: listen, admin_token, catalog, store, upload_interval,
+    /// TOML config file (keys: listen, admin_token, catalog, catalog_pool, node_id, store, upload_interval,
     /// upload_max_bytes, lease_ttl, cache_capacity).
     #[arg(long, env = "STRATA_CONFIG")]
     config: Option<PathBuf>,
-    /// Catalog: sqlite:PATH (default DATA/catalog.db).
+    /// Catalog: sqlite:PATH (default DATA/catalog.db) or postgres://user@host:port/db (shared
+    /// by several nodes).
     #[arg(long, env = "STRATA_CATALOG")]
     catalog: Option<String>,
+    /// Most connections this node opens to a PostgreSQL catalog.
+    #[arg(long, env = "STRATA_CATALOG_POOL")]
+    catalog_pool: Option<usize>,
+    /// This node's name in leases and the nodes view (default: DATA/node-id, created once).
+    #[arg(long, env = "STRATA_NODE_ID")]
+    node_id: Option<String>,
     /// Object store: file:DIR (default DATA/objects) or s3://bucket/prefix?endpoint=….
     #[arg(long, env = "STRATA_STORE")]
     store: Option<String>,
@@ -119,6 +126,8 @@ struct FileConfig {
     listen: Option<String>,
     admin_token: Option<String>,
     catalog: Option<String>,
+    catalog_pool: Option<usize>,
+    node_id: Option<String>,
     store: Option<String>,
     upload_interval: Option<String>,
     upload_max_bytes: Option<String>,
@@ -164,6 +173,7 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
     if let Some(n) = size(a.cache_capacity, &file.cache_capacity)? {
         cfg.cache_capacity = n;
     }
+    cfg.node_id = a.node_id.or(file.node_id);
     let listen = a
         .listen
         .or(file.listen)
@@ -179,12 +189,10 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
         .store
         .or(file.store)
         .unwrap_or_else(|| format!("file:{}", g.data.join("objects").display()));
-    let Some(path) = catalog_url.strip_prefix("sqlite:") else {
-        anyhow::bail!("catalog {catalog_url:?}: only sqlite:PATH is supported by this build (PostgreSQL is coming)");
-    };
-    let catalog = Arc::new(strata_catalog::SqliteCatalog::open(std::path::Path::new(
-        path,
-    ))?);
+    let pool = a.catalog_pool.or(file.catalog_pool).unwrap_or(16);
+    let catalog = strata_catalog::open_url(&catalog_url, pool)
+        .await
+        .with_context(|| format!("opening catalog {}", redact(&catalog_url)))?;
     let store = strata_store::Store::open(&store_url)?;
     let engine = Engine::open_with(cfg, catalog, store, Arc::new(strata_engine::fs::RealFs))?;
     if admin.is_none() {
@@ -197,6 +205,7 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding {listen}"))?;
     let addr = listener.local_addr()?;
+    daemon.set_url(&format!("http://{addr}"));
     if g.json {
         println!(
             "{}",
@@ -227,6 +236,20 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
         .await?;
     daemon.shutdown().await;
     Ok(())
+}
+
+/// A URL with any password replaced, for messages.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.find('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
 }
 
 fn daemon_node(d: &strata_daemon::Daemon) -> String {

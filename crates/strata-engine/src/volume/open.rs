@@ -132,6 +132,7 @@ impl Volume {
             reader: p.reader,
             catalog: p.catalog,
             lease: Mutex::new(p.lease),
+            lease_deadline: Mutex::new(super::lease_deadline(p.lease_asked, p.opts.lease_ttl)),
             journal_id,
             opts: p.opts,
             gate: Arc::new(tokio::sync::RwLock::new(())),
