@@ -131,6 +131,8 @@ fn body<T>(b: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
 /// Every node sharing this catalog: what it serves, its remote windows, and whether it is alive
 /// (heard from within three heartbeats). Admin only: it spans tenants.
 async fn list_nodes(_: Admin, State(d): D) -> R<serde_json::Value> {
+    // This node's own row is reported fresh; the others are as of their last heartbeat.
+    d.engine.catalog().report_node(&d.node_status().await).await?;
     let nodes = d.engine.catalog().list_nodes().await?;
     let alive_ms = 3 * crate::HEARTBEAT.as_millis() as u64;
     Ok(Json(serde_json::json!({

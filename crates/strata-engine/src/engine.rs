@@ -562,6 +562,9 @@ async fn renew(vol: Weak<Volume>, ttl: Duration) {
     loop {
         tokio::time::sleep(every).await;
         let Some(v) = vol.upgrade() else { return };
+        if v.failure().is_some() {
+            return; // Fenced or failed for good: nothing left to renew.
+        }
         match tokio::time::timeout(every, v.renew_lease()).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(workspace = v.name(), error = %e, "lease renewal failed"),
@@ -576,6 +579,10 @@ async fn work(vol: Weak<Volume>, interval: Duration, segment_max: u64) {
     loop {
         tokio::time::sleep(tick + backoff).await;
         let Some(v) = vol.upgrade() else { return };
+        if let Some(why) = v.failure() {
+            tracing::warn!(workspace = v.name(), %why, "background uploads stop: the volume refuses writes; detach it");
+            return;
+        }
         if let Err(e) = v.prepare_journal().await {
             tracing::warn!(workspace = v.name(), error = %e, "preparing a journal segment failed");
         }

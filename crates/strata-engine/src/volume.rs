@@ -236,6 +236,11 @@ impl Volume {
         Ok(())
     }
 
+    /// Why the volume refuses writes for good (fenced, failed fsync), if it does.
+    pub fn failure(&self) -> Option<String> {
+        lock(&self.failed).clone()
+    }
+
     /// Whether the lease is still locally valid (the `nodes` view and tests).
     pub fn lease_ok(&self) -> bool {
         self.lease_valid().is_ok()
@@ -606,7 +611,7 @@ impl Volume {
                 Ok(())
             }
             Err(e @ CatalogError::Fenced { .. }) => {
-                self.fail(format!("lease lost: {e}"));
+                self.fail(e.to_string());
                 Err(e.into())
             }
             Err(e) => Err(e.into()),

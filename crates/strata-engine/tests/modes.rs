@@ -171,7 +171,10 @@ async fn a_fenced_writer_cannot_move_the_head() {
     // its checkpoint is fenced and its volume refuses writes from then on.
     let e = va.write(8192, &tagged(3, 2), false).await.unwrap_err();
     assert!(e.to_string().contains("lease"), "{e}");
-    assert!(va.flush().await.is_err(), "no flush succeeds without a lease");
+    assert!(
+        va.flush().await.is_err(),
+        "no flush succeeds without a lease"
+    );
     let head_before = c.catalog.get_workspace(TENANT, "f").await.unwrap();
     let e = va.checkpoint(None).await.unwrap_err();
     assert!(
@@ -207,7 +210,10 @@ async fn a_node_that_cannot_renew_stops_acknowledging_before_its_lease_can_be_ta
     loop {
         match va.write(4096, &tagged(2, 1), false).await {
             Ok(()) => {
-                assert!(t0.elapsed() < Duration::from_millis(500), "acknowledged past the TTL");
+                assert!(
+                    t0.elapsed() < Duration::from_millis(500),
+                    "acknowledged past the TTL"
+                );
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             Err(e) => {
@@ -222,7 +228,10 @@ async fn a_node_that_cannot_renew_stops_acknowledging_before_its_lease_can_be_ta
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis() as u64;
-    assert!(now < granted.expires_ms, "refused only after the catalog expiry");
+    assert!(
+        now < granted.expires_ms,
+        "refused only after the catalog expiry"
+    );
     assert!(!va.lease_ok());
     assert!(va.flush().await.is_err());
     // Reads still work; a successful renewal (nobody took over) restores writes.

@@ -14,7 +14,7 @@ mod store;
 
 pub use cache::NodeCache;
 pub use reader::{ObjectReader, ReaderStats};
-pub use store::Store;
+pub use store::{Credentials, Store};
 
 /// What went wrong talking to the object store or the node cache.
 #[derive(Debug, Clone, thiserror::Error)]

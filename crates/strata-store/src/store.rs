@@ -39,6 +39,11 @@ impl Store {
     ///   `AWS_*` environment variables; path-style requests unless `virtual_hosted=true`;
     /// - `memory:`: in memory (tests).
     pub fn open(url: &str) -> Result<Store> {
+        Store::open_with(url, &Credentials::default())
+    }
+
+    /// [`Store::open`] with S3 credentials from configuration (they override `AWS_*`).
+    pub fn open_with(url: &str, creds: &Credentials) -> Result<Store> {
         let inner: Arc<dyn ObjectStore> = if let Some(dir) = url.strip_prefix("file:") {
             let dir = dir.strip_prefix("//").unwrap_or(dir);
             std::fs::create_dir_all(dir)?;
@@ -48,7 +53,7 @@ impl Store {
                     .with_fsync(true),
             )
         } else if let Some(rest) = url.strip_prefix("s3://") {
-            open_s3(url, rest)?
+            open_s3(url, rest, creds)?
         } else if url == "memory:" {
             Arc::new(InMemory::new())
         } else {
@@ -159,9 +164,18 @@ impl Store {
     }
 }
 
-fn open_s3(url: &str, rest: &str) -> Result<Arc<dyn ObjectStore>> {
+/// S3 credentials from a config file (when not taken from the `AWS_*` environment).
+#[derive(Clone, Default)]
+pub struct Credentials {
+    pub access_key_id: Option<String>,
+    pub secret_access_key: Option<String>,
+    pub session_token: Option<String>,
+}
+
+fn open_s3(url: &str, rest: &str, creds: &Credentials) -> Result<Arc<dyn ObjectStore>> {
     use object_store::aws::AmazonS3Builder;
     use object_store::prefix::PrefixStore;
+    use object_store::{BackoffConfig, ClientOptions, RetryConfig};
     let bad = |why: &str| StoreError::BadUrl(url.into(), why.into());
     let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
     let (bucket, prefix) = path.split_once('/').unwrap_or((path, ""));
@@ -169,6 +183,30 @@ fn open_s3(url: &str, rest: &str) -> Result<Arc<dyn ObjectStore>> {
         return Err(bad("missing bucket name"));
     }
     let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket);
+    if let Some(k) = &creds.access_key_id {
+        b = b.with_access_key_id(k);
+    }
+    if let Some(k) = &creds.secret_access_key {
+        b = b.with_secret_access_key(k);
+    }
+    if let Some(k) = &creds.session_token {
+        b = b.with_token(k);
+    }
+    // Transient errors (5xx, throttling, resets, timeouts) are retried with jittered
+    // exponential backoff inside object_store; puts are additionally verified by HEAD before
+    // being retried by us (see `put_verified`).
+    let mut retry = RetryConfig {
+        max_retries: 8,
+        retry_timeout: std::time::Duration::from_secs(180),
+        backoff: BackoffConfig {
+            init_backoff: std::time::Duration::from_millis(100),
+            max_backoff: std::time::Duration::from_secs(15),
+            base: 2.0,
+        },
+    };
+    let mut opts = ClientOptions::new()
+        .with_connect_timeout(std::time::Duration::from_secs(5))
+        .with_timeout(std::time::Duration::from_secs(120));
     for kv in query.split('&').filter(|s| !s.is_empty()) {
         let (k, v) = kv
             .split_once('=')
@@ -178,14 +216,28 @@ fn open_s3(url: &str, rest: &str) -> Result<Arc<dyn ObjectStore>> {
             "region" => b.with_region(v),
             "allow_http" => b.with_allow_http(v == "true"),
             "virtual_hosted" => b.with_virtual_hosted_style_request(v == "true"),
+            "timeout_ms" => {
+                let ms: u64 = v.parse().map_err(|_| bad("timeout_ms must be a number"))?;
+                opts = opts.with_timeout(std::time::Duration::from_millis(ms.max(1)));
+                b
+            }
+            "retries" => {
+                retry.max_retries = v.parse().map_err(|_| bad("retries must be a number"))?;
+                b
+            }
             _ => {
                 return Err(bad(&format!(
-                    "unknown parameter {k:?} (endpoint, region, allow_http, virtual_hosted)"
+                    "unknown parameter {k:?} (endpoint, region, allow_http, virtual_hosted, timeout_ms, retries)"
                 )))
             }
         };
     }
+    if query.contains("allow_http=true") {
+        opts = opts.with_allow_http(true);
+    }
     let s3 = b
+        .with_retry(retry)
+        .with_client_options(opts)
         .build()
         .map_err(|e| StoreError::BadUrl(url.into(), e.to_string()))?;
     let prefix = prefix.trim_matches('/');

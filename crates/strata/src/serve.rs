@@ -93,7 +93,8 @@ pub struct ServeArgs {
     /// HTTP listen address.
     #[arg(long, env = "STRATA_LISTEN")]
     listen: Option<String>,
-    /// TOML config file (keys: listen, admin_token, catalog, catalog_pool, node_id, store, upload_interval,
+    /// TOML config file (keys: listen, admin_token, catalog, catalog_pool, node_id, store,
+    /// s3_access_key_id, s3_secret_access_key, s3_session_token, upload_interval,
     /// upload_max_bytes, lease_ttl, cache_capacity).
     #[arg(long, env = "STRATA_CONFIG")]
     config: Option<PathBuf>,
@@ -129,6 +130,10 @@ struct FileConfig {
     catalog_pool: Option<usize>,
     node_id: Option<String>,
     store: Option<String>,
+    /// S3 credentials (otherwise from the AWS_* environment).
+    s3_access_key_id: Option<String>,
+    s3_secret_access_key: Option<String>,
+    s3_session_token: Option<String>,
     upload_interval: Option<String>,
     upload_max_bytes: Option<String>,
     lease_ttl: Option<String>,
@@ -193,19 +198,26 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
     let catalog = strata_catalog::open_url(&catalog_url, pool)
         .await
         .with_context(|| format!("opening catalog {}", redact(&catalog_url)))?;
-    let store = strata_store::Store::open(&store_url)?;
+    let store = strata_store::Store::open_with(
+        &store_url,
+        &strata_store::Credentials {
+            access_key_id: file.s3_access_key_id.clone(),
+            secret_access_key: file.s3_secret_access_key.clone(),
+            session_token: file.s3_session_token.clone(),
+        },
+    )?;
     let engine = Engine::open_with(cfg, catalog, store, Arc::new(strata_engine::fs::RealFs))?;
     if admin.is_none() {
         tracing::warn!("no admin token (STRATA_ADMIN_TOKEN or admin_token in the config): tenants cannot be created over the API");
     }
     let daemon = strata_daemon::Daemon::new(engine, admin.as_deref());
     let resumed = daemon.resume().await;
-    let _background = daemon.spawn_background();
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .with_context(|| format!("binding {listen}"))?;
     let addr = listener.local_addr()?;
     daemon.set_url(&format!("http://{addr}"));
+    let _background = daemon.spawn_background();
     if g.json {
         println!(
             "{}",

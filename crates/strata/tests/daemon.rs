@@ -1,122 +1,23 @@
 //! `strata serve` end to end, through HTTP and NBD only: lifecycle, tenant isolation, bad
 //! input, kill -9 and resume, restore on a second daemon with another data directory.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use strata_nbd::client::Client;
 
-const ADMIN: &str = "admin-secret";
-
-struct Daemon {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn serve(data: &Path, extra: &[&str]) -> Daemon {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .arg("--data")
-        .arg(data)
-        .args([
-            "--json",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--lease-ttl",
-            "2s",
-        ])
-        .args(extra)
-        .env("STRATA_ADMIN_TOKEN", ADMIN)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
-    Daemon {
-        child,
-        url: format!("http://{}", v["listening"].as_str().unwrap()),
-    }
-}
-
-struct Api {
-    http: reqwest::Client,
-    url: String,
-    token: String,
-}
-
-impl Api {
-    async fn call(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> (StatusCode, Value) {
-        let mut r = self
-            .http
-            .request(method, format!("{}{path}", self.url))
-            .bearer_auth(&self.token);
-        if let Some(b) = body {
-            r = r.json(&b);
-        }
-        let resp = r.send().await.unwrap();
-        let status = resp.status();
-        let text = resp.text().await.unwrap();
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
-    }
-    async fn get(&self, p: &str) -> (StatusCode, Value) {
-        self.call(reqwest::Method::GET, p, None).await
-    }
-    async fn post(&self, p: &str, b: Value) -> (StatusCode, Value) {
-        self.call(reqwest::Method::POST, p, Some(b)).await
-    }
-    async fn delete(&self, p: &str) -> (StatusCode, Value) {
-        self.call(reqwest::Method::DELETE, p, None).await
-    }
-}
+mod common;
+use common::*;
 
 /// Another node: its own data directory, sharing node A's catalog and object store.
 fn second_node(data_a: &Path, data_b: &Path, token: &str) -> (Daemon, Api) {
     let cat = format!("sqlite:{}", data_a.join("catalog.db").display());
     let store = format!("file:{}", data_a.join("objects").display());
     let other = serve(data_b, &["--catalog", &cat, "--store", &store]);
-    let api = Api {
-        http: reqwest::Client::new(),
-        url: other.url.clone(),
-        token: token.into(),
-    };
+    let api = Api::new(&other.url, token);
     (other, api)
-}
-
-async fn tenant(url: &str, name: &str) -> Api {
-    let admin = Api {
-        http: reqwest::Client::new(),
-        url: url.into(),
-        token: ADMIN.into(),
-    };
-    let (s, v) = admin.post("/v1/tenants", json!({"name": name})).await;
-    assert_eq!(s, StatusCode::CREATED, "{v}");
-    Api {
-        http: reqwest::Client::new(),
-        url: url.into(),
-        token: v["token"].as_str().unwrap().into(),
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -238,11 +139,7 @@ async fn lifecycle_isolation_and_bad_input() {
     assert_eq!(a.get("/v1/workspaces/w1").await.1["attached"], true);
 
     // Authentication.
-    let nobody = Api {
-        http: reqwest::Client::new(),
-        url: daemon.url.clone(),
-        token: "st_wrong".into(),
-    };
+    let nobody = Api::new(&daemon.url, "st_wrong");
     assert_eq!(
         nobody.get("/v1/workspaces").await.0,
         StatusCode::UNAUTHORIZED
@@ -251,11 +148,29 @@ async fn lifecycle_isolation_and_bad_input() {
         a.post("/v1/tenants", json!({"name": "x"})).await.0,
         StatusCode::FORBIDDEN
     );
-    let admin = Api {
-        http: reqwest::Client::new(),
-        url: daemon.url.clone(),
-        token: ADMIN.into(),
-    };
+    let admin = Api::new(&daemon.url, ADMIN);
+    // The nodes view: this node, alive, serving w1 with its lease epoch.
+    let (s, v) = admin.get("/v1/nodes").await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let me = v["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node"] == v["this"])
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(me["alive"], true, "{v}");
+    assert!(
+        me["attached"].as_array().is_some_and(|a| a
+            .iter()
+            .any(|w| w["workspace"] == "w1" && w["epoch"].as_u64() > Some(0))),
+        "{v}"
+    );
+    assert_eq!(
+        a.get("/v1/nodes").await.0,
+        StatusCode::FORBIDDEN,
+        "admin only"
+    );
     assert_eq!(admin.get("/v1/workspaces").await.0, StatusCode::FORBIDDEN);
 
     // Bad input: a 4xx with a JSON message, and nothing changed.
@@ -431,11 +346,7 @@ async fn kill_9_resume_and_restore_on_another_daemon() {
     let mut c = Client::connect_unix(Path::new(&sock), "w").await.unwrap();
     assert!(c.read(0, 65536).await.unwrap().iter().all(|&b| b == 7));
     c.write(65536, &[8; 4096], true).await.unwrap();
-    let a = Api {
-        http: reqwest::Client::new(),
-        url: daemon.url.clone(),
-        token: a.token.clone(),
-    };
+    let a = Api::new(&daemon.url, &a.token);
     let (s, v) = a.post("/v1/workspaces/w/checkpoint", json!({})).await;
     assert_eq!(s, StatusCode::OK, "{v}");
     let (s, v) = a.post("/v1/workspaces/w/fork", json!({"name": "f"})).await;
@@ -516,31 +427,7 @@ async fn the_cli_drives_the_daemon() {
 /// on a second daemon with another data directory that shares only the catalog and the store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ext4_written_on_one_daemon_reads_back_on_another() {
-    let have = |t: &str| {
-        Command::new("sh")
-            .arg("-c")
-            .arg(format!("command -v {t}"))
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    let root = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .map(|l| l.split_whitespace().nth(2) == Some("0"))
-        })
-        .unwrap_or(false);
-    if !(root
-        && ["nbdfuse", "losetup", "mkfs.ext4", "e2fsck", "fusermount3"]
-            .iter()
-            .all(|t| have(t)))
-    {
-        assert!(
-            std::env::var("CI").is_err(),
-            "CI runs as root with nbdfuse installed"
-        );
-        eprintln!("skipping: needs root, nbdfuse and a loop device");
+    if !can_mount() {
         return;
     }
     let d = tempfile::tempdir().unwrap();
@@ -553,26 +440,7 @@ async fn ext4_written_on_one_daemon_reads_back_on_another() {
     assert_eq!(s, StatusCode::CREATED, "{v}");
     let (_, att) = a.post("/v1/workspaces/fs/attach", json!({})).await;
     let uri = att["export"].as_str().unwrap().to_string();
-    let mount = |uri: &str, tag: &str, body: &str| {
-        let fuse = d.path().join(format!("fuse-{tag}"));
-        let mnt = d.path().join(format!("mnt-{tag}"));
-        std::fs::create_dir_all(&fuse).unwrap();
-        std::fs::create_dir_all(&mnt).unwrap();
-        let pid = d.path().join(format!("{tag}.pid"));
-        format!(
-            r#"set -eu
-fuse={fuse}; mnt={mnt}; file={fuse}/disk
-nbdfuse -P {pid} "$file" '{uri}' &
-for i in $(seq 1 100); do [ -s {pid} ] && break; sleep 0.1; done
-cleanup() {{ umount "$mnt" 2>/dev/null || true; [ -n "${{loop:-}}" ] && losetup -d "$loop" 2>/dev/null || true; fusermount3 -u "$fuse" 2>/dev/null || true; }}
-trap cleanup EXIT
-{body}
-"#,
-            fuse = fuse.display(),
-            mnt = mnt.display(),
-            pid = pid.display(),
-        )
-    };
+    let mount = |uri: &str, tag: &str, body: &str| mount_script(d.path(), uri, tag, body);
     let write = mount(
         &uri,
         "w",

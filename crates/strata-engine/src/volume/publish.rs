@@ -137,7 +137,7 @@ impl Volume {
                 st.frozen = None;
                 lock(&self.window).cutting = false;
                 if let Error::Catalog(CatalogError::Fenced { .. }) = &e {
-                    self.fail(format!("lease lost: {e}"));
+                    self.fail(e.to_string());
                 }
                 Err(e)
             }

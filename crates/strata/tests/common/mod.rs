@@ -1,0 +1,276 @@
+#![allow(dead_code)]
+//! Scaffolding for tests of the real `strata` binary: daemons, an HTTP API client, shared
+//! scale-out backends (PostgreSQL + S3) and ext4 through nbdfuse + a loop device.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+pub const ADMIN: &str = "admin-secret";
+
+/// A running `strata serve`; killed with SIGKILL when dropped.
+pub struct Daemon {
+    pub child: Child,
+    pub url: String,
+    pub node: String,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Daemon {
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([&format!("-{sig}"), &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{sig}");
+    }
+    pub fn api(&self, token: &str) -> Api {
+        Api::new(&self.url, token)
+    }
+}
+
+pub fn serve(data: &Path, extra: &[&str]) -> Daemon {
+    serve_env(data, extra, &[])
+}
+
+/// Starts a daemon on a free port with a 2 s lease TTL; `extra` flags and `env` are added.
+pub fn serve_env(data: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .arg("--data")
+        .arg(data)
+        .args([
+            "--json",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--lease-ttl",
+            "2s",
+        ])
+        .args(extra)
+        .env("STRATA_ADMIN_TOKEN", ADMIN)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    Daemon {
+        child,
+        url: format!("http://{}", v["listening"].as_str().unwrap()),
+        node: v["node"].as_str().unwrap_or("").to_string(),
+    }
+}
+
+pub struct Api {
+    pub http: reqwest::Client,
+    pub url: String,
+    pub token: String,
+}
+
+impl Api {
+    pub fn new(url: &str, token: &str) -> Api {
+        Api {
+            http: reqwest::Client::builder()
+                .timeout(std::time::Duration::from_secs(120))
+                .build()
+                .unwrap(),
+            url: url.into(),
+            token: token.into(),
+        }
+    }
+    pub async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let mut r = self
+            .http
+            .request(method, format!("{}{path}", self.url))
+            .bearer_auth(&self.token);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        let resp = r.send().await.unwrap();
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+    pub async fn get(&self, p: &str) -> (StatusCode, Value) {
+        self.call(reqwest::Method::GET, p, None).await
+    }
+    pub async fn post(&self, p: &str, b: Value) -> (StatusCode, Value) {
+        self.call(reqwest::Method::POST, p, Some(b)).await
+    }
+    pub async fn delete(&self, p: &str) -> (StatusCode, Value) {
+        self.call(reqwest::Method::DELETE, p, None).await
+    }
+}
+
+/// Creates a tenant through `url`'s admin API and returns an API handle with its token.
+pub async fn tenant(url: &str, name: &str) -> Api {
+    let admin = Api::new(url, ADMIN);
+    let (s, v) = admin.post("/v1/tenants", json!({"name": name})).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    Api::new(url, v["token"].as_str().unwrap())
+}
+
+pub fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+pub fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(2) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+/// Whether ext4-through-nbdfuse tests can run here (root, nbdfuse, loop devices); on CI they
+/// must.
+pub fn can_mount() -> bool {
+    let ok = is_root()
+        && ["nbdfuse", "losetup", "mkfs.ext4", "e2fsck", "fusermount3"]
+            .iter()
+            .all(|t| have(t));
+    if !ok {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI runs as root with nbdfuse installed"
+        );
+        eprintln!("skipping: needs root, nbdfuse and a loop device");
+    }
+    ok
+}
+
+/// A bash script that exposes NBD export `uri` as `$file` through nbdfuse under `dir`, runs
+/// `body` (which may set `loop` to a loop device) and cleans up whatever happens.
+pub fn mount_script(dir: &Path, uri: &str, tag: &str, body: &str) -> String {
+    let fuse = dir.join(format!("fuse-{tag}"));
+    let mnt = dir.join(format!("mnt-{tag}"));
+    std::fs::create_dir_all(&fuse).unwrap();
+    std::fs::create_dir_all(&mnt).unwrap();
+    let pid = dir.join(format!("{tag}.pid"));
+    let _ = std::fs::remove_file(&pid);
+    format!(
+        r#"set -eu
+fuse={fuse}; mnt={mnt}; file={fuse}/disk
+nbdfuse -P {pid} "$file" '{uri}' &
+for i in $(seq 1 100); do [ -s {pid} ] && break; sleep 0.1; done
+cleanup() {{ umount "$mnt" 2>/dev/null || true; [ -n "${{loop:-}}" ] && losetup -d "$loop" 2>/dev/null || true; fusermount3 -u "$fuse" 2>/dev/null || true; }}
+trap cleanup EXIT
+{body}
+"#,
+        fuse = fuse.display(),
+        mnt = mnt.display(),
+        pid = pid.display(),
+    )
+}
+
+/// Runs a bash script off the async runtime; returns (success, stdout, stderr).
+pub async fn bash(script: String) -> (bool, String, String) {
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("bash").arg("-c").arg(script).output().unwrap()
+    })
+    .await
+    .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The shared backends of a scale-out cluster: a fresh database on the PostgreSQL server named
+/// by `STRATA_TEST_PG` and a fresh bucket on the S3-protocol server at
+/// `STRATA_TEST_S3_ENDPOINT`. None (skip) when either is unset, unless `STRATA_REQUIRE_PG=1`.
+pub struct Shared {
+    pub catalog: String,
+    pub store: String,
+}
+
+pub const S3_ENV: &[(&str, &str)] = &[
+    ("AWS_ACCESS_KEY_ID", "test"),
+    ("AWS_SECRET_ACCESS_KEY", "test"),
+];
+
+pub async fn shared(tag: &str) -> Option<Shared> {
+    let pg = std::env::var("STRATA_TEST_PG")
+        .ok()
+        .filter(|s| !s.is_empty());
+    let s3 = std::env::var("STRATA_TEST_S3_ENDPOINT")
+        .ok()
+        .filter(|s| !s.is_empty());
+    let (Some(pg), Some(s3)) = (pg, s3) else {
+        assert!(
+            std::env::var("STRATA_REQUIRE_PG").as_deref() != Ok("1"),
+            "STRATA_REQUIRE_PG=1 but STRATA_TEST_PG or STRATA_TEST_S3_ENDPOINT is unset"
+        );
+        eprintln!("skipping: needs STRATA_TEST_PG and STRATA_TEST_S3_ENDPOINT");
+        return None;
+    };
+    let n = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+        % 1_000_000_000;
+    let name = format!("{tag}{}x{n}", std::process::id());
+    let catalog = strata_catalog::create_database(&pg, &format!("strata_{name}"))
+        .await
+        .unwrap();
+    let bucket = format!("scale-{name}").replace('_', "-");
+    let out = Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT"])
+        .arg(format!("{s3}/{bucket}"))
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with('2'),
+        "cannot create bucket {bucket}"
+    );
+    Some(Shared {
+        catalog,
+        store: format!("s3://{bucket}/strata?endpoint={s3}&region=us-east-1&allow_http=true"),
+    })
+}
+
+impl Shared {
+    /// A node of this cluster: its own data directory and node id, the shared backends.
+    pub fn node(&self, data: &Path, id: &str, extra: &[&str]) -> Daemon {
+        let mut args = vec![
+            "--catalog",
+            &self.catalog,
+            "--store",
+            &self.store,
+            "--node-id",
+            id,
+        ];
+        args.extend_from_slice(extra);
+        serve_env(data, &args, S3_ENV)
+    }
+}
