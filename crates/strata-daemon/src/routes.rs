@@ -132,7 +132,10 @@ fn body<T>(b: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
 /// (heard from within three heartbeats). Admin only: it spans tenants.
 async fn list_nodes(_: Admin, State(d): D) -> R<serde_json::Value> {
     // This node's own row is reported fresh; the others are as of their last heartbeat.
-    d.engine.catalog().report_node(&d.node_status().await).await?;
+    d.engine
+        .catalog()
+        .report_node(&d.node_status().await)
+        .await?;
     let nodes = d.engine.catalog().list_nodes().await?;
     let alive_ms = 3 * crate::HEARTBEAT.as_millis() as u64;
     Ok(Json(serde_json::json!({
