@@ -45,6 +45,54 @@ pub async fn run_all(cat: Arc<dyn Catalog>) {
     ttls_expire(&*cat).await;
     tenants_do_not_see_each_other(&*cat).await;
     nodes_report_and_list(&*cat).await;
+    scoped_tokens_and_streams(&*cat).await;
+}
+
+async fn scoped_tokens_and_streams(cat: &dyn Catalog) {
+    cat.add_scoped_token("acme", "scoped1", "relay:wal")
+        .await
+        .unwrap();
+    assert_eq!(
+        cat.tenant_for_token("scoped1").await.unwrap(),
+        None,
+        "a scoped token is not a tenant token"
+    );
+    assert_eq!(
+        cat.token_info("scoped1").await.unwrap(),
+        Some(TokenInfo {
+            tenant: "acme".into(),
+            scope: Some("relay:wal".into())
+        })
+    );
+    assert_eq!(
+        cat.token_info("h1").await.unwrap(),
+        Some(TokenInfo {
+            tenant: "acme".into(),
+            scope: None
+        })
+    );
+    assert!(matches!(
+        cat.add_scoped_token("nope", "scoped2", "relay:x").await,
+        Err(CatalogError::NotFound { .. })
+    ));
+    let st = RelayStream {
+        tenant: "acme".into(),
+        name: "wal".into(),
+        sync: true,
+        created_ms: 7,
+    };
+    cat.create_stream(&st).await.unwrap();
+    assert!(matches!(
+        cat.create_stream(&st).await,
+        Err(CatalogError::AlreadyExists { .. })
+    ));
+    assert_eq!(cat.get_stream("acme", "wal").await.unwrap(), st);
+    assert!(matches!(
+        cat.get_stream("other", "wal").await,
+        Err(CatalogError::NotFound { .. })
+    ));
+    assert_eq!(cat.list_streams("acme").await.unwrap(), vec![st]);
+    assert!(cat.list_streams("other").await.unwrap().is_empty());
 }
 
 /// Checks for two handles on the same catalog (two nodes): `a` and `b` must be separate

@@ -62,8 +62,17 @@ pub trait Catalog: Send + Sync + 'static {
     async fn tenant_exists(&self, tenant: &str) -> Result<bool>;
     /// Records an API token (by its hash, never the token itself) for a tenant.
     async fn add_token(&self, tenant: &str, hash: &str) -> Result<()>;
-    /// The tenant a token hash belongs to.
+    /// The tenant a full (unscoped) token hash belongs to; scoped tokens are not returned.
     async fn tenant_for_token(&self, hash: &str) -> Result<Option<String>>;
+    /// Records a token that may act only within `scope` (e.g. `relay:wal`).
+    async fn add_scoped_token(&self, tenant: &str, hash: &str, scope: &str) -> Result<()>;
+    /// The tenant and scope of any token hash.
+    async fn token_info(&self, hash: &str) -> Result<Option<TokenInfo>>;
+
+    /// Creates a relay stream (`AlreadyExists` if it exists).
+    async fn create_stream(&self, s: &RelayStream) -> Result<()>;
+    async fn get_stream(&self, tenant: &str, name: &str) -> Result<RelayStream>;
+    async fn list_streams(&self, tenant: &str) -> Result<Vec<RelayStream>>;
 
     /// Records that `manifest` exists and references `objects` (idempotent).
     async fn record_manifest(

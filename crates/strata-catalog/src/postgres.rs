@@ -804,4 +804,92 @@ impl Catalog for PostgresCatalog {
         })
         .collect()
     }
+
+    async fn add_scoped_token(&self, tenant: &str, hash: &str, scope: &str) -> Result<()> {
+        if !self.tenant_exists(tenant).await? {
+            return Err(CatalogError::NotFound {
+                what: "tenant",
+                name: tenant.into(),
+            });
+        }
+        let c = self.conn().await?;
+        c.execute(
+            "INSERT INTO tokens (hash, tenant, created_ms, scope) VALUES ($1, $2, $3, $4)",
+            &[&hash, &tenant, &(now_ms() as i64), &scope],
+        )
+        .await
+        .map_err(be)?;
+        Ok(())
+    }
+
+    async fn token_info(&self, hash: &str) -> Result<Option<TokenInfo>> {
+        let c = self.conn().await?;
+        Ok(
+            c.query_opt("SELECT tenant, scope FROM tokens WHERE hash = $1", &[&hash])
+                .await
+                .map_err(be)?
+                .map(|r| TokenInfo {
+                    tenant: r.get(0),
+                    scope: r.get(1),
+                }),
+        )
+    }
+
+    async fn create_stream(&self, st: &RelayStream) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute(
+            "INSERT INTO relay_streams (tenant, name, sync, created_ms) VALUES ($1, $2, $3, $4)",
+            &[&st.tenant, &st.name, &st.sync, &(st.created_ms as i64)],
+        )
+        .await
+        .map_err(|e| {
+            if is_unique(&e) {
+                CatalogError::AlreadyExists {
+                    what: "relay stream",
+                    name: st.name.clone(),
+                }
+            } else {
+                be(e)
+            }
+        })?;
+        Ok(())
+    }
+
+    async fn get_stream(&self, tenant: &str, name: &str) -> Result<RelayStream> {
+        let c = self.conn().await?;
+        c.query_opt(
+            "SELECT tenant, name, sync, created_ms FROM relay_streams WHERE tenant = $1 AND name = $2",
+            &[&tenant, &name],
+        )
+        .await
+        .map_err(be)?
+        .map(|r| stream_row(&r))
+        .ok_or(CatalogError::NotFound {
+            what: "relay stream",
+            name: name.into(),
+        })
+    }
+
+    async fn list_streams(&self, tenant: &str) -> Result<Vec<RelayStream>> {
+        let c = self.conn().await?;
+        Ok(c
+            .query(
+                "SELECT tenant, name, sync, created_ms FROM relay_streams WHERE tenant = $1 ORDER BY name",
+                &[&tenant],
+            )
+            .await
+            .map_err(be)?
+            .iter()
+            .map(stream_row)
+            .collect())
+    }
+}
+
+fn stream_row(r: &Row) -> RelayStream {
+    RelayStream {
+        tenant: r.get(0),
+        name: r.get(1),
+        sync: r.get(2),
+        created_ms: u(r, 3),
+    }
 }

@@ -45,6 +45,11 @@ CREATE TABLE tokens (hash TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_ms INT
     r#"
 CREATE TABLE nodes (id TEXT PRIMARY KEY, url TEXT, seen_ms INTEGER NOT NULL, attached TEXT NOT NULL);
 "#,
+    r#"
+ALTER TABLE tokens ADD COLUMN scope TEXT;
+CREATE TABLE relay_streams (tenant TEXT NOT NULL, name TEXT NOT NULL, sync INTEGER NOT NULL,
+    created_ms INTEGER NOT NULL, PRIMARY KEY (tenant, name));
+"#,
 ];
 
 pub struct SqliteCatalog {
@@ -249,7 +254,7 @@ impl Catalog for SqliteCatalog {
         let h = hash.to_string();
         self.run(move |c| {
             c.query_row(
-                "SELECT tenant FROM tokens WHERE hash = ?1",
+                "SELECT tenant FROM tokens WHERE hash = ?1 AND scope IS NULL",
                 params![h],
                 |r| r.get(0),
             )
@@ -656,4 +661,105 @@ impl Catalog for SqliteCatalog {
         })
         .await
     }
+
+    async fn add_scoped_token(&self, tenant: &str, hash: &str, scope: &str) -> Result<()> {
+        let (t, h, sc) = (tenant.to_string(), hash.to_string(), scope.to_string());
+        self.run(move |c| {
+            if c.query_row(
+                "SELECT 1 FROM tenants WHERE id = ?1",
+                params![t],
+                |_| Ok(()),
+            )
+            .optional()
+            .map_err(be)?
+            .is_none()
+            {
+                return Err(CatalogError::NotFound {
+                    what: "tenant",
+                    name: t,
+                });
+            }
+            c.execute(
+                "INSERT INTO tokens (hash, tenant, created_ms, scope) VALUES (?1, ?2, ?3, ?4)",
+                params![h, t, now_ms() as i64, sc],
+            )
+            .map_err(be)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn token_info(&self, hash: &str) -> Result<Option<TokenInfo>> {
+        let h = hash.to_string();
+        self.run(move |c| {
+            c.query_row(
+                "SELECT tenant, scope FROM tokens WHERE hash = ?1",
+                params![h],
+                |r| {
+                    Ok(TokenInfo {
+                        tenant: r.get(0)?,
+                        scope: r.get(1)?,
+                    })
+                },
+            )
+            .optional()
+            .map_err(be)
+        })
+        .await
+    }
+
+    async fn create_stream(&self, st: &RelayStream) -> Result<()> {
+        let st = st.clone();
+        self.run(move |c| {
+            c.execute(
+                "INSERT INTO relay_streams (tenant, name, sync, created_ms) VALUES (?1, ?2, ?3, ?4)",
+                params![st.tenant, st.name, st.sync as i64, st.created_ms as i64],
+            )
+            .map_err(|e| {
+                if is_unique(&e) {
+                    CatalogError::AlreadyExists { what: "relay stream", name: st.name.clone() }
+                } else {
+                    be(e)
+                }
+            })?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn get_stream(&self, tenant: &str, name: &str) -> Result<RelayStream> {
+        let (t, n) = (tenant.to_string(), name.to_string());
+        self.run(move |c| {
+            c.query_row(
+                "SELECT tenant, name, sync, created_ms FROM relay_streams WHERE tenant = ?1 AND name = ?2",
+                params![t, n],
+                stream_row,
+            )
+            .optional()
+            .map_err(be)?
+            .ok_or(CatalogError::NotFound { what: "relay stream", name: n })
+        })
+        .await
+    }
+
+    async fn list_streams(&self, tenant: &str) -> Result<Vec<RelayStream>> {
+        let t = tenant.to_string();
+        self.run(move |c| {
+            let mut s = c
+                .prepare("SELECT tenant, name, sync, created_ms FROM relay_streams WHERE tenant = ?1 ORDER BY name")
+                .map_err(be)?;
+            let rows = s.query_map(params![t], stream_row).map_err(be)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
+        })
+        .await
+    }
+}
+
+fn stream_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RelayStream> {
+    Ok(RelayStream {
+        tenant: r.get(0)?,
+        name: r.get(1)?,
+        sync: r.get::<_, i64>(2)? != 0,
+        created_ms: r.get::<_, i64>(3)? as u64,
+    })
 }

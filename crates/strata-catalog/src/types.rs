@@ -196,3 +196,20 @@ pub struct AttachedStatus {
     /// Age of the oldest write in that window.
     pub remote_window_age_ms: u64,
 }
+
+/// A relay stream: a named, append-only set of files a sandbox pushes off the host.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RelayStream {
+    pub tenant: String,
+    pub name: String,
+    /// `true`: a PUT is answered only after the object store holds the file.
+    pub sync: bool,
+    pub created_ms: u64,
+}
+
+/// Who a token speaks for: a tenant, optionally narrowed to a scope such as `relay:STREAM`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenInfo {
+    pub tenant: String,
+    pub scope: Option<String>,
+}

@@ -107,3 +107,21 @@ pub struct ErrorDetail {
     /// Whether retrying the same request may succeed.
     pub retryable: bool,
 }
+
+/// `POST /v1/relay`: a new relay stream.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateStream {
+    pub name: String,
+    /// Answer a PUT only once the object store holds the file (default: once on local disk).
+    #[serde(default)]
+    pub sync: bool,
+}
+
+/// A token that can only add files to one relay stream (hand it to a sandbox).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct StreamToken {
+    pub stream: String,
+    pub sync: bool,
+    pub token: String,
+}

@@ -11,6 +11,7 @@
 
 mod api;
 mod error;
+pub mod relay;
 mod routes;
 
 pub use api::*;
@@ -40,7 +41,12 @@ pub struct Daemon {
     pub(crate) exports: tokio::sync::Mutex<HashMap<(String, String), ExportHandle>>,
     /// This node's API address, as reported to the `nodes` view.
     pub(crate) url: std::sync::Mutex<Option<String>>,
+    /// The durable relay (`/v1/relay`).
+    pub(crate) relay: Arc<relay::Relay>,
 }
+
+/// Default size limit of one relayed file.
+pub const RELAY_MAX_BYTES: u64 = 256 << 20;
 
 /// How often a node reports itself to the catalog (the `nodes` view).
 pub const HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(1);
@@ -59,9 +65,15 @@ pub fn new_token() -> String {
 }
 
 impl Daemon {
-    pub fn new(engine: Arc<Engine>, admin_token: Option<&str>) -> Arc<Daemon> {
+    /// A daemon over `engine`; fails only if the relay directory cannot be opened.
+    pub fn new(engine: Arc<Engine>, admin_token: Option<&str>) -> std::io::Result<Arc<Daemon>> {
         let run_dir = engine.config().data_dir.join("run");
-        Arc::new(Daemon {
+        let relay = Arc::new(relay::Relay::open(
+            engine.config().data_dir.join("relay"),
+            engine.reader().store().clone(),
+            RELAY_MAX_BYTES,
+        )?);
+        Ok(Arc::new(Daemon {
             engine,
             nbd_metrics: Arc::default(),
             checkpoint_seconds: Default::default(),
@@ -71,7 +83,15 @@ impl Daemon {
             run_dir,
             exports: tokio::sync::Mutex::new(HashMap::new()),
             url: std::sync::Mutex::new(None),
-        })
+            relay,
+        }))
+    }
+
+    /// Sets the size limit of one relayed file.
+    pub fn set_relay_max_bytes(&self, n: u64) {
+        self.relay
+            .max_bytes
+            .store(n, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Records the address this node's API listens on (reported in the `nodes` view).
@@ -159,6 +179,11 @@ impl Daemon {
     pub fn spawn_background(self: &Arc<Self>) -> JoinHandle<()> {
         let d = Arc::downgrade(self);
         let beat = Arc::downgrade(self);
+        // The relay's uploader stops with the relay (the daemon holds the only strong ref).
+        drop(
+            self.relay
+                .spawn_uploader(std::time::Duration::from_millis(250)),
+        );
         tokio::spawn(async move {
             loop {
                 let Some(d) = beat.upgrade() else { return };

@@ -36,6 +36,31 @@ pub fn validate(what: &'static str, name: &str) -> Result<(), Error> {
 }
 
 /// Labels are free text shown to people, not keys: up to 200 printable characters.
+/// Longest relay file name.
+pub const MAX_FILE_NAME_LEN: usize = 200;
+
+/// A file name inside a relay stream (WAL segments, `.history`, `.backup`, tarballs): 1–200 of
+/// `[A-Za-z0-9._-]`, starting with a letter or digit. No separators, so never a path.
+pub fn validate_file_name(name: &str) -> Result<(), Error> {
+    const WHAT: &str = "file name";
+    if name.is_empty() || name.len() > MAX_FILE_NAME_LEN {
+        return Err(Error::invalid(WHAT, "must be 1 to 200 characters"));
+    }
+    if !name.as_bytes()[0].is_ascii_alphanumeric() {
+        return Err(Error::invalid(WHAT, "must start with a letter or digit"));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(Error::invalid(
+            WHAT,
+            format!("character {c:?} is not allowed (use letters, digits, '.', '_', '-')"),
+        ));
+    }
+    Ok(())
+}
+
 pub fn validate_label(label: &str) -> Result<(), Error> {
     if label.is_empty() || label.chars().count() > 200 {
         return Err(Error::invalid("label", "must be 1 to 200 characters"));
@@ -52,6 +77,31 @@ pub fn validate_label(label: &str) -> Result<(), Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn relay_file_names() {
+        for ok in [
+            "000000010000000000000001",
+            "00000002.history",
+            "000000010000000000000002.00000028.backup",
+            "base.tar.gz",
+        ] {
+            validate_file_name(ok).unwrap();
+        }
+        for bad in [
+            "",
+            ".",
+            "..",
+            "../etc/passwd",
+            "a/b",
+            ".hidden",
+            "a b",
+            "x\0",
+            &"a".repeat(201),
+        ] {
+            assert!(validate_file_name(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn hostile_names_are_refused() {

@@ -95,7 +95,7 @@ pub struct ServeArgs {
     listen: Option<String>,
     /// TOML config file (keys: listen, admin_token, catalog, catalog_pool, node_id, store,
     /// s3_access_key_id, s3_secret_access_key, s3_session_token, upload_interval,
-    /// upload_max_bytes, lease_ttl, cache_capacity).
+    /// upload_max_bytes, lease_ttl, cache_capacity, relay_max_bytes).
     #[arg(long, env = "STRATA_CONFIG")]
     config: Option<PathBuf>,
     /// Catalog: sqlite:PATH (default DATA/catalog.db) or postgres://user@host:port/db (shared
@@ -119,6 +119,9 @@ pub struct ServeArgs {
     lease_ttl: Option<std::time::Duration>,
     #[arg(long, env = "STRATA_CACHE_CAPACITY", value_parser = crate::units::parse_size)]
     cache_capacity: Option<u64>,
+    /// Largest file one relay PUT may store (default 256MiB).
+    #[arg(long, env = "STRATA_RELAY_MAX_BYTES", value_parser = crate::units::parse_size)]
+    relay_max_bytes: Option<u64>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -138,6 +141,7 @@ struct FileConfig {
     upload_max_bytes: Option<String>,
     lease_ttl: Option<String>,
     cache_capacity: Option<String>,
+    relay_max_bytes: Option<String>,
 }
 
 pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
@@ -210,7 +214,11 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
     if admin.is_none() {
         tracing::warn!("no admin token (STRATA_ADMIN_TOKEN or admin_token in the config): tenants cannot be created over the API");
     }
-    let daemon = strata_daemon::Daemon::new(engine, admin.as_deref());
+    let daemon = strata_daemon::Daemon::new(engine, admin.as_deref())
+        .context("opening the relay directory")?;
+    if let Some(n) = size(a.relay_max_bytes, &file.relay_max_bytes)? {
+        daemon.set_relay_max_bytes(n);
+    }
     let resumed = daemon.resume().await;
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
