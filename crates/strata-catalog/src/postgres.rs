@@ -20,7 +20,8 @@ use crate::*;
 
 /// Schema migrations, applied in order under an advisory lock; `strata_schema.version` records
 /// how many ran.
-const MIGRATIONS: &[&str] = &[r#"
+const MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE tenants (id TEXT PRIMARY KEY, created_ms BIGINT NOT NULL);
 CREATE TABLE tokens (hash TEXT PRIMARY KEY, tenant TEXT NOT NULL REFERENCES tenants(id),
     created_ms BIGINT NOT NULL);
@@ -50,7 +51,13 @@ CREATE TABLE objects (tenant TEXT NOT NULL, id TEXT NOT NULL, data_len BIGINT NO
     created_ms BIGINT NOT NULL, PRIMARY KEY (tenant, id));
 CREATE TABLE nodes (id TEXT PRIMARY KEY, url TEXT, seen_ms BIGINT NOT NULL,
     attached TEXT NOT NULL);
-"#];
+"#,
+    r#"
+ALTER TABLE tokens ADD COLUMN scope TEXT;
+CREATE TABLE relay_streams (tenant TEXT NOT NULL, name TEXT NOT NULL, sync BOOLEAN NOT NULL,
+    created_ms BIGINT NOT NULL, PRIMARY KEY (tenant, name));
+"#,
+];
 
 /// The server's clock in milliseconds since the epoch.
 const SERVER_NOW: &str = "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::BIGINT";
