@@ -344,12 +344,13 @@ impl Catalog for PostgresCatalog {
 
     async fn tenant_for_token(&self, hash: &str) -> Result<Option<String>> {
         let c = self.conn().await?;
-        Ok(
-            c.query_opt("SELECT tenant FROM tokens WHERE hash = $1", &[&hash])
-                .await
-                .map_err(be)?
-                .map(|r| r.get(0)),
+        Ok(c.query_opt(
+            "SELECT tenant FROM tokens WHERE hash = $1 AND scope IS NULL",
+            &[&hash],
         )
+        .await
+        .map_err(be)?
+        .map(|r| r.get(0)))
     }
 
     async fn record_manifest(
