@@ -315,6 +315,10 @@ async fn lifecycle_isolation_and_bad_input() {
         "/v1/workspaces/{name}/freeze",
         "/v1/templates",
         "/v1/tenants",
+        "/v1/nodes",
+        "/v1/relay",
+        "/v1/relay/{stream}",
+        "/v1/relay/{stream}/{name}",
         "/metrics",
     ] {
         assert!(
