@@ -33,6 +33,7 @@ fn cp(m: Hash, label: Option<&str>) -> NewCheckpoint {
         bytes: 10,
         cut_seq: 5,
         journal_id: Some("j1".into()),
+        keep_until_ms: None,
     }
 }
 
@@ -46,6 +47,90 @@ pub async fn run_all(cat: Arc<dyn Catalog>) {
     tenants_do_not_see_each_other(&*cat).await;
     nodes_report_and_list(&*cat).await;
     scoped_tokens_and_streams(&*cat).await;
+    retention_and_gc_state(&*cat).await;
+}
+
+async fn retention_and_gc_state(cat: &dyn Catalog) {
+    assert!(cat
+        .list_tenants()
+        .await
+        .unwrap()
+        .contains(&"acme".to_string()));
+    cat.create_workspace(&new_ws("acme", "ret", h(60)))
+        .await
+        .unwrap();
+    let g = cat
+        .acquire_lease("acme", "ret", "node-a", 60_000)
+        .await
+        .unwrap();
+    for i in 0..3u8 {
+        let mut c = cp(h(61 + i), None);
+        c.keep_until_ms = Some(42);
+        cat.advance_head("acme", "ret", 1 + i as u64, &g, &c)
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        cat.get_checkpoint("acme", "ret", 2)
+            .await
+            .unwrap()
+            .keep_until_ms,
+        Some(42)
+    );
+    // Versions 1..=4, head 4: expiring 1, 2 and the head expires only 1 and 2.
+    assert_eq!(
+        cat.expire_checkpoints("acme", "ret", &[1, 2, 4])
+            .await
+            .unwrap(),
+        2
+    );
+    assert_eq!(
+        cat.expire_checkpoints("acme", "ret", &[1]).await.unwrap(),
+        0,
+        "already expired"
+    );
+    let left: Vec<u64> = cat
+        .list_checkpoints("acme", "ret")
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| c.version)
+        .collect();
+    assert_eq!(left, vec![3, 4]);
+    assert!(matches!(
+        cat.get_checkpoint("acme", "ret", 1).await,
+        Err(CatalogError::NotFound { .. })
+    ));
+    // Within the grace period an expired checkpoint's manifest is still referenced.
+    let refs = cat.gc_references("acme", 60_000).await.unwrap();
+    for m in [h(60), h(61), h(62), h(63)] {
+        assert!(refs.contains(&m), "{m} within grace");
+    }
+    assert_eq!(
+        cat.purge_expired_checkpoints("acme", 60_000).await.unwrap(),
+        0
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let refs = cat.gc_references("acme", 5).await.unwrap();
+    assert!(
+        !refs.contains(&h(60)) && !refs.contains(&h(61)),
+        "past grace"
+    );
+    assert!(refs.contains(&h(62)) && refs.contains(&h(63)));
+    assert_eq!(cat.purge_expired_checkpoints("acme", 5).await.unwrap(), 2);
+    // Condemned keys keep their first time; forget removes them.
+    let keys = vec!["t/acme/obj/aa/x".to_string(), "t/acme/man/y".to_string()];
+    cat.gc_condemn("acme", &keys).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    cat.gc_condemn("acme", &keys[..1]).await.unwrap();
+    let c = cat.gc_condemned("acme").await.unwrap();
+    assert_eq!(c.len(), 2);
+    assert!(c.iter().all(|(_, age)| *age >= 15), "{c:?}");
+    assert!(cat.gc_condemned("other").await.unwrap().is_empty());
+    cat.gc_forget("acme", &keys[..1]).await.unwrap();
+    assert_eq!(cat.gc_condemned("acme").await.unwrap().len(), 1);
+    cat.gc_forget("acme", &keys).await.unwrap();
+    cat.release_lease("acme", "ret", &g).await.unwrap();
 }
 
 async fn scoped_tokens_and_streams(cat: &dyn Catalog) {

@@ -136,6 +136,29 @@ pub trait Catalog: Send + Sync + 'static {
     async fn release_lease(&self, tenant: &str, workspace: &str, lease: &LeaseGrant) -> Result<()>;
     async fn get_lease(&self, tenant: &str, workspace: &str) -> Result<Lease>;
 
+    /// Every tenant.
+    async fn list_tenants(&self) -> Result<Vec<String>>;
+    /// Expires checkpoints: they disappear from listings at once, but their manifests stay
+    /// referenced for the GC grace period (an operation that read one just before still
+    /// completes safely). The head version is never expired. Returns how many were expired.
+    async fn expire_checkpoints(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        versions: &[u64],
+    ) -> Result<u64>;
+    /// Every manifest the tenant references: workspace heads, checkpoints (including those
+    /// expired less than `grace_ms` ago by the catalog's clock) and templates.
+    async fn gc_references(&self, tenant: &str, grace_ms: u64) -> Result<Vec<Hash>>;
+    /// Deletes checkpoint rows expired more than `grace_ms` ago.
+    async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64>;
+    /// Records store keys found unreferenced (first GC phase); existing entries keep their time.
+    async fn gc_condemn(&self, tenant: &str, keys: &[String]) -> Result<()>;
+    /// Condemned keys with how long ago (catalog clock) each was first condemned.
+    async fn gc_condemned(&self, tenant: &str) -> Result<Vec<(String, u64)>>;
+    /// Forgets condemned keys (deleted, or referenced again).
+    async fn gc_forget(&self, tenant: &str, keys: &[String]) -> Result<()>;
+
     /// Records a node's heartbeat and what it serves (upsert; `seen_ms` is the catalog's clock).
     async fn report_node(&self, status: &NodeStatus) -> Result<()>;
     /// Every node that ever reported, with the time since it was last heard from.

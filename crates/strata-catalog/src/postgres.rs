@@ -57,6 +57,12 @@ ALTER TABLE tokens ADD COLUMN scope TEXT;
 CREATE TABLE relay_streams (tenant TEXT NOT NULL, name TEXT NOT NULL, sync BOOLEAN NOT NULL,
     created_ms BIGINT NOT NULL, PRIMARY KEY (tenant, name));
 "#,
+    r#"
+ALTER TABLE checkpoints ADD COLUMN keep_until_ms BIGINT;
+ALTER TABLE checkpoints ADD COLUMN expired_ms BIGINT;
+CREATE TABLE gc_condemned (tenant TEXT NOT NULL, key TEXT NOT NULL, condemned_ms BIGINT NOT NULL,
+    PRIMARY KEY (tenant, key));
+"#,
 ];
 
 /// The server's clock in milliseconds since the epoch.
@@ -65,7 +71,7 @@ const SERVER_NOW: &str = "SELECT (extract(epoch FROM clock_timestamp()) * 1000):
 const WS_COLS: &str =
     "tenant, name, mode, disk_size, head_version, head_manifest, source, created_ms, ttl_ms";
 const CP_COLS: &str =
-    "workspace, version, manifest, label, kind, created_ms, bytes, cut_seq, journal_id, epoch";
+    "workspace, version, manifest, label, kind, created_ms, bytes, cut_seq, journal_id, epoch, keep_until_ms";
 const TPL_COLS: &str = "tenant, name, manifest, disk_size, stored_bytes, created_ms";
 
 pub struct PostgresCatalog {
@@ -124,6 +130,7 @@ fn cp_row(r: &Row) -> Result<Checkpoint> {
         cut_seq: u(r, 7),
         journal_id: r.get(8),
         epoch: u(r, 9),
+        keep_until_ms: r.get::<_, Option<i64>>(10).map(|v| v as u64),
     })
 }
 
@@ -526,7 +533,7 @@ impl Catalog for PostgresCatalog {
             }
         })?;
         tx.execute(
-            &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES ($1, $2, 1, $3, NULL, $4, $5, 0, 0, NULL, 0)"),
+            &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES ($1, $2, 1, $3, NULL, $4, $5, 0, 0, NULL, 0, NULL)"),
             &[&w.tenant, &w.name, &m, &w.kind.as_str(), &now],
         )
         .await
@@ -632,7 +639,7 @@ impl Catalog for PostgresCatalog {
             ));
         }
         tx.execute(
-            &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"),
+            &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"),
             &[
                 &tenant,
                 &workspace,
@@ -645,6 +652,7 @@ impl Catalog for PostgresCatalog {
                 &(cp.cut_seq as i64),
                 &cp.journal_id,
                 &(lease.epoch as i64),
+                &cp.keep_until_ms.map(|v| v as i64),
             ],
         )
         .await
@@ -657,7 +665,7 @@ impl Catalog for PostgresCatalog {
         let c = self.conn().await?;
         get_ws(&c, tenant, workspace, false).await?;
         c.query(
-            &format!("SELECT {CP_COLS} FROM checkpoints WHERE tenant = $1 AND workspace = $2 ORDER BY version"),
+            &format!("SELECT {CP_COLS} FROM checkpoints WHERE tenant = $1 AND workspace = $2 AND expired_ms IS NULL ORDER BY version"),
             &[&tenant, &workspace],
         )
         .await
@@ -676,7 +684,7 @@ impl Catalog for PostgresCatalog {
         let c = self.conn().await?;
         match c
             .query_opt(
-                &format!("SELECT {CP_COLS} FROM checkpoints WHERE tenant = $1 AND workspace = $2 AND version = $3"),
+                &format!("SELECT {CP_COLS} FROM checkpoints WHERE tenant = $1 AND workspace = $2 AND version = $3 AND expired_ms IS NULL"),
                 &[&tenant, &workspace, &(version as i64)],
             )
             .await
@@ -890,6 +898,114 @@ impl Catalog for PostgresCatalog {
             .iter()
             .map(stream_row)
             .collect())
+    }
+
+    async fn list_tenants(&self) -> Result<Vec<String>> {
+        let c = self.conn().await?;
+        Ok(c.query("SELECT id FROM tenants ORDER BY id", &[])
+            .await
+            .map_err(be)?
+            .iter()
+            .map(|r| r.get(0))
+            .collect())
+    }
+
+    async fn expire_checkpoints(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        versions: &[u64],
+    ) -> Result<u64> {
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(be)?;
+        let ws = get_ws(&tx, tenant, workspace, true).await?;
+        let vs: Vec<i64> = versions
+            .iter()
+            .filter(|&&v| v != ws.head_version)
+            .map(|&v| v as i64)
+            .collect();
+        let k = tx
+            .execute(
+                &format!(
+                    "UPDATE checkpoints SET expired_ms = ({SERVER_NOW}) WHERE tenant = $1 AND workspace = $2 AND version = ANY($3) AND expired_ms IS NULL"
+                ),
+                &[&tenant, &workspace, &vs],
+            )
+            .await
+            .map_err(be)?;
+        tx.commit().await.map_err(be)?;
+        Ok(k)
+    }
+
+    async fn gc_references(&self, tenant: &str, grace_ms: u64) -> Result<Vec<Hash>> {
+        let c = self.conn().await?;
+        c.query(
+            &format!(
+                "SELECT head_manifest FROM workspaces WHERE tenant = $1
+                 UNION SELECT manifest FROM checkpoints WHERE tenant = $1 AND (expired_ms IS NULL OR expired_ms >= ({SERVER_NOW}) - $2)
+                 UNION SELECT manifest FROM templates WHERE tenant = $1"
+            ),
+            &[&tenant, &(grace_ms as i64)],
+        )
+        .await
+        .map_err(be)?
+        .iter()
+        .map(|r| hash(r.get(0)))
+        .collect()
+    }
+
+    async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64> {
+        let c = self.conn().await?;
+        c.execute(
+            &format!(
+                "DELETE FROM checkpoints WHERE tenant = $1 AND expired_ms IS NOT NULL AND expired_ms < ({SERVER_NOW}) - $2"
+            ),
+            &[&tenant, &(grace_ms as i64)],
+        )
+        .await
+        .map_err(be)
+    }
+
+    async fn gc_condemn(&self, tenant: &str, keys: &[String]) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute(
+            &format!(
+                "INSERT INTO gc_condemned (tenant, key, condemned_ms)
+                 SELECT $1, k, ({SERVER_NOW}) FROM unnest($2::TEXT[]) AS u(k)
+                 ON CONFLICT DO NOTHING"
+            ),
+            &[&tenant, &keys],
+        )
+        .await
+        .map_err(be)?;
+        Ok(())
+    }
+
+    async fn gc_condemned(&self, tenant: &str) -> Result<Vec<(String, u64)>> {
+        let c = self.conn().await?;
+        Ok(c
+            .query(
+                &format!(
+                    "SELECT key, GREATEST(({SERVER_NOW}) - condemned_ms, 0) FROM gc_condemned WHERE tenant = $1 ORDER BY key"
+                ),
+                &[&tenant],
+            )
+            .await
+            .map_err(be)?
+            .iter()
+            .map(|r| (r.get(0), u(r, 1)))
+            .collect())
+    }
+
+    async fn gc_forget(&self, tenant: &str, keys: &[String]) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute(
+            "DELETE FROM gc_condemned WHERE tenant = $1 AND key = ANY($2)",
+            &[&tenant, &keys],
+        )
+        .await
+        .map_err(be)?;
+        Ok(())
     }
 }
 

@@ -50,6 +50,12 @@ ALTER TABLE tokens ADD COLUMN scope TEXT;
 CREATE TABLE relay_streams (tenant TEXT NOT NULL, name TEXT NOT NULL, sync INTEGER NOT NULL,
     created_ms INTEGER NOT NULL, PRIMARY KEY (tenant, name));
 "#,
+    r#"
+ALTER TABLE checkpoints ADD COLUMN keep_until_ms INTEGER;
+ALTER TABLE checkpoints ADD COLUMN expired_ms INTEGER;
+CREATE TABLE gc_condemned (tenant TEXT NOT NULL, key TEXT NOT NULL, condemned_ms INTEGER NOT NULL,
+    PRIMARY KEY (tenant, key));
+"#,
 ];
 
 pub struct SqliteCatalog {
@@ -83,7 +89,7 @@ fn ws_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Workspace> {
 const WS_COLS: &str =
     "tenant, name, mode, disk_size, head_version, head_manifest, source, created_ms, ttl_ms";
 const CP_COLS: &str =
-    "workspace, version, manifest, label, kind, created_ms, bytes, cut_seq, journal_id, epoch";
+    "workspace, version, manifest, label, kind, created_ms, bytes, cut_seq, journal_id, epoch, keep_until_ms";
 
 fn cp_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Checkpoint> {
     Ok(Checkpoint {
@@ -97,6 +103,7 @@ fn cp_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Checkpoint> {
         cut_seq: r.get::<_, i64>(7)? as u64,
         journal_id: r.get(8)?,
         epoch: r.get::<_, i64>(9)? as u64,
+        keep_until_ms: r.get::<_, Option<i64>>(10)?.map(|v| v as u64),
     })
 }
 
@@ -400,7 +407,7 @@ impl Catalog for SqliteCatalog {
             // A leftover checkpoint history of a deleted workspace of the same name is gone
             // (delete removes it); the lease row is kept so epochs never go backwards.
             tx.execute(
-                &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES (?1, ?2, 1, ?3, NULL, ?4, ?5, 0, 0, NULL, 0)"),
+                &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES (?1, ?2, 1, ?3, NULL, ?4, ?5, 0, 0, NULL, 0, NULL)"),
                 params![w.tenant, w.name, w.manifest.to_hex(), w.kind.as_str(), now],
             )
             .map_err(be)?;
@@ -493,9 +500,10 @@ impl Catalog for SqliteCatalog {
             )
             .map_err(be)?;
             tx.execute(
-                &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"),
+                &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)"),
                 params![t, n, v as i64, cp.manifest.to_hex(), cp.label, cp.kind.as_str(), now_ms() as i64,
-                    cp.bytes as i64, cp.cut_seq as i64, cp.journal_id, lease.epoch as i64],
+                    cp.bytes as i64, cp.cut_seq as i64, cp.journal_id, lease.epoch as i64,
+                    cp.keep_until_ms.map(|v| v as i64)],
             )
             .map_err(be)?;
             tx.commit().map_err(be)?;
@@ -509,7 +517,7 @@ impl Catalog for SqliteCatalog {
         self.run(move |c| {
             get_ws(c, &t, &n)?;
             let mut s = c
-                .prepare(&format!("SELECT {CP_COLS} FROM checkpoints WHERE tenant = ?1 AND workspace = ?2 ORDER BY version"))
+                .prepare(&format!("SELECT {CP_COLS} FROM checkpoints WHERE tenant = ?1 AND workspace = ?2 AND expired_ms IS NULL ORDER BY version"))
                 .map_err(be)?;
             let rows = s.query_map(params![t, n], cp_row).map_err(be)?;
             rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
@@ -526,7 +534,7 @@ impl Catalog for SqliteCatalog {
         let (t, n) = (tenant.to_string(), workspace.to_string());
         self.run(move |c| {
             c.query_row(
-                &format!("SELECT {CP_COLS} FROM checkpoints WHERE tenant = ?1 AND workspace = ?2 AND version = ?3"),
+                &format!("SELECT {CP_COLS} FROM checkpoints WHERE tenant = ?1 AND workspace = ?2 AND version = ?3 AND expired_ms IS NULL"),
                 params![t, n, version as i64],
                 cp_row,
             )
@@ -750,6 +758,132 @@ impl Catalog for SqliteCatalog {
                 .map_err(be)?;
             let rows = s.query_map(params![t], stream_row).map_err(be)?;
             rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
+        })
+        .await
+    }
+
+    async fn list_tenants(&self) -> Result<Vec<String>> {
+        self.run(move |c| {
+            let mut s = c
+                .prepare("SELECT id FROM tenants ORDER BY id")
+                .map_err(be)?;
+            let rows = s.query_map([], |r| r.get(0)).map_err(be)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
+        })
+        .await
+    }
+
+    async fn expire_checkpoints(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        versions: &[u64],
+    ) -> Result<u64> {
+        let (t, n, versions) = (tenant.to_string(), workspace.to_string(), versions.to_vec());
+        self.run(move |c| {
+            let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
+            let ws = get_ws(&tx, &t, &n)?;
+            let now = now_ms() as i64;
+            let mut k = 0;
+            for v in versions.into_iter().filter(|&v| v != ws.head_version) {
+                k += tx
+                    .execute(
+                        "UPDATE checkpoints SET expired_ms = ?4 WHERE tenant = ?1 AND workspace = ?2 AND version = ?3 AND expired_ms IS NULL",
+                        params![t, n, v as i64, now],
+                    )
+                    .map_err(be)? as u64;
+            }
+            tx.commit().map_err(be)?;
+            Ok(k)
+        })
+        .await
+    }
+
+    async fn gc_references(&self, tenant: &str, grace_ms: u64) -> Result<Vec<Hash>> {
+        let t = tenant.to_string();
+        self.run(move |c| {
+            let since = now_ms() as i64 - grace_ms as i64;
+            let mut s = c
+                .prepare(
+                    "SELECT head_manifest FROM workspaces WHERE tenant = ?1
+                     UNION SELECT manifest FROM checkpoints WHERE tenant = ?1 AND (expired_ms IS NULL OR expired_ms >= ?2)
+                     UNION SELECT manifest FROM templates WHERE tenant = ?1",
+                )
+                .map_err(be)?;
+            let rows = s
+                .query_map(params![t, since], |r| hash(r.get(0)?))
+                .map_err(be)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
+        })
+        .await
+    }
+
+    async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64> {
+        let t = tenant.to_string();
+        self.run(move |c| {
+            let before = now_ms() as i64 - grace_ms as i64;
+            Ok(c.execute(
+                "DELETE FROM checkpoints WHERE tenant = ?1 AND expired_ms IS NOT NULL AND expired_ms < ?2",
+                params![t, before],
+            )
+            .map_err(be)? as u64)
+        })
+        .await
+    }
+
+    async fn gc_condemn(&self, tenant: &str, keys: &[String]) -> Result<()> {
+        let (t, keys) = (tenant.to_string(), keys.to_vec());
+        self.run(move |c| {
+            let tx = c.transaction().map_err(be)?;
+            let now = now_ms() as i64;
+            {
+                let mut s = tx
+                    .prepare_cached("INSERT OR IGNORE INTO gc_condemned (tenant, key, condemned_ms) VALUES (?1, ?2, ?3)")
+                    .map_err(be)?;
+                for k in &keys {
+                    s.execute(params![t, k, now]).map_err(be)?;
+                }
+            }
+            tx.commit().map_err(be)
+        })
+        .await
+    }
+
+    async fn gc_condemned(&self, tenant: &str) -> Result<Vec<(String, u64)>> {
+        let t = tenant.to_string();
+        self.run(move |c| {
+            let now = now_ms() as i64;
+            let mut s = c
+                .prepare(
+                    "SELECT key, condemned_ms FROM gc_condemned WHERE tenant = ?1 ORDER BY key",
+                )
+                .map_err(be)?;
+            let rows = s
+                .query_map(params![t], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        (now - r.get::<_, i64>(1)?).max(0) as u64,
+                    ))
+                })
+                .map_err(be)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
+        })
+        .await
+    }
+
+    async fn gc_forget(&self, tenant: &str, keys: &[String]) -> Result<()> {
+        let (t, keys) = (tenant.to_string(), keys.to_vec());
+        self.run(move |c| {
+            let tx = c.transaction().map_err(be)?;
+            {
+                let mut s = tx
+                    .prepare_cached("DELETE FROM gc_condemned WHERE tenant = ?1 AND key = ?2")
+                    .map_err(be)?;
+                for k in &keys {
+                    s.execute(params![t, k]).map_err(be)?;
+                }
+            }
+            tx.commit().map_err(be)
         })
         .await
     }

@@ -137,6 +137,8 @@ pub struct NewCheckpoint {
     pub cut_seq: u64,
     /// Identity of the local journal that produced it (restart on the same node uses it).
     pub journal_id: Option<String>,
+    /// Retention: keep at least until then (labelled checkpoints expire only by this).
+    pub keep_until_ms: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -151,6 +153,9 @@ pub struct Checkpoint {
     pub cut_seq: u64,
     pub journal_id: Option<String>,
     pub epoch: u64,
+    /// Retention: kept at least until then; a labelled checkpoint without it is kept forever.
+    #[serde(default)]
+    pub keep_until_ms: Option<u64>,
 }
 
 /// Proof of holding a workspace's lease at one epoch.

@@ -34,6 +34,14 @@ pub struct EngineConfig {
     pub object_target_bytes: u64,
     /// `STRATA_VOLUME_CACHE_UNSAFE=1`: durable flushes are not honoured.
     pub cache_unsafe: bool,
+    /// Garbage collection: objects and manifests are deleted only after staying unreferenced
+    /// this long (two GC passes at least this far apart); publishes slower than half of it
+    /// give up. Every node sharing a store must use the same value or larger.
+    pub gc_grace: Duration,
+    /// Retention: unlabelled checkpoints beyond the newest `keep_checkpoints` of a workspace …
+    pub keep_checkpoints: usize,
+    /// … or older than this expire (labelled ones expire only by their own `keep_until`).
+    pub keep_checkpoint_age: Duration,
 }
 
 impl EngineConfig {
@@ -49,6 +57,9 @@ impl EngineConfig {
             segment_max_bytes: 64 << 20,
             object_target_bytes: 8 << 20,
             cache_unsafe: cache_unsafe_from_env(),
+            gc_grace: Duration::from_secs(3600),
+            keep_checkpoints: 16,
+            keep_checkpoint_age: Duration::from_secs(7 * 24 * 3600),
         }
     }
 }

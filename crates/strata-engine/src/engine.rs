@@ -122,6 +122,7 @@ impl Engine {
             object_target_bytes: self.cfg.object_target_bytes,
             lease_ttl: self.cfg.lease_ttl,
             cache_unsafe: self.cfg.cache_unsafe,
+            publish_deadline: self.cfg.gc_grace / 2,
         }
     }
 
@@ -441,11 +442,24 @@ impl Engine {
         ws: &str,
         label: Option<String>,
     ) -> Result<Published> {
+        self.checkpoint_with(tenant, ws, label, None).await
+    }
+
+    /// A checkpoint that retention keeps at least until `keep_until_ms`.
+    pub async fn checkpoint_with(
+        self: &Arc<Self>,
+        tenant: &str,
+        ws: &str,
+        label: Option<String>,
+        keep_until_ms: Option<u64>,
+    ) -> Result<Published> {
         if let Some(l) = &label {
             name::validate_label(l)?;
         }
-        self.with_volume(tenant, ws, async |v| v.checkpoint(label).await)
-            .await
+        self.with_volume(tenant, ws, async |v| {
+            v.checkpoint_with(label, keep_until_ms).await
+        })
+        .await
     }
 
     /// Rolls back to `version` as a new head version; the current state is kept in history.

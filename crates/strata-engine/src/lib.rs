@@ -10,6 +10,7 @@ mod config;
 mod engine;
 mod error;
 pub mod fs;
+pub mod gc;
 mod journal;
 mod local;
 mod overlay;
@@ -21,6 +22,7 @@ mod volume;
 pub use config::{cache_unsafe, cache_unsafe_from_env, EngineConfig, UNSAFE_ENV};
 pub use engine::{Engine, Source};
 pub use error::{Error, Result};
+pub use gc::{GcOptions, GcReport};
 pub use local::LocalState;
 pub use volume::{Published, Volume, VolumeOptions, VolumeStats};
 

@@ -53,8 +53,10 @@ pub(crate) async fn pack(
     let mut bytes_uploaded = 0u64;
     let mut chunk = vec![0u8; (READ_CHUNK_BLOCKS * BLOCK_SIZE) as usize];
 
-    let upload = |idx: usize, data: Vec<u8>| async move {
-        let r = reader.put_object(tenant, &data).await;
+    // One fresh salt per publish: every object it creates is a key that never existed.
+    let salt: u32 = rand::random();
+    let upload = move |idx: usize, data: Vec<u8>| async move {
+        let r = reader.put_object_salted(tenant, &data, salt).await;
         (idx, data.len() as u64, r)
     };
 

@@ -45,6 +45,9 @@ pub async fn import_raw(
     let mut buf = vec![0u8; CHUNK_BYTES as usize];
     let mut pos = 0u64;
     let mut chunk_no = 0u64;
+    // One salt per build: identical chunks within the build share an object; a later build
+    // never reuses a key that garbage collection may be deleting.
+    let salt: u32 = rand::random();
     while pos < len {
         let want = (len - pos).min(CHUNK_BYTES) as usize;
         let b = &mut buf[..want];
@@ -79,7 +82,7 @@ pub async fn import_raw(
             let c = chunk_no;
             uploads.push(async move {
                 let n = data.len() as u64;
-                (c, n, reader.put_object(tenant, &data).await)
+                (c, n, reader.put_object_salted(tenant, &data, salt).await)
             });
             pending.push((c, runs));
         }

@@ -48,6 +48,9 @@ pub struct VolumeOptions {
     pub object_target_bytes: u64,
     pub lease_ttl: Duration,
     pub cache_unsafe: bool,
+    /// A publish whose uploads began longer ago than this gives up before moving the head
+    /// (half the GC grace period: unreferenced objects older than the grace may be collected).
+    pub publish_deadline: Duration,
 }
 
 /// The receipt of a published version.
@@ -584,7 +587,7 @@ impl Volume {
         if self.mode == Mode::Sync {
             let target = self.acked_seq.load(SeqCst);
             if self.published_seq.load(SeqCst) < target {
-                self.publish_inner(CheckpointKind::Auto, None, Some(target))
+                self.publish_inner(CheckpointKind::Auto, (None, None), Some(target))
                     .await?;
             }
         }

@@ -279,7 +279,8 @@ async fn corrupt_objects_and_manifests_are_errors_not_data() {
     );
     b.detach(TENANT, "x").await.unwrap();
     // A corrupt manifest is refused at attach.
-    let mkey = strata_store::Store::manifest_key(TENANT, &p.manifest);
+    let head = c.catalog.get_workspace(TENANT, "x").await.unwrap();
+    let mkey = strata_store::Store::manifest_key(TENANT, &head.head_manifest);
     let mut mraw = c
         .store
         .inner()

@@ -7,7 +7,7 @@
 //! Encoding, version 1 (little endian):
 //! ```text
 //! header 40 B : "STRATAMF" | version u32 (1) | block_size u32 (4096) | disk_size u64 |
-//!               n_objects u32 | reserved u32 (0) | n_extents u64
+//!               n_objects u32 | salt u32 | n_extents u64
 //! objects     : n_objects x { id [32] | data_len u64 }                  (40 B each)
 //! extents     : n_extents x { lba u64 | len u32 | object u32 | offset u64 } (24 B each),
 //!               sorted by lba, non-overlapping, offset in bytes, block aligned
@@ -137,7 +137,15 @@ impl Manifest {
         Ok(())
     }
 
+    /// The encoding with salt 0.
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_salted(0)
+    }
+
+    /// The encoding with `salt` in the header: the same manifest under another salt has another
+    /// id (writers salt every stored manifest so a collected key is never written again).
+    /// Decoders ignore the salt.
+    pub fn encode_salted(&self, salt: u32) -> Vec<u8> {
         let mut out = Vec::with_capacity(
             HEADER_LEN + self.objects.len() * OBJECT_LEN + self.extents.len() * EXTENT_LEN + 32,
         );
@@ -146,7 +154,7 @@ impl Manifest {
         out.extend_from_slice(&(BLOCK_SIZE as u32).to_le_bytes());
         out.extend_from_slice(&self.disk_size.to_le_bytes());
         out.extend_from_slice(&(self.objects.len() as u32).to_le_bytes());
-        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&salt.to_le_bytes());
         out.extend_from_slice(&(self.extents.len() as u64).to_le_bytes());
         for o in &self.objects {
             out.extend_from_slice(&o.id.0);

@@ -4,7 +4,7 @@
 //! [ data: data_len bytes, frames of FRAME_SIZE (the last may be short) ]
 //! [ frame hashes: n_frames x 32 bytes (BLAKE3 of each frame)            ]
 //! [ footer, 32 bytes: "STRATAOB" | version u32 | frame_size u32 |
-//!                     data_len u64 | n_frames u32 | reserved u32 (0)    ]
+//!                     data_len u64 | n_frames u32 | salt u32            ]
 //! ```
 //!
 //! The object id is the BLAKE3 hash of the trailer (frame hashes + footer). The trailer is
@@ -31,8 +31,15 @@ pub fn trailer_len(data_len: u64) -> u64 {
     n_frames(data_len) * 32 + FOOTER_LEN
 }
 
-/// Encodes `data` as an object; returns its id and the full object bytes.
+/// Encodes `data` as an object with salt 0; returns its id and the full object bytes.
 pub fn encode(data: &[u8]) -> (Hash, Vec<u8>) {
+    encode_salted(data, 0)
+}
+
+/// Encodes `data` with `salt` in the footer: the same data under another salt is another
+/// object id. Writers salt new objects so that a key, once garbage-collected, is never written
+/// again (GC can never race a re-upload of the same key). Decoders ignore the salt.
+pub fn encode_salted(data: &[u8], salt: u32) -> (Hash, Vec<u8>) {
     let data_len = data.len() as u64;
     let mut out = Vec::with_capacity(data.len() + trailer_len(data_len) as usize);
     out.extend_from_slice(data);
@@ -45,7 +52,7 @@ pub fn encode(data: &[u8]) -> (Hash, Vec<u8>) {
     out.extend_from_slice(&FRAME_SIZE.to_le_bytes());
     out.extend_from_slice(&data_len.to_le_bytes());
     out.extend_from_slice(&(n_frames(data_len) as u32).to_le_bytes());
-    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&salt.to_le_bytes());
     let id = Hash::of(&out[trailer_start..]);
     (id, out)
 }

@@ -115,7 +115,17 @@ impl ObjectReader {
     /// Uploads `data` as an object and fills the node cache with it (write-through), so data
     /// that just left the journal is read back locally, not from the store.
     pub async fn put_object(&self, tenant: &str, data: &[u8]) -> Result<ObjectRef> {
-        let (r, encoded) = self.store.put_object(tenant, data).await?;
+        self.put_object_salted(tenant, data, rand::random()).await
+    }
+
+    /// Uploads with a chosen salt (see [`Store::put_object_salted`]).
+    pub async fn put_object_salted(
+        &self,
+        tenant: &str,
+        data: &[u8],
+        salt: u32,
+    ) -> Result<ObjectRef> {
+        let (r, encoded) = self.store.put_object_salted(tenant, data, salt).await?;
         self.counters.puts.fetch_add(1, Relaxed);
         self.counters
             .bytes_put

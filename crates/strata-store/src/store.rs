@@ -96,7 +96,19 @@ impl Store {
     /// Uploads `data` as a framed, content-addressed object. Idempotent: the same data always
     /// lands at the same key with the same bytes. Returns the reference and the encoded object.
     pub async fn put_object(&self, tenant: &str, data: &[u8]) -> Result<(ObjectRef, Bytes)> {
-        let (id, encoded) = object::encode(data);
+        self.put_object_salted(tenant, data, rand::random()).await
+    }
+
+    /// [`Store::put_object`] with a chosen salt (see [`object::encode_salted`]): writers pick a
+    /// fresh random salt per publish or template build, so every upload creates keys that never
+    /// existed before and garbage collection can never race a re-upload.
+    pub async fn put_object_salted(
+        &self,
+        tenant: &str,
+        data: &[u8],
+        salt: u32,
+    ) -> Result<(ObjectRef, Bytes)> {
+        let (id, encoded) = object::encode_salted(data, salt);
         let encoded = Bytes::from(encoded);
         let key = Self::object_key(tenant, &id);
         self.put_verified(&key, encoded.clone()).await?;
@@ -133,8 +145,10 @@ impl Store {
         Err(last.map_or_else(|| StoreError::Backend("put failed".into()), Into::into))
     }
 
+    /// Stores a manifest under a fresh random salt: a new key every time (see
+    /// [`Store::put_object_salted`]).
     pub async fn put_manifest(&self, tenant: &str, m: &Manifest) -> Result<Hash> {
-        let bytes = m.encode();
+        let bytes = m.encode_salted(rand::random());
         let id = Hash::of(&bytes);
         self.put_verified(&Self::manifest_key(tenant, &id), Bytes::from(bytes))
             .await?;

@@ -6,7 +6,16 @@ use super::*;
 impl Volume {
     /// Publishes everything acknowledged so far as a new head version (a checkpoint).
     pub async fn checkpoint(&self, label: Option<String>) -> Result<Published> {
-        self.publish_inner(CheckpointKind::Checkpoint, label, None)
+        self.checkpoint_with(label, None).await
+    }
+
+    /// A checkpoint kept at least until `keep_until_ms` by retention (see `gc`).
+    pub async fn checkpoint_with(
+        &self,
+        label: Option<String>,
+        keep_until_ms: Option<u64>,
+    ) -> Result<Published> {
+        self.publish_inner(CheckpointKind::Checkpoint, (label, keep_until_ms), None)
             .await
     }
 
@@ -23,13 +32,13 @@ impl Volume {
             return Ok(None);
         }
         let target = self.acked_seq.load(SeqCst);
-        self.publish_inner(CheckpointKind::Auto, None, Some(target))
+        self.publish_inner(CheckpointKind::Auto, (None, None), Some(target))
             .await
             .map(Some)
     }
 
     pub(crate) async fn publish_kind(&self, kind: CheckpointKind) -> Result<Published> {
-        self.publish_inner(kind, None, None).await
+        self.publish_inner(kind, (None, None), None).await
     }
 
     /// The checkpoint protocol (see the module docs). With `upto`, returns early if an earlier
@@ -37,12 +46,19 @@ impl Volume {
     pub(super) async fn publish_inner(
         &self,
         kind: CheckpointKind,
-        label: Option<String>,
+        (label, keep_until_ms): (Option<String>, Option<u64>),
         upto: Option<u64>,
     ) -> Result<Published> {
         let started = Instant::now();
         let _p = self.publish_lock.lock().await;
         self.usable()?;
+        // Background and detach publishes with nothing new add no version (explicit
+        // checkpoints always do: they carry a label or a retention promise).
+        let nothing_new = self.acked_seq.load(SeqCst) <= self.published_seq.load(SeqCst);
+        let upto = match kind {
+            CheckpointKind::Auto | CheckpointKind::Detach if nothing_new => Some(upto.unwrap_or(0)),
+            _ => upto,
+        };
         if let Some(t) = upto {
             if self.published_seq.load(SeqCst) >= t {
                 let st = self.st();
@@ -74,7 +90,14 @@ impl Volume {
         };
         let stall = stall_start.elapsed();
         let res = self
-            .publish_cut(&frozen, &base, base_version, cut, kind, label)
+            .publish_cut(
+                &frozen,
+                &base,
+                base_version,
+                cut,
+                kind,
+                (label, keep_until_ms),
+            )
             .await;
         match res {
             Ok((version, manifest, m, bytes)) => {
@@ -151,8 +174,9 @@ impl Volume {
         base_version: u64,
         cut: u64,
         kind: CheckpointKind,
-        label: Option<String>,
+        (label, keep_until_ms): (Option<String>, Option<u64>),
     ) -> Result<(u64, Hash, Manifest, u64)> {
+        let uploads_began = Instant::now();
         let files = self.st().files.clone();
         // 2. Pack and upload every live block <= cut.
         self.publish_done.store(0, SeqCst);
@@ -175,6 +199,17 @@ impl Volume {
         self.catalog
             .record_manifest(&self.tenant, id, &m.objects)
             .await?;
+        // GC may collect objects that stay unreferenced longer than its grace period: a publish
+        // slower than half of it gives up (its retry uploads fresh, salted keys).
+        if uploads_began.elapsed() > self.opts.publish_deadline {
+            return Err(Error::Unavailable(
+                self.name.clone(),
+                format!(
+                    "publish took {:?}, more than half the GC grace period; retrying with new objects",
+                    uploads_began.elapsed()
+                ),
+            ));
+        }
         // 4 + 5. Move the head (expected version, lease epoch) and record the receipt.
         let lease = self.lease();
         let version = self
@@ -191,6 +226,7 @@ impl Volume {
                     bytes: packed.bytes_uploaded,
                     cut_seq: cut,
                     journal_id: Some(self.journal_id.clone()),
+                    keep_until_ms,
                 },
             )
             .await?;
@@ -207,7 +243,7 @@ impl Volume {
         let _gate = self.gate.write().await;
         self.publish_inner(
             CheckpointKind::Auto,
-            None,
+            (None, None),
             Some(self.acked_seq.load(SeqCst)),
         )
         .await?;
@@ -234,6 +270,7 @@ impl Volume {
                     bytes: 0,
                     cut_seq: cut,
                     journal_id: Some(self.journal_id.clone()),
+                    keep_until_ms: None,
                 },
             )
             .await?;

@@ -1,0 +1,307 @@
+//! Retention and garbage collection.
+//!
+//! The catalog is the durable graph of what is live: workspace heads, checkpoints and templates
+//! name manifests, manifests name objects. One pass, per tenant:
+//!
+//! 1. **Retention** expires checkpoints by policy (never a head; labelled ones only by their
+//!    own `keep_until`; unlabelled beyond the newest `keep_last` or older than `max_age`).
+//!    Expiry is soft: the rows vanish from listings at once but keep their manifests
+//!    referenced for `grace`, so an operation that read one just before (a fork, a rollback)
+//!    still completes safely; later passes purge the rows.
+//! 2. **Mark**: every referenced manifest is fetched (an unreadable one aborts the tenant's
+//!    pass: nothing is deleted on incomplete information); its objects are live.
+//! 3. **Sweep, in two phases.** Store keys that are unreferenced (and older than `grace` by the
+//!    store's clock) are *condemned* in the catalog; a key is deleted only by a later pass that
+//!    finds it condemned for at least `grace` and still unreferenced. A key that became
+//!    referenced again is forgotten.
+//!
+//! Why that is safe under concurrent checkpoints, forks, restores and uploads:
+//! - Every upload creates keys that never existed (objects and manifests carry a random salt),
+//!   so a re-upload can never race a delete of the same key;
+//! - a publish whose uploads began more than `grace / 2` ago gives up before moving the head,
+//!   so fresh unreferenced objects are never older than the grace period when referenced;
+//! - new references to existing manifests (fork, rollback, create from template) are made in a
+//!   catalog transaction from a row that was live when read; the two-phase sweep re-marks after
+//!   `grace`, which bounds how long such an operation may take;
+//! - several nodes may run passes at once: each condemnation is valid on its own, deletes are
+//!   idempotent, and every pass re-marks before deleting.
+//!
+//! A pass interrupted at any step leaves only condemned entries and deletions of keys that were
+//! unreferenced twice `grace` apart; the next pass continues. `stop_after` stops a pass after a
+//! number of mutating steps (crash tests).
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use object_store::{ObjectStore, ObjectStoreExt};
+use serde::{Deserialize, Serialize};
+use strata_catalog::Checkpoint;
+use strata_format::Hash;
+
+use crate::{Engine, Error, Result};
+
+#[derive(Clone, Debug)]
+pub struct GcOptions {
+    pub grace: Duration,
+    pub keep_last: usize,
+    pub max_age: Duration,
+    /// Report only: expire nothing, condemn nothing, delete nothing.
+    pub dry_run: bool,
+    /// Stop after this many mutating steps (tests of an interrupted pass).
+    pub stop_after: Option<usize>,
+}
+
+/// What one pass found and did.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct GcReport {
+    pub dry_run: bool,
+    pub tenants: u64,
+    /// Checkpoints expired by retention (would be, in a dry run).
+    pub checkpoints_expired: u64,
+    pub checkpoints_purged: u64,
+    pub live_manifests: u64,
+    pub live_objects: u64,
+    /// Bytes of live keys in the store.
+    pub live_bytes: u64,
+    pub stored_keys: u64,
+    pub stored_bytes: u64,
+    /// Unreferenced keys (older than the grace period) and their bytes: what GC will delete.
+    pub unreferenced_keys: u64,
+    pub unreferenced_bytes: u64,
+    /// Keys condemned by this pass (deleted by a pass at least `grace` later).
+    pub condemned: u64,
+    pub deleted_keys: u64,
+    pub deleted_bytes: u64,
+    pub duration_ms: u64,
+    /// The pass stopped early (`stop_after`).
+    pub stopped: bool,
+}
+
+/// Retention: which of `cps` (a workspace's visible checkpoints) expire now.
+pub fn expired_versions(
+    cps: &[Checkpoint],
+    head: u64,
+    now_ms: u64,
+    keep_last: usize,
+    max_age: Duration,
+) -> Vec<u64> {
+    let max_age_ms = max_age.as_millis() as u64;
+    let mut out = vec![];
+    let mut unlabelled_seen = 0usize;
+    for c in cps.iter().rev() {
+        if c.version == head {
+            continue;
+        }
+        let kept_until = c.keep_until_ms.is_some_and(|k| k > now_ms);
+        if c.label.is_some() {
+            if c.keep_until_ms.is_some() && !kept_until {
+                out.push(c.version);
+            }
+            continue;
+        }
+        unlabelled_seen += 1;
+        if kept_until {
+            continue;
+        }
+        let too_many = unlabelled_seen > keep_last;
+        let too_old = now_ms.saturating_sub(c.created_ms) > max_age_ms;
+        if too_many || too_old {
+            out.push(c.version);
+        }
+    }
+    out.sort();
+    out
+}
+
+struct Steps {
+    left: Option<usize>,
+}
+
+impl Steps {
+    /// Whether another mutating step may run.
+    fn take(&mut self) -> bool {
+        match &mut self.left {
+            None => true,
+            Some(0) => false,
+            Some(n) => {
+                *n -= 1;
+                true
+            }
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    crate::now_ms()
+}
+
+/// A store key's id, if it is an object or manifest key of `tenant`.
+fn key_id(tenant: &str, key: &str) -> Option<(bool, Hash)> {
+    let rest = key.strip_prefix(&format!("t/{tenant}/"))?;
+    if let Some(o) = rest.strip_prefix("obj/") {
+        let (_, hex) = o.split_once('/')?;
+        return hex.parse().ok().map(|h| (true, h));
+    }
+    let hex = rest.strip_prefix("man/")?;
+    hex.parse().ok().map(|h| (false, h))
+}
+
+impl Engine {
+    /// One GC pass over every tenant (see the module docs).
+    pub async fn gc(&self, opts: &GcOptions) -> Result<GcReport> {
+        let started = Instant::now();
+        let mut report = GcReport {
+            dry_run: opts.dry_run,
+            ..Default::default()
+        };
+        let mut steps = Steps {
+            left: opts.stop_after,
+        };
+        for tenant in self.catalog().list_tenants().await? {
+            report.tenants += 1;
+            if !self
+                .gc_tenant(&tenant, opts, &mut steps, &mut report)
+                .await?
+            {
+                report.stopped = true;
+                break;
+            }
+        }
+        report.duration_ms = started.elapsed().as_millis() as u64;
+        Ok(report)
+    }
+
+    /// Returns false when `steps` ran out.
+    async fn gc_tenant(
+        &self,
+        tenant: &str,
+        opts: &GcOptions,
+        steps: &mut Steps,
+        report: &mut GcReport,
+    ) -> Result<bool> {
+        let cat = self.catalog().clone();
+        let grace_ms = opts.grace.as_millis() as u64;
+        // 1. Retention.
+        for w in cat.list_workspaces(tenant).await? {
+            let cps = cat.list_checkpoints(tenant, &w.name).await?;
+            let exp =
+                expired_versions(&cps, w.head_version, now_ms(), opts.keep_last, opts.max_age);
+            if exp.is_empty() {
+                continue;
+            }
+            if opts.dry_run {
+                report.checkpoints_expired += exp.len() as u64;
+                continue;
+            }
+            if !steps.take() {
+                return Ok(false);
+            }
+            report.checkpoints_expired += cat.expire_checkpoints(tenant, &w.name, &exp).await?;
+        }
+        // 2. Mark.
+        let refs = cat.gc_references(tenant, grace_ms).await?;
+        let mut live_manifests: HashSet<Hash> = HashSet::new();
+        let mut live_objects: HashSet<Hash> = HashSet::new();
+        let store = self.reader().store();
+        for m in refs {
+            if !live_manifests.insert(m) {
+                continue;
+            }
+            let man = store.get_manifest(tenant, &m).await.map_err(|e| {
+                Error::Invalid(format!(
+                    "GC of tenant {tenant:?} stopped: referenced manifest {m} is unreadable ({e}); nothing was deleted"
+                ))
+            })?;
+            live_objects.extend(man.objects.iter().map(|o| o.id));
+        }
+        report.live_manifests += live_manifests.len() as u64;
+        report.live_objects += live_objects.len() as u64;
+        // 3. Sweep.
+        let cutoff = chrono_cutoff(opts.grace);
+        let mut unreferenced: HashMap<String, u64> = HashMap::new();
+        let prefix = object_store::path::Path::from(format!("t/{tenant}"));
+        let mut listing = store.inner().list(Some(&prefix));
+        while let Some(meta) = listing.next().await {
+            let meta = meta.map_err(|e| Error::Invalid(format!("listing the store: {e}")))?;
+            let key = meta.location.to_string();
+            let Some((is_obj, id)) = key_id(tenant, &key) else {
+                continue;
+            };
+            report.stored_keys += 1;
+            report.stored_bytes += meta.size;
+            let live = if is_obj {
+                live_objects.contains(&id)
+            } else {
+                live_manifests.contains(&id)
+            };
+            if live {
+                report.live_bytes += meta.size;
+            } else if meta.last_modified.timestamp_millis() < cutoff {
+                unreferenced.insert(key, meta.size);
+            }
+        }
+        drop(listing);
+        report.unreferenced_keys += unreferenced.len() as u64;
+        report.unreferenced_bytes += unreferenced.values().sum::<u64>();
+        if opts.dry_run {
+            return Ok(true);
+        }
+        let condemned = cat.gc_condemned(tenant).await?;
+        let known: HashSet<&String> = condemned.iter().map(|(k, _)| k).collect();
+        let fresh: Vec<String> = unreferenced
+            .keys()
+            .filter(|k| !known.contains(k))
+            .cloned()
+            .collect();
+        if !fresh.is_empty() {
+            if !steps.take() {
+                return Ok(false);
+            }
+            cat.gc_condemn(tenant, &fresh).await?;
+            report.condemned += fresh.len() as u64;
+        }
+        let mut deleted = vec![];
+        let mut revived = vec![];
+        for (key, age_ms) in &condemned {
+            match unreferenced.get(key) {
+                Some(size) if *age_ms >= grace_ms => {
+                    if !steps.take() {
+                        cat.gc_forget(tenant, &deleted).await?;
+                        return Ok(false);
+                    }
+                    let path = object_store::path::Path::from(key.as_str());
+                    match store.inner().delete(&path).await {
+                        Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                        Err(e) => {
+                            cat.gc_forget(tenant, &deleted).await?;
+                            return Err(Error::Invalid(format!("deleting {key}: {e}")));
+                        }
+                    }
+                    report.deleted_keys += 1;
+                    report.deleted_bytes += size;
+                    deleted.push(key.clone());
+                }
+                Some(_) => {}                      // condemned, not yet for long enough
+                None => revived.push(key.clone()), // referenced again, or already gone
+            }
+        }
+        deleted.extend(revived);
+        if !deleted.is_empty() {
+            if !steps.take() {
+                return Ok(false);
+            }
+            cat.gc_forget(tenant, &deleted).await?;
+        }
+        if !steps.take() {
+            return Ok(false);
+        }
+        report.checkpoints_purged += cat.purge_expired_checkpoints(tenant, grace_ms).await?;
+        Ok(true)
+    }
+}
+
+/// Store keys last modified before this (ms since the epoch) may be condemned.
+fn chrono_cutoff(grace: Duration) -> i64 {
+    now_ms() as i64 - grace.as_millis() as i64
+}

@@ -1,0 +1,349 @@
+//! Retention and garbage collection against a model: random interleavings of writes,
+//! checkpoints (labelled or not), forks, rollbacks, deletes, retention and GC passes over
+//! several workspaces. After every step, every head and every retained checkpoint reads back
+//! exactly as the model says, through a fresh node with an empty cache (so only the object
+//! store counts); after quiescence no unreferenced key remains. A second test interrupts a GC
+//! pass at every one of its steps.
+//!
+//! `STRATA_GC_CASES` (default 12) and `STRATA_GC_SEED` pick the cases.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use futures::StreamExt;
+use rand::{Rng, SeedableRng};
+use strata_engine::{Engine, GcOptions, Mode, Source};
+
+const DISK: u64 = 1 << 20;
+const LBAS: u64 = 24;
+
+type Disk = BTreeMap<u64, u64>;
+
+#[derive(Default)]
+struct Model {
+    heads: BTreeMap<String, Disk>,
+    cps: BTreeMap<(String, u64), Disk>,
+}
+
+fn gc_opts(keep_last: usize) -> GcOptions {
+    GcOptions {
+        grace: Duration::ZERO,
+        keep_last,
+        max_age: Duration::from_secs(3600),
+        dry_run: false,
+        stop_after: None,
+    }
+}
+
+/// Reads `ws` (head or `version`) through a brand-new node: nothing cached, only the store.
+async fn read_fresh(c: &Cluster, ws: &str, version: Option<u64>, n: u32) -> Disk {
+    let verifier = c.node(&format!("verifier-{n}"));
+    let out = c.path(&format!("export-{n}.raw"));
+    verifier
+        .export(TENANT, ws, version, &out)
+        .await
+        .unwrap_or_else(|e| panic!("{ws}@{version:?} unreadable: {e}"));
+    let img = std::fs::read(&out).unwrap();
+    std::fs::remove_file(&out).unwrap();
+    let _ = std::fs::remove_dir_all(c.path(&format!("verifier-{n}")));
+    let mut d = Disk::new();
+    for lba in 0..LBAS {
+        let b = &img[(lba * 4096) as usize..((lba + 1) * 4096) as usize];
+        match tag_of(b, lba) {
+            Some(0) => {}
+            Some(t) => {
+                d.insert(lba, t);
+            }
+            None => panic!("{ws}@{version:?}: block {lba} is torn or foreign"),
+        }
+    }
+    d
+}
+
+/// Syncs retained checkpoints with the catalog (retention may have expired some) and checks
+/// every head and checkpoint against the model.
+async fn check(
+    c: &Cluster,
+    node: &Arc<Engine>,
+    m: &mut Model,
+    labelled: &BTreeSet<(String, u64)>,
+    n: &mut u32,
+) {
+    for ws in m.heads.keys().cloned().collect::<Vec<_>>() {
+        let listed: BTreeSet<u64> = node
+            .log(TENANT, &ws)
+            .await
+            .unwrap()
+            .iter()
+            .map(|c| c.version)
+            .collect();
+        let head = node.workspace(TENANT, &ws).await.unwrap().head_version;
+        assert!(listed.contains(&head), "{ws}: the head is never expired");
+        let mine: Vec<u64> = m
+            .cps
+            .keys()
+            .filter(|(w, _)| *w == ws)
+            .map(|(_, v)| *v)
+            .collect();
+        for v in mine {
+            if !listed.contains(&v) {
+                assert!(
+                    !labelled.contains(&(ws.clone(), v)),
+                    "{ws}@{v}: a labelled checkpoint without expiry was expired"
+                );
+                m.cps.remove(&(ws.clone(), v));
+            }
+        }
+        for v in &listed {
+            assert!(
+                m.cps.contains_key(&(ws.clone(), *v)),
+                "{ws}@{v} unknown to the model"
+            );
+        }
+        // The attached volume (journal over the head) reads as the model's head …
+        if let Some(vol) = node.volume(TENANT, &ws).await {
+            for lba in 0..LBAS {
+                let b = vol.read(lba * 4096, 4096).await.unwrap();
+                let want = m.heads[&ws].get(&lba).copied().unwrap_or(0);
+                assert_eq!(tag_of(&b, lba), Some(want), "{ws} block {lba}");
+            }
+        }
+    }
+    // … and every retained version (the published head among them) from the store alone.
+    for ((ws, v), disk) in m.cps.clone() {
+        *n += 1;
+        assert_eq!(read_fresh(c, &ws, Some(v), *n).await, disk, "{ws}@{v}");
+    }
+}
+
+/// Every store key of the tenant is referenced (after quiescence with grace 0).
+async fn no_garbage(c: &Cluster) {
+    let refs = c.catalog.gc_references(TENANT, 0).await.unwrap();
+    let mut live: HashSet<String> = HashSet::new();
+    for m in refs {
+        live.insert(format!("t/{TENANT}/man/{}", m.to_hex()));
+        for o in c.store.get_manifest(TENANT, &m).await.unwrap().objects {
+            let h = o.id.to_hex();
+            live.insert(format!("t/{TENANT}/obj/{}/{h}", &h[..2]));
+        }
+    }
+    let prefix = object_store::path::Path::from(format!("t/{TENANT}"));
+    let keys: Vec<String> = c
+        .store
+        .inner()
+        .list(Some(&prefix))
+        .map(|m| m.unwrap().location.to_string())
+        .collect()
+        .await;
+    let garbage: Vec<&String> = keys.iter().filter(|k| !live.contains(*k)).collect();
+    assert!(garbage.is_empty(), "unreferenced keys remain: {garbage:?}");
+    for k in &live {
+        assert!(keys.contains(k), "referenced key {k} is missing");
+    }
+}
+
+async fn run_case(seed: u64) {
+    let c = Cluster::new().await;
+    let node = c.node("a");
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let mut m = Model::default();
+    let mut labelled = BTreeSet::new();
+    let mut n = 0u32;
+    let mut next_ws = 0;
+    let mut new_ws = |m: &mut Model| {
+        next_ws += 1;
+        let name = format!("w{next_ws}");
+        m.heads.insert(name.clone(), Disk::new());
+        name
+    };
+    for _ in 0..2 {
+        let w = new_ws(&mut m);
+        node.create_workspace(
+            TENANT,
+            &w,
+            Source::Empty { size: DISK },
+            Mode::Durable,
+            None,
+        )
+        .await
+        .unwrap();
+        node.attach(TENANT, &w).await.unwrap();
+        m.cps.insert((w, 1), Disk::new());
+    }
+    let steps = rng.random_range(12..28);
+    for step in 0..steps {
+        let names: Vec<String> = m.heads.keys().cloned().collect();
+        let ws = names[rng.random_range(0..names.len())].clone();
+        let op = rng.random_range(0..100);
+        let what;
+        if op < 35 {
+            let vol = node.volume(TENANT, &ws).await.unwrap();
+            for _ in 0..rng.random_range(1..6) {
+                let lba = rng.random_range(0..LBAS);
+                let tag = rng.random_range(1..1_000_000u64);
+                vol.write(lba * 4096, &tagged(tag, lba), false)
+                    .await
+                    .unwrap();
+                m.heads.get_mut(&ws).unwrap().insert(lba, tag);
+            }
+            what = "write";
+        } else if op < 55 {
+            let label = rng.random_bool(0.3).then(|| "keep".to_string());
+            let p = node.checkpoint(TENANT, &ws, label.clone()).await.unwrap();
+            m.cps.insert((ws.clone(), p.version), m.heads[&ws].clone());
+            if label.is_some() {
+                labelled.insert((ws.clone(), p.version));
+            }
+            what = "checkpoint";
+        } else if op < 65 && m.heads.len() < 5 {
+            let before = m.heads[&ws].clone();
+            let f = new_ws(&mut m);
+            node.fork(TENANT, &ws, None, &f, None).await.unwrap();
+            // The fork published the source first: record that version.
+            let v = node.workspace(TENANT, &ws).await.unwrap().head_version;
+            m.cps
+                .entry((ws.clone(), v))
+                .or_insert_with(|| before.clone());
+            m.heads.insert(f.clone(), before.clone());
+            m.cps.insert((f.clone(), 1), before);
+            node.attach(TENANT, &f).await.unwrap();
+            what = "fork";
+        } else if op < 75 {
+            let mine: Vec<u64> = m
+                .cps
+                .keys()
+                .filter(|(w, _)| *w == ws)
+                .map(|(_, v)| *v)
+                .collect();
+            let target = mine[rng.random_range(0..mine.len())];
+            let before = m.heads[&ws].clone();
+            let old_head = node.workspace(TENANT, &ws).await.unwrap().head_version;
+            let p = node.rollback(TENANT, &ws, target).await.unwrap();
+            for v in old_head + 1..p.version {
+                m.cps.insert((ws.clone(), v), before.clone()); // the publish before the rollback
+            }
+            let disk = m.cps[&(ws.clone(), target)].clone();
+            m.cps.insert((ws.clone(), p.version), disk.clone());
+            m.heads.insert(ws.clone(), disk);
+            what = "rollback";
+        } else if op < 80 && m.heads.len() > 1 {
+            node.delete_workspace(TENANT, &ws).await.unwrap();
+            m.heads.remove(&ws);
+            m.cps.retain(|(w, _), _| *w != ws);
+            what = "delete";
+        } else {
+            let r = node.gc(&gc_opts(rng.random_range(0..3))).await.unwrap();
+            assert!(!r.stopped);
+            what = "gc";
+        }
+        if std::env::var("STRATA_GC_TRACE").is_ok() {
+            eprintln!("seed {seed} step {step}: {what} {ws}");
+        }
+        check(&c, &node, &mut m, &labelled, &mut n).await;
+    }
+    // Quiescence: a pass applies retention, the next two condemn and delete what it released.
+    for _ in 0..3 {
+        node.gc(&gc_opts(1)).await.unwrap();
+    }
+    check(&c, &node, &mut m, &labelled, &mut n).await;
+    no_garbage(&c).await;
+    let dry = node
+        .gc(&GcOptions {
+            dry_run: true,
+            ..gc_opts(1)
+        })
+        .await
+        .unwrap();
+    assert_eq!(dry.unreferenced_keys, 0, "{dry:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_and_retention_never_lose_a_retained_byte() {
+    let cases: u64 = std::env::var("STRATA_GC_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(12);
+    let first: u64 = std::env::var("STRATA_GC_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    for seed in first..first + cases {
+        run_case(seed).await;
+    }
+}
+
+/// A workspace with history, a fork, a deleted workspace and expired checkpoints: plenty for
+/// GC to do.
+async fn scenario(c: &Cluster, node: &Arc<Engine>) -> Model {
+    let mut m = Model::default();
+    for w in ["keep", "gone"] {
+        node.create_workspace(TENANT, w, Source::Empty { size: DISK }, Mode::Durable, None)
+            .await
+            .unwrap();
+        let v = node.attach(TENANT, w).await.unwrap();
+        let mut disk = Disk::new();
+        for round in 1..=4u64 {
+            for lba in 0..8 {
+                v.write(lba * 4096, &tagged(round * 100 + lba, lba), false)
+                    .await
+                    .unwrap();
+                disk.insert(lba, round * 100 + lba);
+            }
+            let label = (round == 2).then(|| "milestone".to_string());
+            let p = node.checkpoint(TENANT, w, label).await.unwrap();
+            m.cps.insert((w.to_string(), p.version), disk.clone());
+        }
+        m.cps.insert((w.to_string(), 1), Disk::new());
+        m.heads.insert(w.to_string(), disk);
+    }
+    node.fork(TENANT, "keep", Some(3), "child", None)
+        .await
+        .unwrap();
+    m.heads
+        .insert("child".into(), m.cps[&("keep".to_string(), 3)].clone());
+    m.cps
+        .insert(("child".into(), 1), m.cps[&("keep".to_string(), 3)].clone());
+    node.delete_workspace(TENANT, "gone").await.unwrap();
+    m.heads.remove("gone");
+    m.cps.retain(|(w, _), _| w != "gone");
+    let _ = c;
+    m
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gc_pass_interrupted_at_any_step_leaves_everything_readable() {
+    let mut k = 0;
+    loop {
+        let c = Cluster::new().await;
+        let node = c.node("a");
+        let mut m = scenario(&c, &node).await;
+        let labelled: BTreeSet<(String, u64)> = [("keep".to_string(), 3)].into();
+        // A first full pass condemns; the interrupted pass is the one that deletes.
+        node.gc(&gc_opts(0)).await.unwrap();
+        let r = node
+            .gc(&GcOptions {
+                stop_after: Some(k),
+                ..gc_opts(0)
+            })
+            .await
+            .unwrap();
+        let mut n = 0;
+        check(&c, &node, &mut m, &labelled, &mut n).await;
+        // The next passes finish the job.
+        for _ in 0..3 {
+            node.gc(&gc_opts(0)).await.unwrap();
+        }
+        check(&c, &node, &mut m, &labelled, &mut n).await;
+        no_garbage(&c).await;
+        if !r.stopped {
+            eprintln!("interrupted GC: {k} stop points checked");
+            assert!(k > 5, "the pass has several steps");
+            break;
+        }
+        k += 1;
+    }
+}
