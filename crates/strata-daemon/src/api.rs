@@ -74,6 +74,19 @@ pub struct Attached {
 pub struct CheckpointRequest {
     #[serde(default)]
     pub label: Option<String>,
+    /// Retention keeps this checkpoint at least this long (a labelled checkpoint without it is
+    /// kept until deleted; with it, it expires after).
+    #[serde(default)]
+    pub keep_secs: Option<u64>,
+}
+
+/// `POST /v1/gc`: one garbage-collection pass now.
+#[derive(Debug, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct GcRequest {
+    /// Report what would be expired and deleted, change nothing.
+    #[serde(default)]
+    pub dry_run: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -43,6 +43,21 @@ pub struct Daemon {
     pub(crate) url: std::sync::Mutex<Option<String>>,
     /// The durable relay (`/v1/relay`).
     pub(crate) relay: Arc<relay::Relay>,
+    pub(crate) gc: GcState,
+}
+
+/// Garbage collection: schedule and counters (exported on `/metrics`).
+#[derive(Default)]
+pub(crate) struct GcState {
+    pub interval: std::sync::Mutex<Option<std::time::Duration>>,
+    pub runs: std::sync::atomic::AtomicU64,
+    pub failures: std::sync::atomic::AtomicU64,
+    pub deleted_keys: std::sync::atomic::AtomicU64,
+    pub deleted_bytes: std::sync::atomic::AtomicU64,
+    pub checkpoints_expired: std::sync::atomic::AtomicU64,
+    pub last: std::sync::Mutex<Option<strata_engine::GcReport>>,
+    /// One pass at a time on this node.
+    pub lock: tokio::sync::Mutex<()>,
 }
 
 /// Default size limit of one relayed file.
@@ -84,7 +99,57 @@ impl Daemon {
             exports: tokio::sync::Mutex::new(HashMap::new()),
             url: std::sync::Mutex::new(None),
             relay,
+            gc: GcState::default(),
         }))
+    }
+
+    /// Runs garbage collection every `every` (None: never) from `spawn_background` on.
+    pub fn set_gc_interval(&self, every: Option<std::time::Duration>) {
+        *self.gc.interval.lock().unwrap_or_else(|p| p.into_inner()) = every;
+    }
+
+    /// One GC pass with the engine's retention and grace settings.
+    pub async fn run_gc(&self, dry_run: bool) -> strata_engine::Result<strata_engine::GcReport> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let _one = self.gc.lock.lock().await;
+        let cfg = self.engine.config();
+        let r = self
+            .engine
+            .gc(&strata_engine::GcOptions {
+                grace: cfg.gc_grace,
+                keep_last: cfg.keep_checkpoints,
+                max_age: cfg.keep_checkpoint_age,
+                dry_run,
+                stop_after: None,
+            })
+            .await;
+        match &r {
+            Ok(rep) => {
+                if !dry_run {
+                    self.gc.runs.fetch_add(1, Relaxed);
+                    self.gc.deleted_keys.fetch_add(rep.deleted_keys, Relaxed);
+                    self.gc.deleted_bytes.fetch_add(rep.deleted_bytes, Relaxed);
+                    self.gc
+                        .checkpoints_expired
+                        .fetch_add(rep.checkpoints_expired, Relaxed);
+                    *self.gc.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(rep.clone());
+                }
+                tracing::info!(
+                    dry_run,
+                    deleted = rep.deleted_keys,
+                    bytes = rep.deleted_bytes,
+                    condemned = rep.condemned,
+                    live_bytes = rep.live_bytes,
+                    ms = rep.duration_ms,
+                    "gc pass"
+                );
+            }
+            Err(e) => {
+                self.gc.failures.fetch_add(1, Relaxed);
+                tracing::warn!(error = %e, "gc pass failed; nothing more was deleted");
+            }
+        }
+        r
     }
 
     /// Sets the size limit of one relayed file.
@@ -179,6 +244,23 @@ impl Daemon {
     pub fn spawn_background(self: &Arc<Self>) -> JoinHandle<()> {
         let d = Arc::downgrade(self);
         let beat = Arc::downgrade(self);
+        let gc = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let every = {
+                    let Some(d) = gc.upgrade() else { return };
+                    let e = *d.gc.interval.lock().unwrap_or_else(|p| p.into_inner());
+                    e
+                };
+                let Some(every) = every else {
+                    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                    continue;
+                };
+                tokio::time::sleep(every).await;
+                let Some(d) = gc.upgrade() else { return };
+                let _ = d.run_gc(false).await;
+            }
+        });
         // The relay's uploader stops with the relay (the daemon holds the only strong ref).
         drop(
             self.relay

@@ -34,6 +34,7 @@ pub fn router(d: Arc<Daemon>) -> Router {
         )
         .route("/metrics", get(metrics))
         .route("/v1/nodes", get(list_nodes))
+        .route("/v1/gc", post(run_gc))
         .route("/v1/relay", get(list_streams).post(create_stream))
         .route(
             "/v1/relay/{stream}",
@@ -438,8 +439,18 @@ async fn checkpoint(
         b => body(b)?,
     };
     d.engine.workspace(&t, &name).await?;
+    let keep_until = match b.keep_secs {
+        Some(s) if s > 100 * 365 * 86400 => {
+            return Err(ApiError::invalid("keep_secs is over 100 years"))
+        }
+        Some(s) => Some(now_ms() + s * 1000),
+        None => None,
+    };
     let started = std::time::Instant::now();
-    let r = d.engine.checkpoint(&t, &name, b.label).await;
+    let r = d
+        .engine
+        .checkpoint_with(&t, &name, b.label, keep_until)
+        .await;
     d.checkpoint_seconds.record(started.elapsed(), 0, r.is_ok());
     Ok(Json(r?))
 }
@@ -506,6 +517,46 @@ async fn thaw(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<ser
 async fn metrics(State(d): D) -> impl IntoResponse {
     use std::fmt::Write;
     let mut out = String::new();
+    {
+        use std::sync::atomic::Ordering::Relaxed;
+        let g = &d.gc;
+        for (name, kind, v) in [
+            ("strata_gc_runs_total", "counter", g.runs.load(Relaxed)),
+            (
+                "strata_gc_failures_total",
+                "counter",
+                g.failures.load(Relaxed),
+            ),
+            (
+                "strata_gc_deleted_keys_total",
+                "counter",
+                g.deleted_keys.load(Relaxed),
+            ),
+            (
+                "strata_gc_reclaimed_bytes_total",
+                "counter",
+                g.deleted_bytes.load(Relaxed),
+            ),
+            (
+                "strata_gc_checkpoints_expired_total",
+                "counter",
+                g.checkpoints_expired.load(Relaxed),
+            ),
+        ] {
+            let _ = writeln!(out, "# TYPE {name} {kind}\n{name} {v}");
+        }
+        if let Some(r) = g.last.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            for (name, v) in [
+                ("strata_gc_live_bytes", r.live_bytes),
+                ("strata_gc_live_objects", r.live_objects),
+                ("strata_gc_stored_bytes", r.stored_bytes),
+                ("strata_gc_unreferenced_bytes", r.unreferenced_bytes),
+                ("strata_gc_last_duration_ms", r.duration_ms),
+            ] {
+                let _ = writeln!(out, "# TYPE {name} gauge\n{name} {v}");
+            }
+        }
+    }
     {
         let rl = &d.relay;
         let _ = writeln!(out, "# TYPE strata_relay_uploaded_bytes_total counter\nstrata_relay_uploaded_bytes_total {}", rl.uploaded_bytes.load(std::sync::atomic::Ordering::Relaxed));
@@ -799,4 +850,24 @@ async fn get_relay_file(
         data,
     )
         .into_response())
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// One GC pass now (admin: it spans tenants). A dry run reports and changes nothing.
+async fn run_gc(
+    _: Admin,
+    State(d): D,
+    b: Result<Json<GcRequest>, JsonRejection>,
+) -> R<strata_engine::GcReport> {
+    let b = match b {
+        Err(JsonRejection::MissingJsonContentType(_)) => GcRequest::default(),
+        b => body(b)?,
+    };
+    Ok(Json(d.run_gc(b.dry_run).await?))
 }

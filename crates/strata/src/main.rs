@@ -60,6 +60,14 @@ enum Cmd {
     /// Tenants (through the daemon; needs STRATA_URL and the admin token in STRATA_TOKEN).
     #[command(subcommand)]
     Tenant(TenantCmd),
+    /// Garbage collection: expire checkpoints by retention, delete unreferenced data (admin
+    /// token through the daemon). Deletion is two-phase: data is deleted by a pass at least the
+    /// grace period after one that found it unreferenced.
+    Gc {
+        /// Report what would be expired and deleted; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Nodes sharing the catalog: which workspaces each serves, lease epochs, remote windows
     /// (through the daemon with the admin token, or from the local catalog).
     Nodes,
@@ -129,6 +137,9 @@ enum WsCmd {
         ws: String,
         #[arg(long)]
         label: Option<String>,
+        /// Keep it at least this long (e.g. 30d); otherwise retention decides.
+        #[arg(long, value_parser = units::parse_duration)]
+        keep: Option<std::time::Duration>,
     },
     /// Releases the workspace on this node: publishes unpublished writes, stops the export.
     Detach {
@@ -232,6 +243,32 @@ fn print<T: Serialize>(json: bool, v: &T, human: impl FnOnce(&T) -> String) {
     }
 }
 
+/// Prints a GC report.
+pub(crate) fn print_gc(json: bool, v: &serde_json::Value) {
+    if json {
+        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+        return;
+    }
+    let b = |k: &str| units::fmt_size(v[k].as_u64().unwrap_or(0));
+    println!(
+        "{}{} checkpoint(s) expired, {} purged; live {} in {} object(s) and {} manifest(s) of {} stored; \
+         unreferenced {} ({} key(s)); condemned {} key(s) now; deleted {} key(s), {} reclaimed ({} ms)",
+        if v["dry_run"] == true { "dry run: " } else { "" },
+        v["checkpoints_expired"],
+        v["checkpoints_purged"],
+        b("live_bytes"),
+        v["live_objects"],
+        v["live_manifests"],
+        b("stored_bytes"),
+        b("unreferenced_bytes"),
+        v["unreferenced_keys"],
+        v["condemned"],
+        v["deleted_keys"],
+        b("deleted_bytes"),
+        v["duration_ms"]
+    );
+}
+
 /// Prints the `nodes` view (one line per node, one indented line per workspace it serves).
 pub(crate) fn print_nodes(json: bool, v: &serde_json::Value) {
     if json {
@@ -299,6 +336,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Tenant(_) => anyhow::bail!("tenants are managed through the daemon: set STRATA_URL (and STRATA_TOKEN to the admin token)"),
         Cmd::Demo => demo::run(g.json).await?,
+        Cmd::Gc { dry_run } => {
+            let e = open(g).await?;
+            let cfg = e.config();
+            let r = e
+                .gc(&strata_engine::GcOptions {
+                    grace: cfg.gc_grace,
+                    keep_last: cfg.keep_checkpoints,
+                    max_age: cfg.keep_checkpoint_age,
+                    dry_run,
+                    stop_after: None,
+                })
+                .await?;
+            print_gc(g.json, &serde_json::to_value(&r)?);
+        }
         Cmd::Nodes => {
             let e = open(g).await?;
             let nodes = e.catalog().list_nodes().await?;
@@ -437,7 +488,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                             .join("\n")
                     });
                 }
-                WsCmd::Checkpoint { ws, label } => {
+                WsCmd::Checkpoint { ws, label, keep } => {
                     let ticker = {
                         let (e, t, ws) = (e.clone(), t.to_string(), ws.clone());
                         upload_progress(move || {
@@ -448,7 +499,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                             }
                         })
                     };
-                    let p = e.checkpoint(t, &ws, label).await;
+                    let keep_until = keep.map(|k| {
+                        std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .unwrap_or_default()
+                            .as_millis() as u64
+                            + k.as_millis() as u64
+                    });
+                    let p = e.checkpoint_with(t, &ws, label, keep_until).await;
                     end_progress(ticker);
                     let p = p?;
                     print(g.json, &p, |p| {

@@ -151,6 +151,12 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                 serde_json::to_string_pretty(v).unwrap_or_default()
             });
         }
+        Cmd::Gc { dry_run } => {
+            let v = h
+                .call(M::POST, "/v1/gc", Some(json!({"dry_run": dry_run})))
+                .await?;
+            crate::print_gc(json_out, &v);
+        }
         Cmd::Nodes => {
             let v = h.call(M::GET, "/v1/nodes", None).await?;
             crate::print_nodes(json_out, &v);
@@ -180,9 +186,9 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                     crate::end_progress(ticker);
                     r?
                 }
-                WsCmd::Checkpoint { ws, label } => {
+                WsCmd::Checkpoint { ws, label, keep } => {
                     let ticker = poll_remote(&h, &ws);
-                    let r = h.call(M::POST, &ws_path(&ws, "/checkpoint"), Some(json!({"label": label}))).await;
+                    let r = h.call(M::POST, &ws_path(&ws, "/checkpoint"), Some(json!({"label": label, "keep_secs": keep.map(|k| k.as_secs())}))).await;
                     crate::end_progress(ticker);
                     r?
                 }

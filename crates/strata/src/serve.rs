@@ -95,7 +95,8 @@ pub struct ServeArgs {
     listen: Option<String>,
     /// TOML config file (keys: listen, admin_token, catalog, catalog_pool, node_id, store,
     /// s3_access_key_id, s3_secret_access_key, s3_session_token, upload_interval,
-    /// upload_max_bytes, lease_ttl, cache_capacity, relay_max_bytes).
+    /// upload_max_bytes, lease_ttl, cache_capacity, relay_max_bytes, gc_interval,
+    /// gc_grace, keep_checkpoints, keep_checkpoint_age).
     #[arg(long, env = "STRATA_CONFIG")]
     config: Option<PathBuf>,
     /// Catalog: sqlite:PATH (default DATA/catalog.db) or postgres://user@host:port/db (shared
@@ -119,6 +120,19 @@ pub struct ServeArgs {
     lease_ttl: Option<std::time::Duration>,
     #[arg(long, env = "STRATA_CACHE_CAPACITY", value_parser = crate::units::parse_size)]
     cache_capacity: Option<u64>,
+    /// How often garbage collection runs (default 1h; "off" disables).
+    #[arg(long, env = "STRATA_GC_INTERVAL")]
+    gc_interval: Option<String>,
+    /// GC grace period: unreferenced data is deleted only after this long (default 1h; every
+    /// node sharing a store must use the same or a larger value).
+    #[arg(long, env = "STRATA_GC_GRACE", value_parser = crate::units::parse_duration)]
+    gc_grace: Option<std::time::Duration>,
+    /// Retention: unlabelled checkpoints kept per workspace (default 16) …
+    #[arg(long, env = "STRATA_KEEP_CHECKPOINTS")]
+    keep_checkpoints: Option<usize>,
+    /// … and for how long at most (default 7d).
+    #[arg(long, env = "STRATA_KEEP_CHECKPOINT_AGE", value_parser = crate::units::parse_duration)]
+    keep_checkpoint_age: Option<std::time::Duration>,
     /// Largest file one relay PUT may store (default 256MiB).
     #[arg(long, env = "STRATA_RELAY_MAX_BYTES", value_parser = crate::units::parse_size)]
     relay_max_bytes: Option<u64>,
@@ -142,6 +156,10 @@ struct FileConfig {
     lease_ttl: Option<String>,
     cache_capacity: Option<String>,
     relay_max_bytes: Option<String>,
+    gc_interval: Option<String>,
+    gc_grace: Option<String>,
+    keep_checkpoints: Option<usize>,
+    keep_checkpoint_age: Option<String>,
 }
 
 pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
@@ -183,6 +201,20 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
         cfg.cache_capacity = n;
     }
     cfg.node_id = a.node_id.or(file.node_id);
+    if let Some(d) = dur(a.gc_grace, &file.gc_grace)? {
+        cfg.gc_grace = d;
+    }
+    if let Some(n) = a.keep_checkpoints.or(file.keep_checkpoints) {
+        cfg.keep_checkpoints = n;
+    }
+    if let Some(d) = dur(a.keep_checkpoint_age, &file.keep_checkpoint_age)? {
+        cfg.keep_checkpoint_age = d;
+    }
+    let gc_interval = match a.gc_interval.or(file.gc_interval.clone()).as_deref() {
+        None => Some(std::time::Duration::from_secs(3600)),
+        Some("off") | Some("0") => None,
+        Some(s) => Some(crate::units::parse_duration(s).map_err(anyhow::Error::msg)?),
+    };
     let listen = a
         .listen
         .or(file.listen)
@@ -219,6 +251,7 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
     if let Some(n) = size(a.relay_max_bytes, &file.relay_max_bytes)? {
         daemon.set_relay_max_bytes(n);
     }
+    daemon.set_gc_interval(gc_interval);
     let resumed = daemon.resume().await;
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
