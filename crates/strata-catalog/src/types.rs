@@ -63,6 +63,8 @@ pub enum CheckpointKind {
     Rollback,
     /// Published when a workspace was detached.
     Detach,
+    /// The same data, rewritten out of sparse objects (compaction).
+    Compact,
 }
 
 impl CheckpointKind {
@@ -74,6 +76,7 @@ impl CheckpointKind {
             CheckpointKind::Checkpoint => "checkpoint",
             CheckpointKind::Rollback => "rollback",
             CheckpointKind::Detach => "detach",
+            CheckpointKind::Compact => "compact",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
@@ -84,6 +87,7 @@ impl CheckpointKind {
             "checkpoint" => CheckpointKind::Checkpoint,
             "rollback" => CheckpointKind::Rollback,
             "detach" => CheckpointKind::Detach,
+            "compact" => CheckpointKind::Compact,
             _ => return None,
         })
     }

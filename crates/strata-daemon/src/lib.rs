@@ -121,6 +121,7 @@ impl Daemon {
                 max_age: cfg.keep_checkpoint_age,
                 dry_run,
                 stop_after: None,
+                compact_below: Some(cfg.compact_below),
             })
             .await;
         match &r {

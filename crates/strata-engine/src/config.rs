@@ -42,6 +42,8 @@ pub struct EngineConfig {
     pub keep_checkpoints: usize,
     /// … or older than this expire (labelled ones expire only by their own `keep_until`).
     pub keep_checkpoint_age: Duration,
+    /// GC compacts attached volumes whose head objects are less live than this fraction.
+    pub compact_below: f64,
 }
 
 impl EngineConfig {
@@ -60,6 +62,7 @@ impl EngineConfig {
             gc_grace: Duration::from_secs(3600),
             keep_checkpoints: 16,
             keep_checkpoint_age: Duration::from_secs(7 * 24 * 3600),
+            compact_below: 0.5,
         }
     }
 }

@@ -445,6 +445,23 @@ impl Engine {
         self.checkpoint_with(tenant, ws, label, None).await
     }
 
+    /// Compacts the workspace's head (see [`Volume::compact`]); attaches it for the duration if
+    /// it is not attached here.
+    pub async fn compact(
+        self: &Arc<Self>,
+        tenant: &str,
+        ws: &str,
+        threshold: f64,
+    ) -> Result<Option<Published>> {
+        if !(0.0..=1.0).contains(&threshold) {
+            return Err(Error::Invalid(format!(
+                "compaction threshold {threshold} is not between 0 and 1"
+            )));
+        }
+        self.with_volume(tenant, ws, async |v| v.compact(threshold).await)
+            .await
+    }
+
     /// A checkpoint that retention keeps at least until `keep_until_ms`.
     pub async fn checkpoint_with(
         self: &Arc<Self>,

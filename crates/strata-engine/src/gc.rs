@@ -50,6 +50,9 @@ pub struct GcOptions {
     pub dry_run: bool,
     /// Stop after this many mutating steps (tests of an interrupted pass).
     pub stop_after: Option<usize>,
+    /// Compact the volumes attached on this node whose head objects are less live than this
+    /// fraction (before retention, so the old objects are released by the same passes).
+    pub compact_below: Option<f64>,
 }
 
 /// What one pass found and did.
@@ -76,6 +79,11 @@ pub struct GcReport {
     pub duration_ms: u64,
     /// The pass stopped early (`stop_after`).
     pub stopped: bool,
+    /// Volumes compacted and the live bytes rewritten for it.
+    #[serde(default)]
+    pub compactions: u64,
+    #[serde(default)]
+    pub compacted_bytes: u64,
 }
 
 /// Retention: which of `cps` (a workspace's visible checkpoints) expire now.
@@ -158,6 +166,18 @@ impl Engine {
         let mut steps = Steps {
             left: opts.stop_after,
         };
+        if let (Some(t), false) = (opts.compact_below, opts.dry_run) {
+            for v in self.attached().await {
+                match v.compact(t).await {
+                    Ok(Some(p)) => {
+                        report.compactions += 1;
+                        report.compacted_bytes += p.bytes_uploaded;
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(workspace = v.name(), error = %e, "compaction failed"),
+                }
+            }
+        }
         for tenant in self.catalog().list_tenants().await? {
             report.tenants += 1;
             if !self

@@ -36,6 +36,7 @@ use crate::pack::pack;
 use crate::{Error, Result};
 
 mod clean;
+mod compact;
 mod open;
 mod publish;
 

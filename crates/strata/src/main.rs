@@ -346,6 +346,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     max_age: cfg.keep_checkpoint_age,
                     dry_run,
                     stop_after: None,
+                    compact_below: Some(cfg.compact_below),
                 })
                 .await?;
             print_gc(g.json, &serde_json::to_value(&r)?);

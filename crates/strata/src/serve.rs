@@ -96,7 +96,7 @@ pub struct ServeArgs {
     /// TOML config file (keys: listen, admin_token, catalog, catalog_pool, node_id, store,
     /// s3_access_key_id, s3_secret_access_key, s3_session_token, upload_interval,
     /// upload_max_bytes, lease_ttl, cache_capacity, relay_max_bytes, gc_interval,
-    /// gc_grace, keep_checkpoints, keep_checkpoint_age).
+    /// gc_grace, keep_checkpoints, keep_checkpoint_age, compact_below).
     #[arg(long, env = "STRATA_CONFIG")]
     config: Option<PathBuf>,
     /// Catalog: sqlite:PATH (default DATA/catalog.db) or postgres://user@host:port/db (shared
@@ -133,6 +133,9 @@ pub struct ServeArgs {
     /// … and for how long at most (default 7d).
     #[arg(long, env = "STRATA_KEEP_CHECKPOINT_AGE", value_parser = crate::units::parse_duration)]
     keep_checkpoint_age: Option<std::time::Duration>,
+    /// GC compacts attached workspaces whose objects are less live than this (default 0.5).
+    #[arg(long, env = "STRATA_COMPACT_BELOW")]
+    compact_below: Option<f64>,
     /// Largest file one relay PUT may store (default 256MiB).
     #[arg(long, env = "STRATA_RELAY_MAX_BYTES", value_parser = crate::units::parse_size)]
     relay_max_bytes: Option<u64>,
@@ -160,6 +163,7 @@ struct FileConfig {
     gc_grace: Option<String>,
     keep_checkpoints: Option<usize>,
     keep_checkpoint_age: Option<String>,
+    compact_below: Option<f64>,
 }
 
 pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
@@ -209,6 +213,13 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(d) = dur(a.keep_checkpoint_age, &file.keep_checkpoint_age)? {
         cfg.keep_checkpoint_age = d;
+    }
+    if let Some(t) = a.compact_below.or(file.compact_below) {
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&t),
+            "--compact-below must be between 0 and 1"
+        );
+        cfg.compact_below = t;
     }
     let gc_interval = match a.gc_interval.or(file.gc_interval.clone()).as_deref() {
         None => Some(std::time::Duration::from_secs(3600)),

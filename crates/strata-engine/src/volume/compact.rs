@@ -1,0 +1,158 @@
+//! Compaction: the live data of sparse objects (live fraction below a threshold) is rewritten
+//! into new objects and the head moves to a manifest with the same contents, so stored bytes
+//! stay proportional to live data once retention and GC release the old objects. The new
+//! version records this volume's journal and its published cut, like any publish.
+
+use std::collections::HashSet;
+
+use strata_format::manifest::Change;
+
+use super::*;
+
+/// Rewrite pieces of at most this many blocks (bounded memory per read).
+const PIECE_BLOCKS: u64 = 1024;
+
+/// Live and stored bytes of a manifest's objects: (live, stored) per object index.
+pub(crate) fn object_usage(m: &Manifest) -> Vec<(u64, u64)> {
+    let mut u: Vec<(u64, u64)> = m.objects.iter().map(|o| (0, o.data_len)).collect();
+    for e in &m.extents {
+        u[e.object as usize].0 += e.len as u64 * BLOCK_SIZE;
+    }
+    u
+}
+
+impl Volume {
+    /// Rewrites the live data of every head object whose live fraction is below `threshold`
+    /// (0..=1) and publishes it as a `compact` version. None when nothing is that sparse.
+    pub async fn compact(&self, threshold: f64) -> Result<Option<Published>> {
+        let started = Instant::now();
+        let _p = self.publish_lock.lock().await;
+        self.usable()?;
+        let (base, base_version) = {
+            let st = self.st();
+            (st.base.clone(), st.base_version)
+        };
+        let usage = object_usage(&base);
+        let sparse: HashSet<u32> = usage
+            .iter()
+            .enumerate()
+            .filter(|(_, (live, stored))| (*live as f64) < threshold * *stored as f64)
+            .map(|(i, _)| i as u32)
+            .collect();
+        if sparse.is_empty() {
+            return Ok(None);
+        }
+        let salt: u32 = rand::random();
+        let target = self.opts.object_target_bytes.max(BLOCK_SIZE) as usize;
+        let mut changes: Vec<Change> = Vec::new();
+        let mut buf: Vec<u8> = Vec::new();
+        let mut runs: Vec<(u64, u64, u64)> = Vec::new(); // lba, blocks, offset in buf
+        let mut uploaded = 0u64;
+        let tenant = self.tenant.clone();
+        let flush = async |buf: &mut Vec<u8>,
+                           runs: &mut Vec<(u64, u64, u64)>,
+                           changes: &mut Vec<Change>,
+                           uploaded: &mut u64|
+               -> Result<()> {
+            if buf.is_empty() {
+                return Ok(());
+            }
+            let r = self.reader.put_object_salted(&tenant, buf, salt).await?;
+            *uploaded += buf.len() as u64;
+            for (lba, len, off) in runs.drain(..) {
+                changes.push(Change {
+                    lba,
+                    len,
+                    at: Some((r, off)),
+                });
+            }
+            buf.clear();
+            Ok(())
+        };
+        for e in base.extents.iter().filter(|e| sparse.contains(&e.object)) {
+            let o = base.objects[e.object as usize];
+            let mut done = 0u64;
+            while done < e.len as u64 {
+                let n = (e.len as u64 - done).min(PIECE_BLOCKS);
+                let at = buf.len();
+                buf.resize(at + (n * BLOCK_SIZE) as usize, 0);
+                self.reader
+                    .read_into(
+                        &self.tenant,
+                        &o,
+                        e.offset + done * BLOCK_SIZE,
+                        &mut buf[at..],
+                    )
+                    .await?;
+                runs.push((e.lba + done, n, at as u64));
+                done += n;
+                if buf.len() >= target {
+                    flush(&mut buf, &mut runs, &mut changes, &mut uploaded).await?;
+                }
+            }
+        }
+        flush(&mut buf, &mut runs, &mut changes, &mut uploaded).await?;
+        if started.elapsed() > self.opts.publish_deadline {
+            return Err(Error::Unavailable(
+                self.name.clone(),
+                "compaction took more than half the GC grace period; try again".into(),
+            ));
+        }
+        let m = base.apply(&changes)?;
+        let id = self.reader.store().put_manifest(&self.tenant, &m).await?;
+        self.catalog
+            .record_manifest(&self.tenant, id, &m.objects)
+            .await?;
+        let cut = self.published_seq.load(SeqCst);
+        let version = self
+            .catalog
+            .advance_head(
+                &self.tenant,
+                &self.name,
+                base_version,
+                &self.lease(),
+                &NewCheckpoint {
+                    manifest: id,
+                    label: None,
+                    kind: CheckpointKind::Compact,
+                    bytes: uploaded,
+                    cut_seq: cut,
+                    journal_id: Some(self.journal_id.clone()),
+                    keep_until_ms: None,
+                },
+            )
+            .await
+            .inspect_err(|e| {
+                if let CatalogError::Fenced { .. } = e {
+                    self.fail(e.to_string());
+                }
+            })?;
+        {
+            let mut st = self.st_mut();
+            st.base = Arc::new(m);
+            st.base_id = id;
+            st.base_version = version;
+        }
+        LocalState {
+            format: crate::local::LOCAL_FORMAT,
+            tenant: self.tenant.clone(),
+            workspace: self.name.clone(),
+            journal_id: self.journal_id.clone(),
+            base_version: version,
+            base_manifest: id,
+            base_seq: cut,
+        }
+        .store(&*self.fs, &self.dir)?;
+        self.counters.publishes.fetch_add(1, SeqCst);
+        self.counters.bytes_uploaded.fetch_add(uploaded, SeqCst);
+        tracing::info!(tenant = %self.tenant, workspace = %self.name, version, rewritten = uploaded, "compacted");
+        Ok(Some(Published {
+            version,
+            manifest: id,
+            cut_seq: cut,
+            bytes_uploaded: uploaded,
+            stall: Duration::ZERO,
+            total: started.elapsed(),
+        }))
+    }
+}
