@@ -39,8 +39,7 @@ async fn main() {
         let catalog: Arc<dyn Catalog> =
             Arc::new(SqliteCatalog::open(&dir.path().join("catalog.db")).unwrap());
         catalog.create_tenant(T).await.unwrap();
-        let store =
-            Store::open(&format!("file:{}", dir.path().join("objects").display())).unwrap();
+        let store = Store::open(&format!("file:{}", dir.path().join("objects").display())).unwrap();
         let mut cfg = EngineConfig::new(dir.path().join("node"));
         cfg.node_id = Some("bench".into());
         cfg.upload_interval = Duration::from_secs(3600);

@@ -425,3 +425,96 @@ async fn compaction_keeps_storage_proportional_to_live_data() {
         assert_eq!(tag_of(b, *lba), Some(*tag));
     }
 }
+
+/// GC passes on two nodes run continuously while a third writes, checkpoints and forks: with a
+/// short grace period nothing retained is ever lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_on_two_nodes_overlapping_checkpoints_and_forks_loses_nothing() {
+    let c = Cluster::new().await;
+    let grace = Duration::from_millis(300);
+    let mut cfg = c.config("w");
+    cfg.gc_grace = grace; // publishes give up past 150 ms
+    let writer = c.node_with(cfg, Arc::new(strata_engine::fs::RealFs));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut gcs = vec![];
+    for n in ["g1", "g2"] {
+        let (node, stop) = (c.node(n), stop.clone());
+        gcs.push(tokio::spawn(async move {
+            let mut passes = 0u64;
+            let mut deleted = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let r = node
+                    .gc(&GcOptions {
+                        grace,
+                        keep_last: 1,
+                        compact_below: None,
+                        ..gc_opts(1)
+                    })
+                    .await
+                    .unwrap();
+                passes += 1;
+                deleted += r.deleted_keys;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            (passes, deleted)
+        }));
+    }
+    let mut m = Model::default();
+    let mut labelled = BTreeSet::new();
+    writer
+        .create_workspace(
+            TENANT,
+            "w",
+            Source::Empty { size: DISK },
+            Mode::Durable,
+            None,
+        )
+        .await
+        .unwrap();
+    let v = writer.attach(TENANT, "w").await.unwrap();
+    m.heads.insert("w".into(), Disk::new());
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(3);
+    let t0 = std::time::Instant::now();
+    let mut i = 0u64;
+    while t0.elapsed() < Duration::from_secs(3) {
+        i += 1;
+        for _ in 0..4 {
+            let lba = rng.random_range(0..LBAS);
+            v.write(lba * 4096, &tagged(i * 100 + lba, lba), false)
+                .await
+                .unwrap();
+            m.heads.get_mut("w").unwrap().insert(lba, i * 100 + lba);
+        }
+        let label = (i % 5 == 0).then(|| format!("l{i}"));
+        let p = writer.checkpoint(TENANT, "w", label.clone()).await.unwrap();
+        m.cps.insert(("w".into(), p.version), m.heads["w"].clone());
+        if label.is_some() {
+            labelled.insert(("w".to_string(), p.version));
+        }
+        if i % 7 == 0 {
+            // Fork an older retained version while GC may be expiring it.
+            let f = format!("f{i}");
+            let listed = writer.log(TENANT, "w").await.unwrap();
+            let from = listed[rng.random_range(0..listed.len())].version;
+            if writer.fork(TENANT, "w", Some(from), &f, None).await.is_ok() {
+                let disk = m.cps[&("w".to_string(), from)].clone();
+                m.heads.insert(f.clone(), disk.clone());
+                m.cps.insert((f.clone(), 1), disk);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(rng.random_range(0..30))).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut total = (0, 0);
+    for g in gcs {
+        let (p, d) = g.await.unwrap();
+        total = (total.0 + p, total.1 + d);
+    }
+    eprintln!(
+        "{i} checkpoints while two nodes ran {} GC passes deleting {} keys",
+        total.0, total.1
+    );
+    assert!(total.1 > 0, "GC did delete while checkpoints ran");
+    let mut n = 0;
+    check(&c, &writer, &mut m, &labelled, &mut n).await;
+}
