@@ -58,9 +58,11 @@ async fn main() {
             stop_after: None,
             compact_below: Some(threshold),
         };
-        // Fill the disk once: every block live.
-        let chunk = vec![0x11u8; 1 << 20];
+        // Fill the disk once with distinct data: every block live, nothing dedups.
+        let mut rng = SmallRng::seed_from_u64(42);
+        let mut chunk = vec![0u8; 1 << 20];
         for off in (0..disk).step_by(1 << 20) {
+            rng.fill(&mut chunk[..]);
             v.write(off, &chunk, false).await.unwrap();
         }
         v.checkpoint(None).await.unwrap();
@@ -68,13 +70,13 @@ async fn main() {
         let base_put = e.reader().stats().bytes_put;
         let mut man_bytes = 0u64;
         let mut seen_versions = v.head_version();
-        let mut rng = SmallRng::seed_from_u64(42);
-        let block = vec![0x5au8; 4096];
+        let mut block = vec![0u8; 4096];
         let t0 = Instant::now();
         let mut guest = 0u64;
         for _ in 0..rounds {
             for _ in 0..per_round / 4096 {
                 let lba = rng.random_range(0..disk / 4096);
+                rng.fill(&mut block[..]);
                 v.write(lba * 4096, &block, false).await.unwrap();
                 guest += 4096;
             }

@@ -485,13 +485,13 @@ async fn gc_on_two_nodes_overlapping_checkpoints_and_forks_loses_nothing() {
                 .unwrap();
             m.heads.get_mut("w").unwrap().insert(lba, i * 100 + lba);
         }
-        let label = (i % 5 == 0).then(|| format!("l{i}"));
+        let label = i.is_multiple_of(5).then(|| format!("l{i}"));
         let p = writer.checkpoint(TENANT, "w", label.clone()).await.unwrap();
         m.cps.insert(("w".into(), p.version), m.heads["w"].clone());
         if label.is_some() {
             labelled.insert(("w".to_string(), p.version));
         }
-        if i % 7 == 0 {
+        if i.is_multiple_of(7) {
             // Fork an older retained version while GC may be expiring it.
             let f = format!("f{i}");
             let listed = writer.log(TENANT, "w").await.unwrap();
