@@ -32,8 +32,8 @@ async fn main() {
     let full = std::env::args().any(|a| a == "--bench");
     let (disk, rounds): (u64, u64) = if full { (256 << 20, 24) } else { (8 << 20, 4) };
     let per_round = disk / 8;
-    println!("| compact below | guest writes | store writes | write amplification | stored / live after compaction | head extents | head manifest | time |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| compact below | guest writes | store writes | write amplification | stored / live, steady | then one full compaction (0.9): rewritten, stored / live | head extents | head manifest | time |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for threshold in [0.3, 0.5, 0.7, 0.9] {
         let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         let catalog: Arc<dyn Catalog> =
@@ -96,24 +96,34 @@ async fn main() {
         for _ in 0..3 {
             e.gc(&gc(0)).await.unwrap();
         }
-        let r = e
-            .gc(&GcOptions {
+        let dry = |e: Arc<Engine>| async move {
+            e.gc(&GcOptions {
                 dry_run: true,
                 ..gc(0)
             })
             .await
-            .unwrap();
+            .unwrap()
+        };
+        let steady = dry(e.clone()).await;
         let head = store
             .get_manifest(T, &e.workspace(T, "w").await.unwrap().head_manifest)
             .await
             .unwrap();
         let live: u64 = head.extents.iter().map(|x| x.len as u64 * 4096).sum();
+        // A periodic full compaction, then quiesce again.
+        let full = v.compact(0.9).await.unwrap().map_or(0, |p| p.bytes_uploaded);
+        for _ in 0..3 {
+            e.gc(&gc(0)).await.unwrap();
+        }
+        let r = dry(e.clone()).await;
         let mib = |b: u64| format!("{:.0} MiB", b as f64 / (1 << 20) as f64);
         println!(
-            "| {threshold} | {} | {} | {:.2} | {:.2} | {} | {} KiB | {:.1} s |",
+            "| {threshold} | {} | {} | {:.2} | {:.2} | {}, {:.2} | {} | {} KiB | {:.1} s |",
             mib(guest),
             mib(obj_bytes + man_bytes),
             (obj_bytes + man_bytes) as f64 / guest as f64,
+            steady.stored_bytes as f64 / live as f64,
+            mib(full),
             r.stored_bytes as f64 / live as f64,
             head.extents.len(),
             manifest_bytes(&store, &e.workspace(T, "w").await.unwrap().head_manifest).await >> 10,
