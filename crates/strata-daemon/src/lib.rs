@@ -115,14 +115,7 @@ impl Daemon {
         let cfg = self.engine.config();
         let r = self
             .engine
-            .gc(&strata_engine::GcOptions {
-                grace: cfg.gc_grace,
-                keep_last: cfg.keep_checkpoints,
-                max_age: cfg.keep_checkpoint_age,
-                dry_run,
-                stop_after: None,
-                compact_below: Some(cfg.compact_below),
-            })
+            .gc(&strata_engine::GcOptions::from_config(cfg, dry_run))
             .await;
         match &r {
             Ok(rep) => {

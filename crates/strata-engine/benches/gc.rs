@@ -111,7 +111,11 @@ async fn main() {
             .unwrap();
         let live: u64 = head.extents.iter().map(|x| x.len as u64 * 4096).sum();
         // A periodic full compaction, then quiesce again.
-        let full = v.compact(0.9).await.unwrap().map_or(0, |p| p.bytes_uploaded);
+        let full = v
+            .compact(0.9)
+            .await
+            .unwrap()
+            .map_or(0, |p| p.bytes_uploaded);
         for _ in 0..3 {
             e.gc(&gc(0)).await.unwrap();
         }

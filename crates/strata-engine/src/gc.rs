@@ -55,6 +55,20 @@ pub struct GcOptions {
     pub compact_below: Option<f64>,
 }
 
+impl GcOptions {
+    /// A pass with a node's configured grace, retention and compaction settings.
+    pub fn from_config(cfg: &crate::EngineConfig, dry_run: bool) -> GcOptions {
+        GcOptions {
+            grace: cfg.gc_grace,
+            keep_last: cfg.keep_checkpoints,
+            max_age: cfg.keep_checkpoint_age,
+            dry_run,
+            stop_after: None,
+            compact_below: Some(cfg.compact_below),
+        }
+    }
+}
+
 /// What one pass found and did.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct GcReport {

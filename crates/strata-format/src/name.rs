@@ -19,8 +19,12 @@ pub fn validate(what: &'static str, name: &str) -> Result<(), Error> {
             format!("{} characters is longer than {MAX_NAME_LEN}", name.len()),
         ));
     }
-    let first = name.as_bytes()[0];
-    if !first.is_ascii_alphanumeric() {
+    check_chars(what, name)
+}
+
+/// A non-empty name starts with a letter or digit and holds only `[A-Za-z0-9._-]`.
+fn check_chars(what: &'static str, name: &str) -> Result<(), Error> {
+    if !name.as_bytes()[0].is_ascii_alphanumeric() {
         return Err(Error::invalid(what, "must start with a letter or digit"));
     }
     if let Some(c) = name
@@ -46,19 +50,7 @@ pub fn validate_file_name(name: &str) -> Result<(), Error> {
     if name.is_empty() || name.len() > MAX_FILE_NAME_LEN {
         return Err(Error::invalid(WHAT, "must be 1 to 200 characters"));
     }
-    if !name.as_bytes()[0].is_ascii_alphanumeric() {
-        return Err(Error::invalid(WHAT, "must start with a letter or digit"));
-    }
-    if let Some(c) = name
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
-    {
-        return Err(Error::invalid(
-            WHAT,
-            format!("character {c:?} is not allowed (use letters, digits, '.', '_', '-')"),
-        ));
-    }
-    Ok(())
+    check_chars(WHAT, name)
 }
 
 pub fn validate_label(label: &str) -> Result<(), Error> {

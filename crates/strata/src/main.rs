@@ -340,14 +340,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let e = open(g).await?;
             let cfg = e.config();
             let r = e
-                .gc(&strata_engine::GcOptions {
-                    grace: cfg.gc_grace,
-                    keep_last: cfg.keep_checkpoints,
-                    max_age: cfg.keep_checkpoint_age,
-                    dry_run,
-                    stop_after: None,
-                    compact_below: Some(cfg.compact_below),
-                })
+                .gc(&strata_engine::GcOptions::from_config(cfg, dry_run))
                 .await?;
             print_gc(g.json, &serde_json::to_value(&r)?);
         }

@@ -133,16 +133,8 @@ impl Volume {
             st.base_id = id;
             st.base_version = version;
         }
-        LocalState {
-            format: crate::local::LOCAL_FORMAT,
-            tenant: self.tenant.clone(),
-            workspace: self.name.clone(),
-            journal_id: self.journal_id.clone(),
-            base_version: version,
-            base_manifest: id,
-            base_seq: cut,
-        }
-        .store(&*self.fs, &self.dir)?;
+        self.local_state(version, id, cut)
+            .store(&*self.fs, &self.dir)?;
         self.counters.publishes.fetch_add(1, SeqCst);
         self.counters.bytes_uploaded.fetch_add(uploaded, SeqCst);
         tracing::info!(tenant = %self.tenant, workspace = %self.name, version, rewritten = uploaded, "compacted");

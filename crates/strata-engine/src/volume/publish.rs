@@ -4,6 +4,19 @@
 use super::*;
 
 impl Volume {
+    /// This volume's local state with the head it is now based on.
+    pub(super) fn local_state(&self, version: u64, manifest: Hash, seq: u64) -> LocalState {
+        LocalState {
+            format: crate::local::LOCAL_FORMAT,
+            tenant: self.tenant.clone(),
+            workspace: self.name.clone(),
+            journal_id: self.journal_id.clone(),
+            base_version: version,
+            base_manifest: manifest,
+            base_seq: seq,
+        }
+    }
+
     /// Publishes everything acknowledged so far as a new head version (a checkpoint).
     pub async fn checkpoint(&self, label: Option<String>) -> Result<Published> {
         self.checkpoint_with(label, None).await
@@ -116,15 +129,7 @@ impl Volume {
                 self.counters.publishes.fetch_add(1, SeqCst);
                 self.counters.bytes_uploaded.fetch_add(bytes, SeqCst);
                 // Local state first, then drop the segments it covers.
-                let ls = LocalState {
-                    format: crate::local::LOCAL_FORMAT,
-                    tenant: self.tenant.clone(),
-                    workspace: self.name.clone(),
-                    journal_id: self.journal_id.clone(),
-                    base_version: version,
-                    base_manifest: manifest,
-                    base_seq: cut,
-                };
+                let ls = self.local_state(version, manifest, cut);
                 let cleanup = async {
                     ls.store(&*self.fs, &self.dir)?;
                     let deleted = self
@@ -281,16 +286,8 @@ impl Volume {
             st.base_version = new_version;
         }
         self.published_seq.fetch_max(cut, SeqCst);
-        LocalState {
-            format: crate::local::LOCAL_FORMAT,
-            tenant: self.tenant.clone(),
-            workspace: self.name.clone(),
-            journal_id: self.journal_id.clone(),
-            base_version: new_version,
-            base_manifest: target.manifest,
-            base_seq: cut,
-        }
-        .store(&*self.fs, &self.dir)?;
+        self.local_state(new_version, target.manifest, cut)
+            .store(&*self.fs, &self.dir)?;
         Ok(Published {
             version: new_version,
             manifest: target.manifest,
