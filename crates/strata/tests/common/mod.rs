@@ -2,6 +2,8 @@
 //! Scaffolding for tests of the real `strata` binary: daemons, an HTTP API client, shared
 //! scale-out backends (PostgreSQL + S3) and ext4 through nbdfuse + a loop device.
 
+pub mod faultproxy;
+
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
