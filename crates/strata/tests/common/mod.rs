@@ -115,6 +115,17 @@ impl Api {
             serde_json::from_str(&text).unwrap_or(Value::String(text)),
         )
     }
+    /// A POST that may find the daemon gone (crash tests): None instead of a panic.
+    pub async fn try_post(&self, p: &str, b: Value) -> Option<StatusCode> {
+        self.http
+            .post(format!("{}{p}", self.url))
+            .bearer_auth(&self.token)
+            .json(&b)
+            .send()
+            .await
+            .ok()
+            .map(|r| r.status())
+    }
     pub async fn get(&self, p: &str) -> (StatusCode, Value) {
         self.call(reqwest::Method::GET, p, None).await
     }
