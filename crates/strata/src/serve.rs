@@ -96,7 +96,7 @@ pub struct ServeArgs {
     /// TOML config file (keys: listen, admin_token, catalog, catalog_pool, node_id, store,
     /// s3_access_key_id, s3_secret_access_key, s3_session_token, upload_interval,
     /// upload_max_bytes, lease_ttl, cache_capacity, relay_max_bytes, gc_interval,
-    /// gc_grace, keep_checkpoints, keep_checkpoint_age, compact_below).
+    /// gc_grace, keep_checkpoints, keep_checkpoint_age, compact_below, segment_size).
     #[arg(long, env = "STRATA_CONFIG")]
     config: Option<PathBuf>,
     /// Catalog: sqlite:PATH (default DATA/catalog.db) or postgres://user@host:port/db (shared
@@ -133,6 +133,10 @@ pub struct ServeArgs {
     /// … and for how long at most (default 7d).
     #[arg(long, env = "STRATA_KEEP_CHECKPOINT_AGE", value_parser = crate::units::parse_duration)]
     keep_checkpoint_age: Option<std::time::Duration>,
+    /// Journal segment size per volume (default 64MiB); each attached volume keeps up to two
+    /// spare segments ready, so local spare space is about 2x this per workspace.
+    #[arg(long, env = "STRATA_SEGMENT_SIZE", value_parser = crate::units::parse_size)]
+    segment_size: Option<u64>,
     /// GC compacts attached workspaces whose objects are less live than this (default 0.5).
     #[arg(long, env = "STRATA_COMPACT_BELOW")]
     compact_below: Option<f64>,
@@ -164,6 +168,7 @@ struct FileConfig {
     keep_checkpoints: Option<usize>,
     keep_checkpoint_age: Option<String>,
     compact_below: Option<f64>,
+    segment_size: Option<String>,
 }
 
 pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
@@ -213,6 +218,10 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(d) = dur(a.keep_checkpoint_age, &file.keep_checkpoint_age)? {
         cfg.keep_checkpoint_age = d;
+    }
+    if let Some(n) = size(a.segment_size, &file.segment_size)? {
+        anyhow::ensure!(n >= 1 << 20, "--segment-size must be at least 1MiB");
+        cfg.segment_max_bytes = n;
     }
     if let Some(t) = a.compact_below.or(file.compact_below) {
         anyhow::ensure!(
