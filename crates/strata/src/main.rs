@@ -45,6 +45,8 @@ struct Global {
     json: bool,
 }
 
+// Parsed once per process: the size of the `serve` variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// Templates: immutable base disks in object storage.
