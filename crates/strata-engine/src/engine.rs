@@ -57,7 +57,12 @@ fn node_id(data_dir: &Path) -> Result<String> {
     }
     let id = format!("node-{}", &crate::local::new_journal_id()[..12]);
     std::fs::create_dir_all(data_dir).map_err(Error::io("creating data directory"))?;
-    std::fs::write(&p, &id).map_err(Error::io("writing node-id"))?;
+    // Durably (temp, fsync, rename, fsync directory): a power cut must never leave an empty
+    // or missing identity behind a node that already took leases under it (found by the
+    // power-loss campaign on strata-lossyfs).
+    crate::fs::RealFs
+        .write_atomic(&p, id.as_bytes())
+        .map_err(Error::io("writing node-id"))?;
     Ok(id)
 }
 

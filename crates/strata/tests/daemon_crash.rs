@@ -22,23 +22,6 @@ use strata_nbd::client::Client;
 const BLOCKS: u64 = 4096; // 16 MiB
 const CONNS: u64 = 4;
 
-fn block(tag: u64, lba: u64) -> Vec<u8> {
-    let mut b = Vec::with_capacity(4096);
-    while b.len() < 4096 {
-        b.extend_from_slice(&tag.to_le_bytes());
-        b.extend_from_slice(&lba.to_le_bytes());
-    }
-    b
-}
-
-fn tag_of(b: &[u8], lba: u64) -> Option<u64> {
-    if b.iter().all(|&x| x == 0) {
-        return Some(0);
-    }
-    let tag = u64::from_le_bytes(b[..8].try_into().ok()?);
-    (b == block(tag, lba).as_slice()).then_some(tag)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flushed_writes_survive_kill_9_of_the_daemon_at_random_moments() {
     let cycles: u64 = std::env::var("STRATA_DAEMON_KILL_CYCLES")

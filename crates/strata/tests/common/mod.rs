@@ -287,3 +287,22 @@ impl Shared {
         serve_env(data, &args, S3_ENV)
     }
 }
+
+/// A block whose contents say what it is: (tag, lba) repeated; tag 0 is an all-zero block.
+pub fn block(tag: u64, lba: u64) -> Vec<u8> {
+    let mut b = Vec::with_capacity(4096);
+    while b.len() < 4096 {
+        b.extend_from_slice(&tag.to_le_bytes());
+        b.extend_from_slice(&lba.to_le_bytes());
+    }
+    b
+}
+
+/// The tag of a block written by [`block`] at `lba`, 0 for zeros, None for anything else.
+pub fn tag_of(b: &[u8], lba: u64) -> Option<u64> {
+    if b.iter().all(|&x| x == 0) {
+        return Some(0);
+    }
+    let tag = u64::from_le_bytes(b[..8].try_into().ok()?);
+    (b == block(tag, lba).as_slice()).then_some(tag)
+}
