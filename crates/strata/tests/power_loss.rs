@@ -35,7 +35,7 @@ impl Lossy {
         let (backing, mnt) = (dir.join("backing"), dir.join("mnt"));
         std::fs::create_dir_all(&backing).unwrap();
         std::fs::create_dir_all(&mnt).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_strata-lossyfs"))
+        let mut child = Command::new(env!("CARGO_BIN_EXE_strata-lossyfs"))
             .arg(&backing)
             .arg(&mnt)
             .stderr(Stdio::null())
@@ -48,6 +48,8 @@ impl Lossy {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+        let _ = child.kill();
+        let _ = child.wait();
         panic!("strata-lossyfs did not mount");
     }
     fn power_loss(&self, torn: bool) {
