@@ -110,7 +110,7 @@ impl LossyFs {
                         continue;
                     };
                     for (off, data) in d.writes {
-                        if self.rand() % 2 == 0 {
+                        if self.rand().is_multiple_of(2) {
                             continue;
                         }
                         let sectors = data.len().div_ceil(512) as u64;
