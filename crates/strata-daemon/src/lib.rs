@@ -12,6 +12,7 @@
 mod api;
 mod error;
 pub mod relay;
+mod relay_api;
 mod routes;
 
 pub use api::*;

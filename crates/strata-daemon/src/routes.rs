@@ -11,17 +11,16 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use strata_catalog::RelayStream;
 use strata_catalog::{Checkpoint, Mode, Template, Workspace};
 use strata_engine::{Published, Source};
 use strata_nbd::{Export, Exports, Server, ServerConfig};
 
 use crate::api::*;
 use crate::error::ApiError;
-use crate::{new_token, token_hash, Daemon, ExportHandle};
+use crate::{new_token, relay_api, token_hash, Daemon, ExportHandle};
 
-type D = State<Arc<Daemon>>;
-type R<T> = Result<Json<T>, ApiError>;
+pub(crate) type D = State<Arc<Daemon>>;
+pub(crate) type R<T> = Result<Json<T>, ApiError>;
 
 pub const OPENAPI: &str = include_str!("../openapi.json");
 
@@ -35,14 +34,17 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/nodes", get(list_nodes))
         .route("/v1/gc", post(run_gc))
-        .route("/v1/relay", get(list_streams).post(create_stream))
+        .route(
+            "/v1/relay",
+            get(relay_api::list_streams).post(relay_api::create_stream),
+        )
         .route(
             "/v1/relay/{stream}",
-            get(list_relay_files).post(stream_token),
+            get(relay_api::list_relay_files).post(relay_api::stream_token),
         )
         .route(
             "/v1/relay/{stream}/{name}",
-            axum::routing::put(put_relay_file).get(get_relay_file),
+            axum::routing::put(relay_api::put_relay_file).get(relay_api::get_relay_file),
         )
         .route("/v1/tenants", post(create_tenant))
         .route("/v1/tenants/{name}/tokens", post(create_token))
@@ -77,7 +79,7 @@ pub struct Tenant(pub String);
 /// The caller holds the admin token.
 pub struct Admin;
 
-fn bearer(parts: &Parts) -> Option<&str> {
+pub(crate) fn bearer(parts: &Parts) -> Option<&str> {
     parts
         .headers
         .get(header::AUTHORIZATION)?
@@ -121,7 +123,7 @@ impl FromRequestParts<Arc<Daemon>> for Admin {
     }
 }
 
-fn body<T>(b: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
+pub(crate) fn body<T>(b: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
     match b {
         Ok(Json(v)) => Ok(v),
         Err(JsonRejection::MissingJsonContentType(_)) => Err(ApiError::invalid(
@@ -661,195 +663,6 @@ async fn metrics(State(d): D) -> impl IntoResponse {
         d.expired_deleted.load(std::sync::atomic::Ordering::Relaxed)
     );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
-}
-
-/// A relay caller: a tenant token (any stream of the tenant) or a stream token (only PUT to
-/// that stream).
-pub struct RelayCaller {
-    tenant: String,
-    scope: Option<String>,
-}
-
-impl FromRequestParts<Arc<Daemon>> for RelayCaller {
-    type Rejection = ApiError;
-    async fn from_request_parts(parts: &mut Parts, d: &Arc<Daemon>) -> Result<Self, ApiError> {
-        let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
-        match d.engine.catalog().token_info(&token_hash(token)).await? {
-            Some(i) => Ok(RelayCaller {
-                tenant: i.tenant,
-                scope: i.scope,
-            }),
-            None => Err(ApiError::unauthorized()),
-        }
-    }
-}
-
-impl RelayCaller {
-    /// The tenant, if this caller may write to `stream`.
-    fn may_put(&self, stream: &str) -> Result<&str, ApiError> {
-        match &self.scope {
-            None => Ok(&self.tenant),
-            Some(s) if s.strip_prefix("relay:") == Some(stream) => Ok(&self.tenant),
-            Some(_) => Err(ApiError::forbidden(
-                "this stream token may only add files to its own stream",
-            )),
-        }
-    }
-    /// The tenant, if this caller may read (tenant tokens only).
-    fn may_read(&self) -> Result<&str, ApiError> {
-        match &self.scope {
-            None => Ok(&self.tenant),
-            Some(_) => Err(ApiError::forbidden(
-                "a stream token can only add files; read with the tenant's token",
-            )),
-        }
-    }
-}
-
-fn check_stream_name(stream: &str) -> Result<(), ApiError> {
-    strata_format::name::validate("stream name", stream)
-        .map_err(|e| ApiError::invalid(e.to_string()))
-}
-
-async fn create_stream(
-    Tenant(t): Tenant,
-    State(d): D,
-    b: Result<Json<CreateStream>, JsonRejection>,
-) -> Result<(StatusCode, Json<StreamToken>), ApiError> {
-    let b = body(b)?;
-    check_stream_name(&b.name)?;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0);
-    d.engine
-        .catalog()
-        .create_stream(&RelayStream {
-            tenant: t.clone(),
-            name: b.name.clone(),
-            sync: b.sync,
-            created_ms: now,
-        })
-        .await?;
-    let token = new_token();
-    d.engine
-        .catalog()
-        .add_scoped_token(&t, &token_hash(&token), &format!("relay:{}", b.name))
-        .await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(StreamToken {
-            stream: b.name,
-            sync: b.sync,
-            token,
-        }),
-    ))
-}
-
-/// Another token for an existing stream.
-async fn stream_token(
-    Tenant(t): Tenant,
-    State(d): D,
-    Path(stream): Path<String>,
-) -> Result<(StatusCode, Json<StreamToken>), ApiError> {
-    check_stream_name(&stream)?;
-    let st = d.engine.catalog().get_stream(&t, &stream).await?;
-    let token = new_token();
-    d.engine
-        .catalog()
-        .add_scoped_token(&t, &token_hash(&token), &format!("relay:{stream}"))
-        .await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(StreamToken {
-            stream,
-            sync: st.sync,
-            token,
-        }),
-    ))
-}
-
-async fn list_streams(Tenant(t): Tenant, State(d): D) -> R<serde_json::Value> {
-    let lag = d.relay.lag();
-    let streams = d.engine.catalog().list_streams(&t).await?;
-    Ok(Json(serde_json::Value::Array(
-        streams
-            .into_iter()
-            .map(|s| {
-                let l = lag
-                    .get(&(t.clone(), s.name.clone()))
-                    .cloned()
-                    .unwrap_or_default();
-                serde_json::json!({
-                    "name": s.name, "sync": s.sync, "created_ms": s.created_ms,
-                    "pending_files": l.pending_files, "pending_bytes": l.pending_bytes,
-                    "lag_ms": l.lag_ms,
-                })
-            })
-            .collect(),
-    )))
-}
-
-async fn list_relay_files(
-    c: RelayCaller,
-    State(d): D,
-    Path(stream): Path<String>,
-) -> R<Vec<crate::relay::RelayFile>> {
-    let t = c.may_read()?;
-    check_stream_name(&stream)?;
-    d.engine.catalog().get_stream(t, &stream).await?;
-    Ok(Json(d.relay.list(t, &stream).await?))
-}
-
-async fn put_relay_file(
-    c: RelayCaller,
-    State(d): D,
-    Path((stream, name)): Path<(String, String)>,
-    headers: axum::http::HeaderMap,
-    body: axum::body::Body,
-) -> Result<(StatusCode, Json<crate::relay::RelayFile>), ApiError> {
-    check_stream_name(&stream)?;
-    let t = c.may_put(&stream)?.to_string();
-    strata_format::name::validate_file_name(&name).map_err(|e| ApiError::invalid(e.to_string()))?;
-    let st = d.engine.catalog().get_stream(&t, &stream).await?;
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse().ok());
-    let (f, created) = d
-        .relay
-        .put(&t, &stream, st.sync, &name, declared, body)
-        .await?;
-    let status = if created {
-        StatusCode::CREATED
-    } else {
-        StatusCode::OK
-    };
-    Ok((status, Json(f)))
-}
-
-async fn get_relay_file(
-    c: RelayCaller,
-    State(d): D,
-    Path((stream, name)): Path<(String, String)>,
-) -> Result<axum::response::Response, ApiError> {
-    let t = c.may_read()?;
-    check_stream_name(&stream)?;
-    strata_format::name::validate_file_name(&name).map_err(|e| ApiError::invalid(e.to_string()))?;
-    d.engine.catalog().get_stream(t, &stream).await?;
-    let (f, data) = d.relay.get(t, &stream, &name).await?;
-    Ok((
-        [
-            (header::CONTENT_TYPE, "application/octet-stream".to_string()),
-            (header::ETAG, format!("\"{}\"", f.blake3)),
-            (
-                header::HeaderName::from_static("x-strata-blake3"),
-                f.blake3.clone(),
-            ),
-        ],
-        data,
-    )
-        .into_response())
 }
 
 fn now_ms() -> u64 {
