@@ -1,6 +1,5 @@
 //! The embedded catalog: one SQLite file (WAL, synchronous=FULL) under the data directory.
 
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
@@ -10,201 +9,13 @@ use strata_format::Hash;
 
 use crate::*;
 
-/// Schema migrations; `PRAGMA user_version` records how many have been applied.
-const MIGRATIONS: &[&str] = &[
-    r#"
-CREATE TABLE tenants (id TEXT PRIMARY KEY, created_ms INTEGER NOT NULL);
-CREATE TABLE templates (
-    tenant TEXT NOT NULL, name TEXT NOT NULL, manifest TEXT NOT NULL,
-    disk_size INTEGER NOT NULL, stored_bytes INTEGER NOT NULL, created_ms INTEGER NOT NULL,
-    PRIMARY KEY (tenant, name));
-CREATE TABLE workspaces (
-    tenant TEXT NOT NULL, name TEXT NOT NULL, mode TEXT NOT NULL, disk_size INTEGER NOT NULL,
-    head_version INTEGER NOT NULL, head_manifest TEXT NOT NULL, source TEXT NOT NULL,
-    created_ms INTEGER NOT NULL, ttl_ms INTEGER,
-    PRIMARY KEY (tenant, name));
-CREATE TABLE checkpoints (
-    tenant TEXT NOT NULL, workspace TEXT NOT NULL, version INTEGER NOT NULL,
-    manifest TEXT NOT NULL, label TEXT, kind TEXT NOT NULL, created_ms INTEGER NOT NULL,
-    bytes INTEGER NOT NULL, cut_seq INTEGER NOT NULL, journal_id TEXT, epoch INTEGER NOT NULL,
-    PRIMARY KEY (tenant, workspace, version));
-CREATE TABLE leases (
-    tenant TEXT NOT NULL, workspace TEXT NOT NULL, holder TEXT, epoch INTEGER NOT NULL,
-    expires_ms INTEGER NOT NULL,
-    PRIMARY KEY (tenant, workspace));
-CREATE TABLE manifests (tenant TEXT NOT NULL, id TEXT NOT NULL, created_ms INTEGER NOT NULL,
-    PRIMARY KEY (tenant, id));
-CREATE TABLE manifest_objects (tenant TEXT NOT NULL, manifest TEXT NOT NULL, object TEXT NOT NULL,
-    PRIMARY KEY (tenant, manifest, object));
-CREATE TABLE objects (tenant TEXT NOT NULL, id TEXT NOT NULL, data_len INTEGER NOT NULL,
-    created_ms INTEGER NOT NULL, PRIMARY KEY (tenant, id));
-"#,
-    r#"
-CREATE TABLE tokens (hash TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_ms INTEGER NOT NULL);
-"#,
-    r#"
-CREATE TABLE nodes (id TEXT PRIMARY KEY, url TEXT, seen_ms INTEGER NOT NULL, attached TEXT NOT NULL);
-"#,
-    r#"
-ALTER TABLE tokens ADD COLUMN scope TEXT;
-CREATE TABLE relay_streams (tenant TEXT NOT NULL, name TEXT NOT NULL, sync INTEGER NOT NULL,
-    created_ms INTEGER NOT NULL, PRIMARY KEY (tenant, name));
-"#,
-    r#"
-ALTER TABLE checkpoints ADD COLUMN keep_until_ms INTEGER;
-ALTER TABLE checkpoints ADD COLUMN expired_ms INTEGER;
-CREATE TABLE gc_condemned (tenant TEXT NOT NULL, key TEXT NOT NULL, condemned_ms INTEGER NOT NULL,
-    PRIMARY KEY (tenant, key));
-"#,
-];
-
 pub struct SqliteCatalog {
     conn: Arc<Mutex<Connection>>,
 }
 
-fn be(e: rusqlite::Error) -> CatalogError {
-    CatalogError::Backend(e.to_string())
-}
+mod sql;
 
-fn hash(s: String) -> rusqlite::Result<Hash> {
-    s.parse().map_err(|e: strata_format::Error| {
-        rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, Box::new(e))
-    })
-}
-
-fn ws_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Workspace> {
-    Ok(Workspace {
-        tenant: r.get(0)?,
-        name: r.get(1)?,
-        mode: r.get::<_, String>(2)?.parse().unwrap_or_default(),
-        disk_size: r.get::<_, i64>(3)? as u64,
-        head_version: r.get::<_, i64>(4)? as u64,
-        head_manifest: hash(r.get(5)?)?,
-        source: r.get(6)?,
-        created_ms: r.get::<_, i64>(7)? as u64,
-        ttl_ms: r.get::<_, Option<i64>>(8)?.map(|v| v as u64),
-    })
-}
-
-const WS_COLS: &str =
-    "tenant, name, mode, disk_size, head_version, head_manifest, source, created_ms, ttl_ms";
-const CP_COLS: &str =
-    "workspace, version, manifest, label, kind, created_ms, bytes, cut_seq, journal_id, epoch, keep_until_ms";
-
-fn cp_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Checkpoint> {
-    Ok(Checkpoint {
-        workspace: r.get(0)?,
-        version: r.get::<_, i64>(1)? as u64,
-        manifest: hash(r.get(2)?)?,
-        label: r.get(3)?,
-        kind: CheckpointKind::parse(&r.get::<_, String>(4)?).unwrap_or(CheckpointKind::Auto),
-        created_ms: r.get::<_, i64>(5)? as u64,
-        bytes: r.get::<_, i64>(6)? as u64,
-        cut_seq: r.get::<_, i64>(7)? as u64,
-        journal_id: r.get(8)?,
-        epoch: r.get::<_, i64>(9)? as u64,
-        keep_until_ms: r.get::<_, Option<i64>>(10)?.map(|v| v as u64),
-    })
-}
-
-fn tpl_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Template> {
-    Ok(Template {
-        tenant: r.get(0)?,
-        name: r.get(1)?,
-        manifest: hash(r.get(2)?)?,
-        disk_size: r.get::<_, i64>(3)? as u64,
-        stored_bytes: r.get::<_, i64>(4)? as u64,
-        created_ms: r.get::<_, i64>(5)? as u64,
-    })
-}
-
-fn lease_of(c: &Connection, tenant: &str, ws: &str) -> rusqlite::Result<Lease> {
-    Ok(c.query_row(
-        "SELECT holder, epoch, expires_ms FROM leases WHERE tenant = ?1 AND workspace = ?2",
-        params![tenant, ws],
-        |r| {
-            Ok(Lease {
-                holder: r.get(0)?,
-                epoch: r.get::<_, i64>(1)? as u64,
-                expires_ms: r.get::<_, i64>(2)? as u64,
-            })
-        },
-    )
-    .optional()?
-    .unwrap_or(Lease {
-        holder: None,
-        epoch: 0,
-        expires_ms: 0,
-    }))
-}
-
-fn get_ws(c: &Connection, tenant: &str, name: &str) -> Result<Workspace> {
-    c.query_row(
-        &format!("SELECT {WS_COLS} FROM workspaces WHERE tenant = ?1 AND name = ?2"),
-        params![tenant, name],
-        ws_row,
-    )
-    .optional()
-    .map_err(be)?
-    .ok_or_else(|| CatalogError::NotFound {
-        what: "workspace",
-        name: name.into(),
-    })
-}
-
-impl SqliteCatalog {
-    pub fn open(path: &Path) -> Result<SqliteCatalog> {
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| CatalogError::Backend(e.to_string()))?;
-        }
-        let mut conn = Connection::open(path).map_err(be)?;
-        conn.busy_timeout(std::time::Duration::from_secs(10))
-            .map_err(be)?;
-        conn.pragma_update(None, "journal_mode", "WAL")
-            .map_err(be)?;
-        conn.pragma_update(None, "synchronous", "FULL")
-            .map_err(be)?;
-        conn.pragma_update(None, "foreign_keys", "ON").map_err(be)?;
-        let applied: i64 = conn
-            .pragma_query_value(None, "user_version", |r| r.get(0))
-            .map_err(be)?;
-        if applied as usize > MIGRATIONS.len() {
-            return Err(CatalogError::Backend(format!(
-                "catalog schema version {applied} is newer than this strata ({})",
-                MIGRATIONS.len()
-            )));
-        }
-        for (i, m) in MIGRATIONS.iter().enumerate().skip(applied as usize) {
-            let tx = conn.transaction().map_err(be)?;
-            tx.execute_batch(m).map_err(be)?;
-            tx.pragma_update(None, "user_version", (i + 1) as i64)
-                .map_err(be)?;
-            tx.commit().map_err(be)?;
-        }
-        Ok(SqliteCatalog {
-            conn: Arc::new(Mutex::new(conn)),
-        })
-    }
-
-    /// Runs `f` on the connection in a blocking thread.
-    async fn run<T, F>(&self, f: F) -> Result<T>
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut Connection) -> Result<T> + Send + 'static,
-    {
-        let conn = self.conn.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut c = conn.lock().unwrap_or_else(|p| p.into_inner());
-            f(&mut c)
-        })
-        .await
-        .map_err(|e| CatalogError::Backend(format!("catalog task failed: {e}")))?
-    }
-}
-
-fn is_unique(e: &rusqlite::Error) -> bool {
-    matches!(e, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::ConstraintViolation)
-}
+use sql::*;
 
 #[async_trait]
 impl Catalog for SqliteCatalog {
@@ -887,13 +698,4 @@ impl Catalog for SqliteCatalog {
         })
         .await
     }
-}
-
-fn stream_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RelayStream> {
-    Ok(RelayStream {
-        tenant: r.get(0)?,
-        name: r.get(1)?,
-        sync: r.get::<_, i64>(2)? != 0,
-        created_ms: r.get::<_, i64>(3)? as u64,
-    })
 }

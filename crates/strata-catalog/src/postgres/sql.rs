@@ -1,0 +1,292 @@
+//! PostgreSQL schema, row mapping, connection setup and the helpers the catalog's queries share.
+
+use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Pool, RecyclingMethod};
+use strata_format::Hash;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{NoTls, Row};
+
+use super::PostgresCatalog;
+use crate::*;
+
+/// Schema migrations, applied in order under an advisory lock; `strata_schema.version` records
+/// how many ran.
+pub(super) const MIGRATIONS: &[&str] = &[
+    r#"
+CREATE TABLE tenants (id TEXT PRIMARY KEY, created_ms BIGINT NOT NULL);
+CREATE TABLE tokens (hash TEXT PRIMARY KEY, tenant TEXT NOT NULL REFERENCES tenants(id),
+    created_ms BIGINT NOT NULL);
+CREATE TABLE templates (
+    tenant TEXT NOT NULL, name TEXT NOT NULL, manifest TEXT NOT NULL,
+    disk_size BIGINT NOT NULL, stored_bytes BIGINT NOT NULL, created_ms BIGINT NOT NULL,
+    PRIMARY KEY (tenant, name));
+CREATE TABLE workspaces (
+    tenant TEXT NOT NULL, name TEXT NOT NULL, mode TEXT NOT NULL, disk_size BIGINT NOT NULL,
+    head_version BIGINT NOT NULL, head_manifest TEXT NOT NULL, source TEXT NOT NULL,
+    created_ms BIGINT NOT NULL, ttl_ms BIGINT,
+    PRIMARY KEY (tenant, name));
+CREATE TABLE checkpoints (
+    tenant TEXT NOT NULL, workspace TEXT NOT NULL, version BIGINT NOT NULL,
+    manifest TEXT NOT NULL, label TEXT, kind TEXT NOT NULL, created_ms BIGINT NOT NULL,
+    bytes BIGINT NOT NULL, cut_seq BIGINT NOT NULL, journal_id TEXT, epoch BIGINT NOT NULL,
+    PRIMARY KEY (tenant, workspace, version));
+CREATE TABLE leases (
+    tenant TEXT NOT NULL, workspace TEXT NOT NULL, holder TEXT, epoch BIGINT NOT NULL,
+    expires_ms BIGINT NOT NULL,
+    PRIMARY KEY (tenant, workspace));
+CREATE TABLE manifests (tenant TEXT NOT NULL, id TEXT NOT NULL, created_ms BIGINT NOT NULL,
+    PRIMARY KEY (tenant, id));
+CREATE TABLE manifest_objects (tenant TEXT NOT NULL, manifest TEXT NOT NULL, object TEXT NOT NULL,
+    PRIMARY KEY (tenant, manifest, object));
+CREATE TABLE objects (tenant TEXT NOT NULL, id TEXT NOT NULL, data_len BIGINT NOT NULL,
+    created_ms BIGINT NOT NULL, PRIMARY KEY (tenant, id));
+CREATE TABLE nodes (id TEXT PRIMARY KEY, url TEXT, seen_ms BIGINT NOT NULL,
+    attached TEXT NOT NULL);
+"#,
+    r#"
+ALTER TABLE tokens ADD COLUMN scope TEXT;
+CREATE TABLE relay_streams (tenant TEXT NOT NULL, name TEXT NOT NULL, sync BOOLEAN NOT NULL,
+    created_ms BIGINT NOT NULL, PRIMARY KEY (tenant, name));
+"#,
+    r#"
+ALTER TABLE checkpoints ADD COLUMN keep_until_ms BIGINT;
+ALTER TABLE checkpoints ADD COLUMN expired_ms BIGINT;
+CREATE TABLE gc_condemned (tenant TEXT NOT NULL, key TEXT NOT NULL, condemned_ms BIGINT NOT NULL,
+    PRIMARY KEY (tenant, key));
+"#,
+];
+
+/// The server's clock in milliseconds since the epoch.
+pub(super) const SERVER_NOW: &str = "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::BIGINT";
+
+pub(super) const WS_COLS: &str =
+    "tenant, name, mode, disk_size, head_version, head_manifest, source, created_ms, ttl_ms";
+pub(super) const CP_COLS: &str =
+    "workspace, version, manifest, label, kind, created_ms, bytes, cut_seq, journal_id, epoch, keep_until_ms";
+pub(super) const TPL_COLS: &str = "tenant, name, manifest, disk_size, stored_bytes, created_ms";
+
+pub(super) fn be(e: tokio_postgres::Error) -> CatalogError {
+    match e.as_db_error() {
+        Some(d) => {
+            CatalogError::Backend(format!("postgres: {} ({})", d.message(), d.code().code()))
+        }
+        None => CatalogError::Backend(format!("postgres: {e}")),
+    }
+}
+
+pub(super) fn pool_err(e: deadpool_postgres::PoolError) -> CatalogError {
+    CatalogError::Backend(format!("postgres pool: {e}"))
+}
+
+pub(super) fn is_unique(e: &tokio_postgres::Error) -> bool {
+    e.code() == Some(&SqlState::UNIQUE_VIOLATION)
+}
+
+pub(super) fn hash(s: &str) -> Result<Hash> {
+    s.parse()
+        .map_err(|e| CatalogError::Backend(format!("corrupt hash {s:?} in catalog: {e}")))
+}
+
+pub(super) fn u(r: &Row, i: usize) -> u64 {
+    r.get::<_, i64>(i) as u64
+}
+
+pub(super) fn ws_row(r: &Row) -> Result<Workspace> {
+    Ok(Workspace {
+        tenant: r.get(0),
+        name: r.get(1),
+        mode: r.get::<_, String>(2).parse().unwrap_or_default(),
+        disk_size: u(r, 3),
+        head_version: u(r, 4),
+        head_manifest: hash(r.get(5))?,
+        source: r.get(6),
+        created_ms: u(r, 7),
+        ttl_ms: r.get::<_, Option<i64>>(8).map(|v| v as u64),
+    })
+}
+
+pub(super) fn cp_row(r: &Row) -> Result<Checkpoint> {
+    Ok(Checkpoint {
+        workspace: r.get(0),
+        version: u(r, 1),
+        manifest: hash(r.get(2))?,
+        label: r.get(3),
+        kind: CheckpointKind::parse(r.get(4)).unwrap_or(CheckpointKind::Auto),
+        created_ms: u(r, 5),
+        bytes: u(r, 6),
+        cut_seq: u(r, 7),
+        journal_id: r.get(8),
+        epoch: u(r, 9),
+        keep_until_ms: r.get::<_, Option<i64>>(10).map(|v| v as u64),
+    })
+}
+
+pub(super) fn tpl_row(r: &Row) -> Result<Template> {
+    Ok(Template {
+        tenant: r.get(0),
+        name: r.get(1),
+        manifest: hash(r.get(2))?,
+        disk_size: u(r, 3),
+        stored_bytes: u(r, 4),
+        created_ms: u(r, 5),
+    })
+}
+
+pub(super) async fn server_now(c: &impl GenericClient) -> Result<u64> {
+    Ok(c.query_one(SERVER_NOW, &[])
+        .await
+        .map_err(be)?
+        .get::<_, i64>(0) as u64)
+}
+
+/// Reads the workspace, locking its row until the transaction ends when `lock` is set.
+pub(super) async fn get_ws(
+    c: &impl GenericClient,
+    tenant: &str,
+    name: &str,
+    lock: bool,
+) -> Result<Workspace> {
+    let q = format!(
+        "SELECT {WS_COLS} FROM workspaces WHERE tenant = $1 AND name = $2{}",
+        if lock { " FOR UPDATE" } else { "" }
+    );
+    match c.query_opt(&q, &[&tenant, &name]).await.map_err(be)? {
+        Some(r) => ws_row(&r),
+        None => Err(CatalogError::NotFound {
+            what: "workspace",
+            name: name.into(),
+        }),
+    }
+}
+
+pub(super) async fn lease_of(c: &impl GenericClient, tenant: &str, ws: &str) -> Result<Lease> {
+    Ok(c.query_opt(
+        "SELECT holder, epoch, expires_ms FROM leases WHERE tenant = $1 AND workspace = $2",
+        &[&tenant, &ws],
+    )
+    .await
+    .map_err(be)?
+    .map(|r| Lease {
+        holder: r.get(0),
+        epoch: u(&r, 1),
+        expires_ms: u(&r, 2),
+    })
+    .unwrap_or(Lease {
+        holder: None,
+        epoch: 0,
+        expires_ms: 0,
+    }))
+}
+
+impl PostgresCatalog {
+    /// Connects to `postgres://user[:password]@host[:port]/dbname[?options]` (or the key=value
+    /// form) and applies any pending migrations. `pool_size` bounds the open connections.
+    pub async fn connect(url: &str, pool_size: usize) -> Result<PostgresCatalog> {
+        let cfg: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e| CatalogError::Backend(format!("bad PostgreSQL URL: {e}")))?;
+        let mgr = Manager::from_config(
+            cfg,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(mgr)
+            .max_size(pool_size.max(1))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .create_timeout(Some(std::time::Duration::from_secs(10)))
+            .wait_timeout(Some(std::time::Duration::from_secs(30)))
+            .build()
+            .map_err(|e| CatalogError::Backend(format!("postgres pool: {e}")))?;
+        let cat = PostgresCatalog { pool };
+        cat.migrate().await?;
+        Ok(cat)
+    }
+
+    pub(super) async fn migrate(&self) -> Result<()> {
+        let mut c = self.pool.get().await.map_err(pool_err)?;
+        let tx = c.transaction().await.map_err(be)?;
+        // Nodes starting together take turns; the lock ends with the transaction.
+        tx.execute("SELECT pg_advisory_xact_lock(7365726174610001)", &[])
+            .await
+            .map_err(be)?;
+        tx.batch_execute("CREATE TABLE IF NOT EXISTS strata_schema (version INTEGER NOT NULL)")
+            .await
+            .map_err(be)?;
+        let v: i32 = match tx
+            .query_opt("SELECT version FROM strata_schema", &[])
+            .await
+            .map_err(be)?
+        {
+            Some(r) => r.get(0),
+            None => {
+                tx.execute("INSERT INTO strata_schema (version) VALUES (0)", &[])
+                    .await
+                    .map_err(be)?;
+                0
+            }
+        };
+        if v as usize > MIGRATIONS.len() {
+            return Err(CatalogError::Backend(format!(
+                "catalog schema version {v} is newer than this build ({}); upgrade strata",
+                MIGRATIONS.len()
+            )));
+        }
+        for m in &MIGRATIONS[v as usize..] {
+            tx.batch_execute(m).await.map_err(be)?;
+        }
+        tx.execute(
+            "UPDATE strata_schema SET version = $1",
+            &[&(MIGRATIONS.len() as i32)],
+        )
+        .await
+        .map_err(be)?;
+        tx.commit().await.map_err(be)
+    }
+
+    pub(super) async fn conn(&self) -> Result<deadpool_postgres::Object> {
+        self.pool.get().await.map_err(pool_err)
+    }
+}
+
+/// Creates an empty database next to the one `admin_url` names and returns its URL (tests and
+/// throwaway clusters). `name` must be a plain identifier.
+pub async fn create_database(admin_url: &str, name: &str) -> Result<String> {
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+    {
+        return Err(CatalogError::Backend(format!("bad database name {name:?}")));
+    }
+    let (client, conn) = tokio_postgres::connect(admin_url, NoTls)
+        .await
+        .map_err(be)?;
+    let task = tokio::spawn(conn);
+    client
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .map_err(be)?;
+    drop(client);
+    let _ = task.await;
+    let (base, query) = match admin_url.split_once('?') {
+        Some((b, q)) => (b, format!("?{q}")),
+        None => (admin_url, String::new()),
+    };
+    let Some(cut) = base
+        .rfind('/')
+        .filter(|&i| i > base.find("//").map_or(0, |j| j + 1))
+    else {
+        return Ok(format!("{base}/{name}{query}"));
+    };
+    Ok(format!("{}/{name}{query}", &base[..cut]))
+}
+
+pub(super) fn stream_row(r: &Row) -> RelayStream {
+    RelayStream {
+        tenant: r.get(0),
+        name: r.get(1),
+        sync: r.get(2),
+        created_ms: u(r, 3),
+    }
+}
