@@ -5,7 +5,7 @@
 //! killed with SIGKILL at a random moment. After the restart every block must hold the write a
 //! completed FLUSH covered or a later one of the same block, never anything older, never torn.
 //!
-//! `STRATA_DAEMON_KILL_CYCLES` (default 100 in CI; thousands on demand).
+//! `STRATA_DAEMON_KILL_CYCLES` (default 200 in CI; thousands on demand).
 
 mod common;
 
@@ -27,7 +27,7 @@ async fn flushed_writes_survive_kill_9_of_the_daemon_at_random_moments() {
     let cycles: u64 = std::env::var("STRATA_DAEMON_KILL_CYCLES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(100);
+        .unwrap_or(200);
     let d = tempfile::tempdir().unwrap();
     let data = d.path().join("data");
     let flags = ["--upload-interval", "100ms", "--upload-max-bytes", "512KiB"];
