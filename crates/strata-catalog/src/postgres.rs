@@ -35,16 +35,7 @@ impl Catalog for PostgresCatalog {
             &[&tenant, &(now_ms() as i64)],
         )
         .await
-        .map_err(|e| {
-            if is_unique(&e) {
-                CatalogError::AlreadyExists {
-                    what: "tenant",
-                    name: tenant.into(),
-                }
-            } else {
-                be(e)
-            }
-        })?;
+        .map_err(exists_or_backend("tenant", tenant))?;
         Ok(())
     }
 
@@ -149,16 +140,7 @@ impl Catalog for PostgresCatalog {
             ],
         )
         .await
-        .map_err(|e| {
-            if is_unique(&e) {
-                CatalogError::AlreadyExists {
-                    what: "template",
-                    name: t.name.clone(),
-                }
-            } else {
-                be(e)
-            }
-        })?;
+        .map_err(exists_or_backend("template", &t.name))?;
         Ok(())
     }
 
@@ -257,16 +239,7 @@ impl Catalog for PostgresCatalog {
             ],
         )
         .await
-        .map_err(|e| {
-            if is_unique(&e) {
-                CatalogError::AlreadyExists {
-                    what: "workspace",
-                    name: w.name.clone(),
-                }
-            } else {
-                be(e)
-            }
-        })?;
+        .map_err(exists_or_backend("workspace", &w.name))?;
         tx.execute(
             &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES ($1, $2, 1, $3, NULL, $4, $5, 0, 0, NULL, 0, NULL)"),
             &[&w.tenant, &w.name, &m, &w.kind.as_str(), &now],
@@ -593,16 +566,7 @@ impl Catalog for PostgresCatalog {
             &[&st.tenant, &st.name, &st.sync, &(st.created_ms as i64)],
         )
         .await
-        .map_err(|e| {
-            if is_unique(&e) {
-                CatalogError::AlreadyExists {
-                    what: "relay stream",
-                    name: st.name.clone(),
-                }
-            } else {
-                be(e)
-            }
-        })?;
+        .map_err(exists_or_backend("relay stream", &st.name))?;
         Ok(())
     }
 

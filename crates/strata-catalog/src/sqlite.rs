@@ -26,16 +26,7 @@ impl Catalog for SqliteCatalog {
                 "INSERT INTO tenants (id, created_ms) VALUES (?1, ?2)",
                 params![t, now_ms() as i64],
             )
-            .map_err(|e| {
-                if is_unique(&e) {
-                    CatalogError::AlreadyExists {
-                        what: "tenant",
-                        name: t.clone(),
-                    }
-                } else {
-                    be(e)
-                }
-            })?;
+            .map_err(exists_or_backend("tenant", &t))?;
             Ok(())
         })
         .await
@@ -139,9 +130,7 @@ impl Catalog for SqliteCatalog {
                 "INSERT INTO templates (tenant, name, manifest, disk_size, stored_bytes, created_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
                 params![tpl.tenant, tpl.name, tpl.manifest.to_hex(), tpl.disk_size as i64, tpl.stored_bytes as i64, tpl.created_ms as i64],
             )
-            .map_err(|e| if is_unique(&e) {
-                CatalogError::AlreadyExists { what: "template", name: tpl.name.clone() }
-            } else { be(e) })?;
+            .map_err(exists_or_backend("template", &tpl.name))?;
             Ok(())
         })
         .await
@@ -212,9 +201,7 @@ impl Catalog for SqliteCatalog {
                 &format!("INSERT INTO workspaces ({WS_COLS}) VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?8)"),
                 params![w.tenant, w.name, w.mode.as_str(), w.disk_size as i64, w.manifest.to_hex(), w.source, now, w.ttl_ms.map(|v| v as i64)],
             )
-            .map_err(|e| if is_unique(&e) {
-                CatalogError::AlreadyExists { what: "workspace", name: w.name.clone() }
-            } else { be(e) })?;
+            .map_err(exists_or_backend("workspace", &w.name))?;
             // A leftover checkpoint history of a deleted workspace of the same name is gone
             // (delete removes it); the lease row is kept so epochs never go backwards.
             tx.execute(
@@ -534,13 +521,7 @@ impl Catalog for SqliteCatalog {
                 "INSERT INTO relay_streams (tenant, name, sync, created_ms) VALUES (?1, ?2, ?3, ?4)",
                 params![st.tenant, st.name, st.sync as i64, st.created_ms as i64],
             )
-            .map_err(|e| {
-                if is_unique(&e) {
-                    CatalogError::AlreadyExists { what: "relay stream", name: st.name.clone() }
-                } else {
-                    be(e)
-                }
-            })?;
+            .map_err(exists_or_backend("relay stream", &st.name))?;
             Ok(())
         })
         .await

@@ -43,8 +43,7 @@ async fn flushed_writes_survive_kill_9_of_the_daemon_at_random_moments() {
     let (_, att) = t.post("/v1/workspaces/w/attach", json!({})).await;
     let sock = att["socket"].as_str().unwrap().to_string();
     drop(daemon);
-    let mut durable = vec![0u64; BLOCKS as usize];
-    let mut maybe: Vec<Vec<u64>> = vec![vec![]; BLOCKS as usize];
+    let mut ledger = Ledger::new(BLOCKS);
     let (mut checked, mut flushed_blocks, mut checkpoints) = (0u64, 0u64, 0u64);
     for cycle in 1..=cycles {
         let daemon = serve(&data, &flags);
@@ -57,17 +56,8 @@ async fn flushed_writes_survive_kill_9_of_the_daemon_at_random_moments() {
             for i in 0..64 {
                 let lba = chunk * 64 + i;
                 let b = &buf[(i * 4096) as usize..((i + 1) * 4096) as usize];
-                let got =
-                    tag_of(b, lba).unwrap_or_else(|| panic!("cycle {cycle}: block {lba} is torn"));
-                if got != durable[lba as usize] {
-                    assert!(
-                        maybe[lba as usize].contains(&got),
-                        "cycle {cycle}: block {lba} lost its flushed write (has {got}, flushed {})",
-                        durable[lba as usize]
-                    );
-                }
-                durable[lba as usize] = got;
-                maybe[lba as usize].clear();
+                let found = ledger.observe(lba, b);
+                assert_eq!(found, Found::Ok, "cycle {cycle}: block {lba}");
                 checked += 1;
             }
         }
@@ -105,8 +95,7 @@ async fn flushed_writes_survive_kill_9_of_the_daemon_at_random_moments() {
         let f = rng.random_range(0..conns.len());
         conns[f].flush().await.unwrap();
         for &(lba, tag) in &acked {
-            durable[lba as usize] = tag;
-            maybe[lba as usize].clear();
+            ledger.flushed(lba, tag);
         }
         flushed_blocks += acked.len() as u64;
         // Unflushed writes race a checkpoint, the uploader and the kill.
@@ -121,7 +110,7 @@ async fn flushed_writes_survive_kill_9_of_the_daemon_at_random_moments() {
                 })
                 .collect();
             for &(lba, tag) in &writes {
-                maybe[lba as usize].push(tag);
+                ledger.written(lba, tag);
             }
             racing.push(tokio::spawn(async move {
                 for &(lba, tag) in &writes {

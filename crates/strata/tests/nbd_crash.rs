@@ -11,6 +11,9 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use strata_nbd::client::Client;
 
+mod common;
+use common::{block, Found, Ledger};
+
 const BLOCKS: u64 = 4096; // 16 MiB disk
 const CONNS: u64 = 4;
 
@@ -34,23 +37,6 @@ fn start(data: &Path, sock: &Path) -> Child {
         .unwrap();
     assert!(line.starts_with("nbd+unix:///w?socket="), "{line}");
     child
-}
-
-fn block(tag: u64, lba: u64) -> Vec<u8> {
-    let mut b = Vec::with_capacity(4096);
-    while b.len() < 4096 {
-        b.extend_from_slice(&tag.to_le_bytes());
-        b.extend_from_slice(&lba.to_le_bytes());
-    }
-    b
-}
-
-fn tag_of(b: &[u8], lba: u64) -> Option<u64> {
-    if b.iter().all(|&x| x == 0) {
-        return Some(0);
-    }
-    let tag = u64::from_le_bytes(b[..8].try_into().ok()?);
-    (b == block(tag, lba).as_slice()).then_some(tag)
 }
 
 fn cycles() -> u64 {
@@ -79,9 +65,7 @@ fn flushed_writes_on_any_connection_survive_kill_9() {
         .enable_all()
         .build()
         .unwrap();
-    // durable[lba] = tag guaranteed by a completed flush; maybe[lba] = later tags that may survive.
-    let mut durable = vec![0u64; BLOCKS as usize];
-    let mut maybe: Vec<Vec<u64>> = vec![vec![]; BLOCKS as usize];
+    let mut ledger = Ledger::new(BLOCKS);
     let mut checked = 0u64;
     for cycle in 1..=cycles() {
         let mut child = start(&data, &sock);
@@ -90,17 +74,9 @@ fn flushed_writes_on_any_connection_survive_kill_9() {
             // Verify what the previous cycle promised.
             let mut c = Client::connect_unix(&sock, "w").await.unwrap();
             for lba in 0..BLOCKS {
-                let got = tag_of(&c.read(lba * 4096, 4096).await.unwrap(), lba)
-                    .unwrap_or_else(|| panic!("cycle {cycle}: block {lba} is torn"));
-                if got != durable[lba as usize] {
-                    assert!(
-                        maybe[lba as usize].contains(&got),
-                        "cycle {cycle}: block {lba} lost its flushed write (has {got}, flushed {})",
-                        durable[lba as usize]
-                    );
-                }
-                durable[lba as usize] = got;
-                maybe[lba as usize].clear();
+                let b = c.read(lba * 4096, 4096).await.unwrap();
+                let found = ledger.observe(lba, &b);
+                assert_eq!(found, Found::Ok, "cycle {cycle}: block {lba}");
                 checked += 1;
             }
             // Each connection owns a quarter of the disk.
@@ -137,8 +113,7 @@ fn flushed_writes_on_any_connection_survive_kill_9() {
             // Flush on one connection: covers the writes completed on all of them.
             conns[0].flush().await.unwrap();
             for &(lba, tag) in &acked {
-                durable[lba as usize] = tag;
-                maybe[lba as usize].clear();
+                ledger.flushed(lba, tag);
             }
             // More writes, unflushed, racing the kill.
             let mut racing = vec![];
@@ -152,7 +127,7 @@ fn flushed_writes_on_any_connection_survive_kill_9() {
                     })
                     .collect();
                 for &(lba, tag) in &writes {
-                    maybe[lba as usize].push(tag);
+                    ledger.written(lba, tag);
                 }
                 racing.push(tokio::spawn(async move {
                     for &(lba, tag) in &writes {

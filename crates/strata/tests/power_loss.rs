@@ -107,8 +107,7 @@ async fn campaign(dir: &Path, cycles: u64, unsafe_cache: bool) -> (u64, u64, u64
     let mut c = Client::connect_unix(Path::new(&sock), "w").await.unwrap();
     c.flush().await.unwrap();
     drop(daemon);
-    let mut durable = vec![0u64; BLOCKS as usize];
-    let mut maybe: Vec<Vec<u64>> = vec![vec![]; BLOCKS as usize];
+    let mut ledger = Ledger::new(BLOCKS);
     let (mut flushed, mut lost, mut torn) = (0u64, 0u64, 0u64);
     for cycle in 1..=cycles {
         let daemon = serve_env(&data, &flags, env);
@@ -117,17 +116,11 @@ async fn campaign(dir: &Path, cycles: u64, unsafe_cache: bool) -> (u64, u64, u64
         let buf = c.read(0, (BLOCKS * 4096) as u32).await.unwrap();
         for lba in 0..BLOCKS {
             let b = &buf[(lba * 4096) as usize..((lba + 1) * 4096) as usize];
-            match tag_of(b, lba) {
-                None => torn += 1,
-                Some(got)
-                    if got != durable[lba as usize] && !maybe[lba as usize].contains(&got) =>
-                {
-                    lost += 1;
-                    durable[lba as usize] = got;
-                }
-                Some(got) => durable[lba as usize] = got,
+            match ledger.observe(lba, b) {
+                Found::Ok => {}
+                Found::Torn => torn += 1,
+                Found::Lost { .. } => lost += 1,
             }
-            maybe[lba as usize].clear();
         }
         let writes: Vec<(u64, u64)> = (0..60)
             .map(|k| (rng.random_range(0..BLOCKS), cycle * 1000 + k))
@@ -137,15 +130,14 @@ async fn campaign(dir: &Path, cycles: u64, unsafe_cache: bool) -> (u64, u64, u64
         }
         c.flush().await.unwrap();
         for &(lba, tag) in &writes {
-            durable[lba as usize] = tag;
-            maybe[lba as usize].clear();
+            ledger.flushed(lba, tag);
         }
         flushed += writes.len() as u64;
         // Unflushed writes, then the power goes.
         for k in 0..rng.random_range(0..40u64) {
             let lba = rng.random_range(0..BLOCKS);
             let tag = cycle * 1000 + 500 + k;
-            maybe[lba as usize].push(tag);
+            ledger.written(lba, tag);
             if c.write(lba * 4096, &block(tag, lba), false).await.is_err() {
                 break;
             }

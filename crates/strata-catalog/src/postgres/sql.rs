@@ -77,8 +77,21 @@ pub(super) fn pool_err(e: deadpool_postgres::PoolError) -> CatalogError {
     CatalogError::Backend(format!("postgres pool: {e}"))
 }
 
-pub(super) fn is_unique(e: &tokio_postgres::Error) -> bool {
-    e.code() == Some(&SqlState::UNIQUE_VIOLATION)
+/// A unique-key violation is `AlreadyExists` for `what` named `name`; anything else a backend error.
+pub(super) fn exists_or_backend<'a>(
+    what: &'static str,
+    name: &'a str,
+) -> impl FnOnce(tokio_postgres::Error) -> CatalogError + 'a {
+    move |e| {
+        if e.code() == Some(&SqlState::UNIQUE_VIOLATION) {
+            CatalogError::AlreadyExists {
+                what,
+                name: name.into(),
+            }
+        } else {
+            be(e)
+        }
+    }
 }
 
 pub(super) fn hash(s: &str) -> Result<Hash> {

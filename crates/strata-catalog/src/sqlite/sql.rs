@@ -197,8 +197,22 @@ impl SqliteCatalog {
     }
 }
 
-pub(super) fn is_unique(e: &rusqlite::Error) -> bool {
-    matches!(e, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::ConstraintViolation)
+/// A constraint violation is `AlreadyExists` for `what` named `name`; anything else a backend error.
+pub(super) fn exists_or_backend<'a>(
+    what: &'static str,
+    name: &'a str,
+) -> impl FnOnce(rusqlite::Error) -> CatalogError + 'a {
+    move |e| match &e {
+        rusqlite::Error::SqliteFailure(f, _)
+            if f.code == rusqlite::ErrorCode::ConstraintViolation =>
+        {
+            CatalogError::AlreadyExists {
+                what,
+                name: name.into(),
+            }
+        }
+        _ => be(e),
+    }
 }
 
 pub(super) fn stream_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RelayStream> {

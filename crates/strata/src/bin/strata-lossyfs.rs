@@ -208,24 +208,33 @@ impl LossyFs {
         f.sync_all()
     }
 
+    /// `name` under directory `parent`, relative to BACKING.
+    fn child(&self, parent: u64, name: &OsStr) -> std::io::Result<PathBuf> {
+        self.path(parent)
+            .map(|p| p.join(name))
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOENT))
+    }
+
     fn entry(&mut self, parent: u64, name: &OsStr) -> std::io::Result<(u64, FileAttr)> {
-        let rel = self
-            .path(parent)
-            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOENT))?
-            .join(name);
+        let rel = self.child(parent, name)?;
         std::fs::symlink_metadata(self.backing.join(&rel))?;
         let ino = self.ino_for(rel.clone());
         Ok((ino, self.attr(ino, &rel)?))
+    }
+
+    /// Answers a lookup-like request with `name`'s entry.
+    fn reply_entry(&mut self, parent: u64, name: &OsStr, reply: ReplyEntry) {
+        match self.entry(parent, name) {
+            Ok((_, a)) => reply.entry(&TTL, &a, 0),
+            Err(e) => reply.error(errno(&e)),
+        }
     }
 }
 
 impl Filesystem for LossyFs {
     fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
         self.check();
-        match self.entry(parent, name) {
-            Ok((_, a)) => reply.entry(&TTL, &a, 0),
-            Err(e) => reply.error(errno(&e)),
-        }
+        self.reply_entry(parent, name, reply)
     }
 
     fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
@@ -303,18 +312,15 @@ impl Filesystem for LossyFs {
         reply: ReplyEntry,
     ) {
         self.check();
-        let Some(p) = self.path(parent) else {
-            return reply.error(libc::ENOENT);
+        let full = match self.child(parent, name) {
+            Ok(rel) => self.backing.join(rel),
+            Err(e) => return reply.error(errno(&e)),
         };
-        let full = self.backing.join(p.join(name));
         if let Err(e) = std::fs::create_dir(&full) {
             return reply.error(errno(&e));
         }
         let _ = std::fs::set_permissions(&full, std::fs::Permissions::from_mode(mode & 0o7777));
-        match self.entry(parent, name) {
-            Ok((_, a)) => reply.entry(&TTL, &a, 0),
-            Err(e) => reply.error(errno(&e)),
-        }
+        self.reply_entry(parent, name, reply)
     }
 
     /// Unix sockets (the daemon's NBD exports) are created in BACKING as sockets.
@@ -329,25 +335,22 @@ impl Filesystem for LossyFs {
         reply: ReplyEntry,
     ) {
         self.check();
-        let Some(p) = self.path(parent) else {
-            return reply.error(libc::ENOENT);
+        let full = match self.child(parent, name) {
+            Ok(rel) => self.backing.join(rel),
+            Err(e) => return reply.error(errno(&e)),
         };
-        let full = self.backing.join(p.join(name));
         if let Err(e) = mknod(&full, mode, rdev) {
             return reply.error(errno(&e));
         }
-        match self.entry(parent, name) {
-            Ok((_, a)) => reply.entry(&TTL, &a, 0),
-            Err(e) => reply.error(errno(&e)),
-        }
+        self.reply_entry(parent, name, reply)
     }
 
     fn unlink(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
         self.check();
-        let Some(p) = self.path(parent) else {
-            return reply.error(libc::ENOENT);
+        let rel = match self.child(parent, name) {
+            Ok(rel) => rel,
+            Err(e) => return reply.error(errno(&e)),
         };
-        let rel = p.join(name);
         match std::fs::remove_file(self.backing.join(&rel)) {
             Ok(()) => {
                 if let Some(ino) = self.inos.remove(&rel) {
@@ -362,10 +365,10 @@ impl Filesystem for LossyFs {
 
     fn rmdir(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
         self.check();
-        let Some(p) = self.path(parent) else {
-            return reply.error(libc::ENOENT);
+        let rel = match self.child(parent, name) {
+            Ok(rel) => rel,
+            Err(e) => return reply.error(errno(&e)),
         };
-        let rel = p.join(name);
         match std::fs::remove_dir(self.backing.join(&rel)) {
             Ok(()) => {
                 if let Some(ino) = self.inos.remove(&rel) {
@@ -605,10 +608,10 @@ impl Filesystem for LossyFs {
         reply: ReplyCreate,
     ) {
         self.check();
-        let Some(p) = self.path(parent) else {
-            return reply.error(libc::ENOENT);
+        let full = match self.child(parent, name) {
+            Ok(rel) => self.backing.join(rel),
+            Err(e) => return reply.error(errno(&e)),
         };
-        let full = self.backing.join(p.join(name));
         let mut o = OpenOptions::new();
         o.write(true).create(true);
         if flags & libc::O_EXCL != 0 {

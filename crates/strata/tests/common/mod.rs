@@ -306,3 +306,66 @@ pub fn tag_of(b: &[u8], lba: u64) -> Option<u64> {
     let tag = u64::from_le_bytes(b[..8].try_into().ok()?);
     (b == block(tag, lba).as_slice()).then_some(tag)
 }
+
+/// What reading a block after a crash found, against the [`Ledger`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Found {
+    Ok,
+    /// Neither zeros nor a whole block written by [`block`].
+    Torn,
+    /// An older write than the one a completed FLUSH covered.
+    Lost {
+        has: u64,
+        flushed: u64,
+    },
+}
+
+/// Per-block promises of a crash test: the tag a completed FLUSH covered, and the tags written
+/// after it, any one of which may have survived.
+pub struct Ledger {
+    durable: Vec<u64>,
+    maybe: Vec<Vec<u64>>,
+}
+
+impl Ledger {
+    pub fn new(blocks: u64) -> Ledger {
+        Ledger {
+            durable: vec![0; blocks as usize],
+            maybe: vec![vec![]; blocks as usize],
+        }
+    }
+
+    /// Checks block `lba` (its 4 KiB `b`) as read after a crash; what was found becomes the
+    /// baseline of the next cycle.
+    pub fn observe(&mut self, lba: u64, b: &[u8]) -> Found {
+        let i = lba as usize;
+        let found = match tag_of(b, lba) {
+            None => Found::Torn,
+            Some(got) if got != self.durable[i] && !self.maybe[i].contains(&got) => {
+                let lost = Found::Lost {
+                    has: got,
+                    flushed: self.durable[i],
+                };
+                self.durable[i] = got;
+                lost
+            }
+            Some(got) => {
+                self.durable[i] = got;
+                Found::Ok
+            }
+        };
+        self.maybe[i].clear();
+        found
+    }
+
+    /// A completed FLUSH covered `tag` at `lba`.
+    pub fn flushed(&mut self, lba: u64, tag: u64) {
+        self.durable[lba as usize] = tag;
+        self.maybe[lba as usize].clear();
+    }
+
+    /// `tag` was written at `lba` without a FLUSH after it (yet).
+    pub fn written(&mut self, lba: u64, tag: u64) {
+        self.maybe[lba as usize].push(tag);
+    }
+}
