@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# NBD data-path benchmark: strata vs qemu-nbd (qcow2 overlay on a raw base) vs nbdkit file+cow
-# vs nbdkit memory (the protocol ceiling), all driven by the same client (fio's nbd engine over
-# a unix socket) on the same base image, alternating servers, several repetitions.
+# NBD data-path benchmark (issue 7, scenarios 1 and 2): strata vs qemu-nbd (qcow2 overlay on a
+# raw base) vs nbdkit file+cow vs nbdkit memory (the protocol ceiling), all driven by the same
+# client (fio's nbd engine over a unix socket) on the same base image, and fio on a copy of the
+# raw file itself (the physical limit, no NBD); servers alternate, several repetitions.
+# Scenario 2 (first writes into a fresh fork) also counts the bytes each server's process wrote
+# to the host's storage (/proc/PID/io write_bytes) per byte the guest wrote.
 #
 #   bench/nbd.sh                 # full run (release build; ~15 min)
 #   BENCH_SMOKE=1 bench/nbd.sh   # seconds-long check that the suite works (CI)
 #   BENCH_ONLY='write' bench/nbd.sh   # only scenarios whose name matches the regex
 #
 # Installs nothing: it checks for its tools and says what is missing. Writes a Markdown table to
-# stdout and machine-readable results to ${BENCH_OUT:-docs/bench/nbd-results.json}.
+# stdout and machine-readable results to ${BENCH_OUT:-docs/bench/nbd-results.json}
+# (a list of runs; the write-amplification runs have scenario "fork-first-writes").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -53,10 +57,31 @@ start_server() {
     nbdkit-memory)
       nbdkit -f -U "$sock" memory "${size_mb}M" &
       pids+=($!); uri="nbd+unix:///?socket=$sock" ;;
+    raw)  # no server: fio on the file (reads: the base; writes: a fresh copy of it)
+      if [ "$2" = write ]; then cp "$work/base.raw" "$work/raw.$n"; sync; raw="$work/raw.$n"
+      else raw="$work/base.raw"; fi
+      return ;;
   esac
   for _ in $(seq 1 100); do [ -S "$sock" ] && break; sleep 0.1; done
 }
-stop_server() { kill "${pids[-1]}" 2>/dev/null || true; wait "${pids[-1]}" 2>/dev/null || true; unset 'pids[-1]'; }
+# The server's process: the strata attach runs in the foreground of its pid, the others too.
+server_pid() { echo "${pids[-1]}"; }
+write_bytes() { awk '/^write_bytes/ {print $2}' "/proc/$1/io"; }
+stop_server() {
+  if [ "$1" = raw ]; then rm -f "$work/raw.$n"; return; fi
+  kill "${pids[-1]}" 2>/dev/null || true; wait "${pids[-1]}" 2>/dev/null || true; unset 'pids[-1]'
+}
+# run_fio SERVER fio-args...: the same job through NBD, or on the raw file for the raw peer.
+run_fio() {
+  local srv=$1; shift
+  if [ "$srv" = raw ]; then
+    local qd; qd=$(printf '%s\n' "$@" | sed -n 's/^--iodepth=//p')
+    local eng=psync; [ "${qd:-1}" -gt 1 ] && eng=io_uring
+    fio --ioengine=$eng --filename="$raw" "$@"
+  else
+    fio --ioengine=nbd --uri="$uri" "$@"
+  fi
+}
 
 # name rw bs iodepth extra...
 scenarios=(
@@ -68,19 +93,19 @@ scenarios=(
   "seq-write-1m write 1m 4"
   "write-flush-4k randwrite 4k 1 --fsync=1"
 )
-servers=(strata qemu-nbd nbdkit-cow nbdkit-memory)
+servers=(strata qemu-nbd nbdkit-cow nbdkit-memory raw)
 echo "[" > "$work/results.json"; first=1
 for rep in $(seq 1 "$reps"); do
   for sc in "${scenarios[@]}"; do
     set -- $sc; name=$1; rw=$2; bs=$3; qd=$4; shift 4
     [[ "$name" =~ ${BENCH_ONLY:-.} ]] || continue
     for srv in "${servers[@]}"; do
-      start_server "$srv"
+      start_server "$srv" "$rw"
       # The write scenarios land on a fresh overlay/fork: first writes pay copy-on-write.
-      fio --name="$name" --ioengine=nbd --uri="$uri" --rw="$rw" --bs="$bs" --iodepth="$qd" \
+      run_fio "$srv" --name="$name" --rw="$rw" --bs="$bs" --iodepth="$qd" \
           --size="$((size_mb / 2))M" --runtime="$runtime" --time_based --output-format=json "$@" \
           > "$work/fio.json" 2>"$work/fio.err" || { echo "fio failed on $srv/$name:" >&2; cat "$work/fio.err" >&2; exit 1; }
-      stop_server
+      stop_server "$srv"
       [ $first = 1 ] || echo "," >> "$work/results.json"; first=0
       python3 - "$work/fio.json" "$srv" "$name" "$rep" >> "$work/results.json" <<'PY'
 import json, sys
@@ -95,6 +120,37 @@ print(json.dumps({"server": sys.argv[2], "scenario": sys.argv[3], "rep": int(sys
 PY
     done
   done
+  # Scenario 2: first writes into a fresh fork, write amplification. Random 4 KiB writes, each
+  # block once (fio's random map), spread over the whole disk, then one flush; the bytes the
+  # server process sent to storage over the bytes written. strata's figure is split into its
+  # journal (this host's disk) and the objects its background uploads wrote (the local object
+  # directory here; a remote object store in a fleet).
+  [[ "fork-first-writes" =~ ${BENCH_ONLY:-.} ]] || continue
+  for srv in strata qemu-nbd nbdkit-cow; do
+    start_server "$srv" write
+    pid=$(server_pid); sleep 0.2
+    wb0=$(write_bytes "$pid"); ob0=$(du -sb "$STRATA_DATA/objects" | cut -f1)
+    guest=$((size_mb / 16))
+    fio --name=fork-first-writes --ioengine=nbd --uri="$uri" --rw=randwrite --bs=4k --iodepth=1 \
+        --size="${size_mb}M" --io_size="${guest}M" --end_fsync=1 --output-format=json \
+        > "$work/fio.json" 2>"$work/fio.err" || { echo "fio failed on $srv/fork-first-writes:" >&2; cat "$work/fio.err" >&2; exit 1; }
+    wb1=$(write_bytes "$pid"); ob1=$(du -sb "$STRATA_DATA/objects" | cut -f1)
+    stop_server "$srv"
+    [ "$srv" = strata ] || { ob0=0; ob1=0; }
+    echo "," >> "$work/results.json"
+    python3 - "$work/fio.json" "$srv" "$rep" "$((guest << 20))" "$((wb1 - wb0))" "$((ob1 - ob0))" >> "$work/results.json" <<'PY'
+import json, sys
+t = open(sys.argv[1]).read()
+s = json.loads(t[t.index("{"):])["jobs"][0]["write"]
+guest, host, objects = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+lat = s.get("clat_ns", {}).get("percentile", {})
+print(json.dumps({"server": sys.argv[2], "scenario": "fork-first-writes", "rep": int(sys.argv[3]),
+    "iops": s["iops"], "bw_bytes": s["bw_bytes"],
+    "p50_us": lat.get("50.000000", 0) / 1000, "p99_us": lat.get("99.000000", 0) / 1000,
+    "guest_bytes": guest, "host_bytes": host, "object_bytes": objects,
+    "write_amplification": host / guest, "local_write_amplification": (host - objects) / guest}))
+PY
+  done
 done
 echo "]" >> "$work/results.json"
 mkdir -p "$(dirname "$out_json")"
@@ -102,7 +158,9 @@ cp "$work/results.json" "$out_json"
 python3 - "$out_json" <<'PY'
 import json, sys, statistics as st
 rows = json.load(open(sys.argv[1]))
-servers = ["strata", "qemu-nbd", "nbdkit-cow", "nbdkit-memory"]
+servers = ["strata", "qemu-nbd", "nbdkit-cow", "nbdkit-memory", "raw"]
+wa = [r for r in rows if r["scenario"] == "fork-first-writes"]
+rows = [r for r in rows if r["scenario"] != "fork-first-writes"]
 scen = []
 for r in rows:
     if r["scenario"] not in scen: scen.append(r["scenario"])
@@ -115,4 +173,12 @@ for sc in scen:
     cells = [f"{med(s, sc, 'iops'):,.0f} ({med(s, sc, 'p50_us'):.0f}/{med(s, sc, 'p99_us'):.0f})" for s in servers]
     q = med("qemu-nbd", sc, "iops"); c = med("nbdkit-cow", sc, "iops"); m = med("strata", sc, "iops")
     print(f"| {sc} | " + " | ".join(cells) + f" | {m / q if q else 0:.2f}x | {m / c if c else 0:.2f}x |")
+if wa:
+    print()
+    print("| first writes into a fresh fork | IOPS | host bytes / guest bytes | of which local (not objects) |")
+    print("|---|---|---|---|")
+    for s in ["strata", "qemu-nbd", "nbdkit-cow"]:
+        v = [r for r in wa if r["server"] == s]
+        if v:
+            print(f"| {s} | {st.median(r['iops'] for r in v):,.0f} | {st.median(r['write_amplification'] for r in v):.2f} | {st.median(r['local_write_amplification'] for r in v):.2f} |")
 PY

@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# Cold start from object storage (issue 7, scenario 3) and daemon memory per attached workspace
+# (scenario 6), against a real S3-protocol server (moto) on loopback behind a proxy that adds a
+# fixed latency to every request (20 ms by default, like S3 in-region).
+#
+# Node A builds an ext4 template from a source tree (crate sources from the cargo registry) into
+# the bucket. Node B, with an empty data directory and cache and the same catalog, then creates
+# a workspace from it, attaches it, reads a first block, and runs a realistic workload: ext4 is
+# mounted read-only through nbdfuse + a loop device, then `find` and `grep -r` run over the tree.
+# It counts B's object GETs and bytes fetched against the bytes the workload read from the disk
+# (the loop device's counters), cold and then warm (same node, page cache dropped).
+#
+#   bench/coldstart.sh                 # full
+#   BENCH_SMOKE=1 bench/coldstart.sh   # seconds-long check that it works (CI)
+#
+# Installs nothing; needs root for the loop device and the mount (without root the workload part
+# is skipped and said so). Results: ${BENCH_OUT:-docs/bench/coldstart-results.json}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+smoke=${BENCH_SMOKE:-0}
+delay_ms=${BENCH_S3_LATENCY_MS:-20}; tree_mb=${BENCH_TREE_MB:-160}; n_ws=${BENCH_WS:-32}
+if [ "$smoke" = 1 ]; then tree_mb=8; n_ws=4; fi
+out_json=${BENCH_OUT:-docs/bench/coldstart-results.json}
+moto=${BENCH_MOTO:-$(command -v moto_server || echo "$HOME/.cache/strata-ci-venv/bin/moto_server")}
+
+for t in curl python3 qemu-io nbdfuse losetup mount mkfs.ext4 fusermount3; do
+  command -v "$t" >/dev/null || { echo "missing tool: $t (apt-get install curl python3 qemu-utils nbdfuse fuse3 e2fsprogs mount)" >&2; exit 2; }
+done
+[ -x "$moto" ] || { echo "missing moto_server (python3 -m venv V && V/bin/pip install 'moto[s3]' flask flask-cors; then BENCH_MOTO=V/bin/moto_server)" >&2; exit 2; }
+if [ -n "${STRATA_BIN:-}" ]; then strata=$STRATA_BIN
+else cargo build --release -q -p strata; strata=target/release/strata; fi
+strata=$(realpath "$strata")
+root=0; [ "$(id -u)" = 0 ] && root=1
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/strata-coldstart.XXXXXX")
+pids=(); loop=""
+cleanup() {
+  umount "$work/mnt" 2>/dev/null || true
+  [ -n "$loop" ] && losetup -d "$loop" 2>/dev/null || true
+  fusermount3 -u "$work/fuse" 2>/dev/null || true
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+now_ms() { date +%s%3N; }
+metric() { curl -s "$1/metrics" | awk -v m="$2" '$1 == m {print $2}'; }
+rss_kib() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
+
+# The object store: moto, and the latency proxy in front of it.
+mport=$(free_port)
+"$moto" -H 127.0.0.1 -p "$mport" > "$work/moto.log" 2>&1 & pids+=($!)
+for _ in $(seq 1 100); do curl -s -o /dev/null "http://127.0.0.1:$mport" && break; sleep 0.2; done
+curl -sf -X PUT "http://127.0.0.1:$mport/bench" -o /dev/null
+python3 bench/latency_proxy.py 0 "127.0.0.1:$mport" "$delay_ms" > "$work/proxy.out" 2> "$work/proxy.err" & pids+=($!)
+for _ in $(seq 1 50); do grep -q ready "$work/proxy.out" 2>/dev/null && break; sleep 0.1; done
+pport=$(awk '/ready/ {print $2}' "$work/proxy.out")
+export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench STRATA_ADMIN_TOKEN=bench-admin
+store() { echo "s3://bench/strata?endpoint=http://127.0.0.1:$1&region=us-east-1&allow_http=true"; }
+
+# serve NODE STORE-PORT: starts a daemon; sets $url and $pid.
+serve() {
+  "$strata" --data "$work/$1" --json serve --listen 127.0.0.1:0 --node-id "$1" \
+    --catalog "sqlite:$work/catalog.db" --store "$(store "$2")" > "$work/$1.out" 2> "$work/$1.err" &
+  pid=$!; pids+=($pid)
+  for _ in $(seq 1 100); do [ -s "$work/$1.out" ] && break; sleep 0.1; done
+  url="http://$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["listening"])' "$work/$1.out")"
+}
+cli() { STRATA_URL=$url STRATA_TOKEN=$tenant_token "$strata" --json "$@"; }
+
+# A source tree: whole crate directories from the cargo registry, in name order, up to tree_mb.
+mkdir -p "$work/tree"
+reg=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/ 2>/dev/null | head -1 || true)
+if [ -n "$reg" ]; then
+  total=0
+  for d in "$reg"*/; do
+    [ $total -ge $((tree_mb << 20)) ] && break
+    b=$(du -sb "$d" | cut -f1); [ "$b" -gt $((tree_mb << 18)) ] && continue  # none over 1/4
+    cp -r "$d" "$work/tree/"; total=$((total + b))
+  done
+else
+  cp -r crates docs "$work/tree/"
+fi
+tree_bytes=$(du -sb "$work/tree" | cut -f1); tree_files=$(find "$work/tree" -type f | wc -l)
+echo "source tree: $tree_files files, $((tree_bytes >> 20)) MiB" >&2
+
+# Node A builds the template straight into moto (no latency: this is not what is measured).
+serve a "$mport"; a_pid=$pid
+tenant_token=$(STRATA_URL=$url STRATA_TOKEN=bench-admin "$strata" --json tenant create bench |
+  python3 -c 'import json,sys; print(json.load(sys.stdin)["token"])')
+disk_mb=$(( (tree_bytes >> 20) * 2 + 64 ))
+cli template build src --from-dir "$work/tree" --size "${disk_mb}MiB" > "$work/template.json"
+kill "$a_pid"; wait "$a_pid" 2>/dev/null || true
+
+# Node B: cold, every request to the store delayed.
+serve b "$pport"; b_pid=$pid; b_url=$url
+t0=$(now_ms); cli ws create w0 --template src > /dev/null; t1=$(now_ms)
+cli ws attach w0 > "$work/attach.json"; t2=$(now_ms)
+export_uri=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["export"])' "$work/attach.json")
+g0=$(metric "$b_url" strata_object_gets_total)
+t3=$(now_ms); qemu-io -f raw -r -c 'read 0 4k' "$export_uri" > /dev/null; t4=$(now_ms)
+first_gets=$(( $(metric "$b_url" strata_object_gets_total) - g0 ))
+qemu-io -f raw -r -c 'read 0 4k' "$export_uri" > /dev/null; t5=$(now_ms)
+first_read_ms=$(( (t4 - t3) - (t5 - t4) ))   # minus qemu-io's own start-up (the warm repeat)
+echo "create $((t1 - t0)) ms, attach $((t2 - t1)) ms, first 4 KiB read ~${first_read_ms} ms" >&2
+
+workload() {  # PASS: mount ro, find + grep -r, unmount; prints "ms read_bytes gets fetched"
+  sync; echo 3 > /proc/sys/vm/drop_caches
+  mkdir -p "$work/fuse" "$work/mnt"
+  nbdfuse -P "$work/nbdfuse.pid" "$work/fuse/disk" "$export_uri" &
+  for _ in $(seq 1 100); do [ -s "$work/nbdfuse.pid" ] && break; sleep 0.1; done
+  loop=$(losetup -r -f --show "$work/fuse/disk")
+  mount -o ro,noload "$loop" "$work/mnt"
+  local dev; dev=$(basename "$loop")
+  local r0 g0 f0 t0 t1 r1 g1 f1
+  r0=$(awk '{print $3}' "/sys/block/$dev/stat"); g0=$(metric "$b_url" strata_object_gets_total)
+  f0=$(metric "$b_url" strata_object_bytes_fetched_total); t0=$(now_ms)
+  find "$work/mnt" -type f | wc -l > "$work/found"
+  grep -r -l -F 'unsafe' "$work/mnt" | wc -l > "$work/grepped" || true
+  t1=$(now_ms); r1=$(awk '{print $3}' "/sys/block/$dev/stat")
+  g1=$(metric "$b_url" strata_object_gets_total); f1=$(metric "$b_url" strata_object_bytes_fetched_total)
+  umount "$work/mnt"; losetup -d "$loop"; loop=""; fusermount3 -u "$work/fuse"
+  rm -f "$work/nbdfuse.pid"
+  echo "$((t1 - t0)) $(( (r1 - r0) * 512 )) $((g1 - g0)) $((f1 - f0))"
+}
+cold="" warm=""
+if [ $root = 1 ]; then
+  cold=$(workload); warm=$(workload)
+  echo "workload cold: $cold; warm: $warm (ms, bytes read, GETs, bytes fetched)" >&2
+else
+  echo "not root: the mount workload is skipped" >&2
+fi
+
+# Scenario 6: daemon memory per attached workspace (each written 1 MiB and read 1 MiB).
+cli ws detach w0 > /dev/null
+sleep 1; rss0=$(rss_kib "$b_pid")
+for i in $(seq 1 "$n_ws"); do
+  cli ws create "m$i" --template src > /dev/null
+  u=$(cli ws attach "m$i" | python3 -c 'import json,sys; print(json.load(sys.stdin)["export"])')
+  qemu-io -f raw -c 'write -P 7 1M 1M' -c 'read 0 1M' -c flush "$u" > /dev/null
+done
+sleep 1; rss1=$(rss_kib "$b_pid")
+echo "daemon RSS: $rss0 KiB idle, $rss1 KiB with $n_ws attached" >&2
+kill "$b_pid"; wait "$b_pid" 2>/dev/null || true
+for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; pids=()
+proxy_requests=$(awk '/requests/ {print $2}' "$work/proxy.err")
+
+mkdir -p "$(dirname "$out_json")"
+python3 - "$out_json" <<PY
+import json, sys
+def w(s):
+    if not s: return None
+    ms, read, gets, fetched = map(int, s.split())
+    return {"ms": ms, "bytes_read": read, "gets": gets, "bytes_fetched": fetched,
+            "fetched_over_read": fetched / read if read else None,
+            "four_kib_misses": read // 4096}
+json.dump({"latency_ms": $delay_ms, "tree_files": $tree_files, "tree_bytes": $tree_bytes,
+    "template": json.load(open("$work/template.json")),
+    "create_ms": $((t1 - t0)), "attach_ms": $((t2 - t1)), "first_read_ms": $first_read_ms,
+    "attach_gets": $g0, "first_read_gets": $first_gets,
+    "cold": w("$cold"), "warm": w("$warm"), "proxy_requests": int("${proxy_requests:-0}"),
+    "daemon_rss_idle_kib": $rss0, "daemon_rss_attached_kib": $rss1, "attached": $n_ws,
+    "rss_per_workspace_kib": ($rss1 - $rss0) / $n_ws}, open(sys.argv[1], "w"), indent=1)
+PY
+echo "results: $out_json" >&2
