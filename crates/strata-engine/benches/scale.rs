@@ -145,7 +145,11 @@ async fn main() {
         memory(dir.path(), &catalog, &store, full).await,
     );
     if let Ok(path) = std::env::var("BENCH_JSON") {
-        std::fs::write(&path, serde_json::to_string_pretty(&Value::Object(out)).unwrap()).unwrap();
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&Value::Object(out)).unwrap(),
+        )
+        .unwrap();
         println!("results: {path}");
     }
 }
@@ -214,8 +218,10 @@ async fn scaling(
                 ms(attach),
                 ms(ready)
             );
-            restores.push(json!({"disk": label, "latency_ms": lat_ms, "attach_ms": ms(attach),
-                "first_read_ms": ms(ready), "object_gets": gets}));
+            restores.push(
+                json!({"disk": label, "latency_ms": lat_ms, "attach_ms": ms(attach),
+                "first_read_ms": ms(ready), "object_gets": gets}),
+            );
             r.detach(T, &src).await.unwrap();
         }
     }
@@ -258,9 +264,7 @@ async fn scaling(
                 let mut i = 0u64;
                 while !stop.load(Relaxed) {
                     let t = Instant::now();
-                    v.write((i % 256) * 4096, &stamped(i), false)
-                        .await
-                        .unwrap();
+                    v.write((i % 256) * 4096, &stamped(i), false).await.unwrap();
                     lat.push(t.elapsed());
                     i += 1;
                     tokio::task::yield_now().await;
@@ -284,8 +288,10 @@ async fn scaling(
             lat.len(),
             ms(p.total)
         );
-        cps.push(json!({"dirty_bytes": d, "cut_ms": ms(p.stall), "writer_worst_ms": ms(worst),
-            "writer_p99_ms": ms(p99), "writes_during": lat.len(), "publish_ms": ms(p.total)}));
+        cps.push(
+            json!({"dirty_bytes": d, "cut_ms": ms(p.stall), "writer_worst_ms": ms(worst),
+            "writer_p99_ms": ms(p99), "writes_during": lat.len(), "publish_ms": ms(p.total)}),
+        );
         e.detach(T, &name).await.unwrap();
     }
     json!({"fork": forks, "restore": restores, "checkpoint": cps})

@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::hash::Hash as StdHash;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
@@ -158,11 +159,7 @@ impl ObjectReader {
             let range = obj.data_len..obj.data_len + object::trailer_len(obj.data_len);
             let mut last = String::new();
             for _ in 0..2 {
-                let bytes = self.store.get_range(&key, range.clone()).await?;
-                self.counters.gets.fetch_add(1, Relaxed);
-                self.counters
-                    .bytes_fetched
-                    .fetch_add(bytes.len() as u64, Relaxed);
+                let bytes = self.get_counted(&key, range.clone()).await?;
                 match FrameTable::decode(&obj.id, obj.data_len, &bytes) {
                     Ok(t) => return Ok(Arc::new(t)),
                     Err(e) => {
@@ -179,17 +176,38 @@ impl ObjectReader {
         Ok(t)
     }
 
+    /// One ranged GET, counted.
+    async fn get_counted(
+        &self,
+        key: &object_store::path::Path,
+        range: Range<u64>,
+    ) -> Result<Bytes> {
+        let bytes = self.store.get_range(key, range).await?;
+        self.counters.gets.fetch_add(1, Relaxed);
+        self.counters
+            .bytes_fetched
+            .fetch_add(bytes.len() as u64, Relaxed);
+        Ok(bytes)
+    }
+
     async fn fetch_unit(&self, key: Key, obj: ObjectRef) -> Result<Bytes> {
-        let table = self.table(&key.tenant, &obj).await?;
         let start = key.unit * self.unit;
         let end = (start + self.unit).min(obj.data_len);
         let okey = Store::object_key(&key.tenant, &obj.id);
+        // Frames sit at fixed offsets, so the unit need not wait for the object's frame table:
+        // both are fetched at once and a cold read of a new object costs one round trip.
+        let (table, first) = futures::future::join(
+            self.table(&key.tenant, &obj),
+            self.get_counted(&okey, start..end),
+        )
+        .await;
+        let table = table?;
+        let mut first = Some(first);
         for _ in 0..2 {
-            let bytes = self.store.get_range(&okey, start..end).await?;
-            self.counters.gets.fetch_add(1, Relaxed);
-            self.counters
-                .bytes_fetched
-                .fetch_add(bytes.len() as u64, Relaxed);
+            let bytes = match first.take() {
+                Some(got) => got?,
+                None => self.get_counted(&okey, start..end).await?,
+            };
             let first = (start / FRAME_SIZE as u64) as usize;
             if bytes.len() as u64 == end - start && table.verify(first, &bytes).is_ok() {
                 self.cache.insert(&key, &bytes);
