@@ -8,7 +8,8 @@
 # a workspace from it, attaches it, reads a first block, and runs a realistic workload: ext4 is
 # mounted read-only through nbdfuse + a loop device, then `find` and `grep -r` run over the tree.
 # It counts B's object GETs and bytes fetched against the bytes the workload read from the disk
-# (the loop device's counters), cold and then warm (same node, page cache dropped).
+# (the loop device's counters), cold and then warm (same node, page cache dropped); a fresh node
+# per repetition (BENCH_REPS, 3), medians reported.
 #
 #   bench/coldstart.sh                 # full
 #   BENCH_SMOKE=1 bench/coldstart.sh   # seconds-long check that it works (CI)
@@ -20,7 +21,8 @@ cd "$(dirname "$0")/.."
 
 smoke=${BENCH_SMOKE:-0}
 delay_ms=${BENCH_S3_LATENCY_MS:-20}; tree_mb=${BENCH_TREE_MB:-160}; n_ws=${BENCH_WS:-32}
-if [ "$smoke" = 1 ]; then tree_mb=8; n_ws=4; fi
+reps=${BENCH_REPS:-3}
+if [ "$smoke" = 1 ]; then tree_mb=8; n_ws=4; reps=1; fi
 out_json=${BENCH_OUT:-docs/bench/coldstart-results.json}
 moto=${BENCH_MOTO:-$(command -v moto_server || echo "$HOME/.cache/strata-ci-venv/bin/moto_server")}
 
@@ -94,17 +96,18 @@ disk_mb=$(( (tree_bytes >> 20) * 2 + 64 ))
 cli template build src --from-dir "$work/tree" --size "${disk_mb}MiB" > "$work/template.json"
 kill "$a_pid"; wait "$a_pid" 2>/dev/null || true
 
-# Node B: cold, every request to the store delayed.
-serve b "$pport"; b_pid=$pid; b_url=$url
-t0=$(now_ms); cli ws create w0 --template src > /dev/null; t1=$(now_ms)
-cli ws attach w0 > "$work/attach.json"; t2=$(now_ms)
-export_uri=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["export"])' "$work/attach.json")
-g0=$(metric "$b_url" strata_object_gets_total)
-t3=$(now_ms); qemu-io -f raw -r -c 'read 0 4k' "$export_uri" > /dev/null; t4=$(now_ms)
-first_gets=$(( $(metric "$b_url" strata_object_gets_total) - g0 ))
-qemu-io -f raw -r -c 'read 0 4k' "$export_uri" > /dev/null; t5=$(now_ms)
-first_read_ms=$(( (t4 - t3) - (t5 - t4) ))   # minus qemu-io's own start-up (the warm repeat)
-echo "create $((t1 - t0)) ms, attach $((t2 - t1)) ms, first 4 KiB read ~${first_read_ms} ms" >&2
+# Node B (one fresh node per repetition): cold, every request to the store delayed.
+cold_start() {  # REP: prints "create_ms attach_ms first_read_ms first_read_gets"
+  t0=$(now_ms); cli ws create "w$1" --template src > /dev/null; t1=$(now_ms)
+  cli ws attach "w$1" > "$work/attach.json"; t2=$(now_ms)
+  export_uri=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["export"])' "$work/attach.json")
+  g0=$(metric "$b_url" strata_object_gets_total)
+  t3=$(now_ms); qemu-io -f raw -r -c 'read 0 4k' "$export_uri" > /dev/null; t4=$(now_ms)
+  g1=$(metric "$b_url" strata_object_gets_total)
+  qemu-io -f raw -r -c 'read 0 4k' "$export_uri" > /dev/null; t5=$(now_ms)
+  # The first read minus qemu-io's own start-up (the warm repeat).
+  echo "$((t1 - t0)) $((t2 - t1)) $(( (t4 - t3) - (t5 - t4) )) $((g1 - g0))"
+}
 
 workload() {  # PASS: mount ro, find + grep -r, unmount; prints "ms read_bytes gets fetched"
   sync; echo 3 > /proc/sys/vm/drop_caches
@@ -125,16 +128,38 @@ workload() {  # PASS: mount ro, find + grep -r, unmount; prints "ms read_bytes g
   rm -f "$work/nbdfuse.pid"
   echo "$((t1 - t0)) $(( (r1 - r0) * 512 )) $((g1 - g0)) $((f1 - f0))"
 }
-cold="" warm=""
-if [ $root = 1 ]; then
-  cold=$(workload); warm=$(workload)
-  echo "workload cold: $cold; warm: $warm (ms, bytes read, GETs, bytes fetched)" >&2
-else
-  echo "not root: the mount workload is skipped" >&2
-fi
+echo "[" > "$work/runs.json"
+for rep in $(seq 1 "$reps"); do
+  serve "b$rep" "$pport"; b_pid=$pid; b_url=$url
+  cold_start "$rep" > "$work/start.txt"   # not in a subshell: it sets export_uri
+  read -r create_ms attach_ms first_ms first_gets < "$work/start.txt"
+  echo "create $create_ms ms, attach $attach_ms ms, first 4 KiB read ~$first_ms ms ($first_gets GETs)" >&2
+  cold="" warm=""
+  if [ $root = 1 ]; then
+    cold=$(workload); warm=$(workload)
+    echo "workload cold: $cold; warm: $warm (ms, bytes read, GETs, bytes fetched)" >&2
+  else
+    echo "not root: the mount workload is skipped" >&2
+  fi
+  kill "$b_pid"; wait "$b_pid" 2>/dev/null || true
+  [ "$rep" = 1 ] || echo "," >> "$work/runs.json"
+  python3 - "$create_ms" "$attach_ms" "$first_ms" "$first_gets" "$cold" "$warm" >> "$work/runs.json" <<'PY'
+import json, sys
+def w(s):
+    if not s: return None
+    ms, read, gets, fetched = map(int, s.split())
+    return {"ms": ms, "bytes_read": read, "gets": gets, "bytes_fetched": fetched,
+            "fetched_over_read": fetched / read if read else None, "four_kib_misses": read // 4096}
+c, a, f, g = map(int, sys.argv[1:5])
+print(json.dumps({"create_ms": c, "attach_ms": a, "first_read_ms": f, "first_read_gets": g,
+                  "cold": w(sys.argv[5]), "warm": w(sys.argv[6])}))
+PY
+done
+echo "]" >> "$work/runs.json"
 
-# Scenario 6: daemon memory per attached workspace (each written 1 MiB and read 1 MiB).
-cli ws detach w0 > /dev/null
+# Scenario 6: daemon memory per attached workspace (each written 1 MiB and read 1 MiB), on a
+# fresh node.
+serve m "$pport"; b_pid=$pid
 sleep 1; rss0=$(rss_kib "$b_pid")
 for i in $(seq 1 "$n_ws"); do
   cli ws create "m$i" --template src > /dev/null
@@ -148,19 +173,22 @@ for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null 
 proxy_requests=$(awk '/requests/ {print $2}' "$work/proxy.err")
 
 mkdir -p "$(dirname "$out_json")"
-python3 - "$out_json" <<PY
-import json, sys
-def w(s):
-    if not s: return None
-    ms, read, gets, fetched = map(int, s.split())
-    return {"ms": ms, "bytes_read": read, "gets": gets, "bytes_fetched": fetched,
-            "fetched_over_read": fetched / read if read else None,
-            "four_kib_misses": read // 4096}
+python3 - "$out_json" "$work/runs.json" "$work/template.json" <<PY
+import json, statistics as st, sys
+runs = json.load(open(sys.argv[2]))
+def med(get):
+    v = [get(r) for r in runs]
+    v = [x for x in v if x is not None]
+    return st.median(v) if v else None
+def med_w(k):
+    if runs[0][k] is None: return None
+    return {f: med(lambda r: r[k][f]) for f in runs[0][k]}
 json.dump({"latency_ms": $delay_ms, "tree_files": $tree_files, "tree_bytes": $tree_bytes,
-    "template": json.load(open("$work/template.json")),
-    "create_ms": $((t1 - t0)), "attach_ms": $((t2 - t1)), "first_read_ms": $first_read_ms,
-    "attach_gets": $g0, "first_read_gets": $first_gets,
-    "cold": w("$cold"), "warm": w("$warm"), "proxy_requests": int("${proxy_requests:-0}"),
+    "template": json.load(open(sys.argv[3])), "reps": len(runs), "runs": runs,
+    "create_ms": med(lambda r: r["create_ms"]), "attach_ms": med(lambda r: r["attach_ms"]),
+    "first_read_ms": med(lambda r: r["first_read_ms"]),
+    "first_read_gets": med(lambda r: r["first_read_gets"]),
+    "cold": med_w("cold"), "warm": med_w("warm"), "proxy_requests": int("${proxy_requests:-0}"),
     "daemon_rss_idle_kib": $rss0, "daemon_rss_attached_kib": $rss1, "attached": $n_ws,
     "rss_per_workspace_kib": ($rss1 - $rss0) / $n_ws}, open(sys.argv[1], "w"), indent=1)
 PY

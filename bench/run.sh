@@ -2,10 +2,11 @@
 # The peer benchmark suite (issue 7): one command runs every scenario against strata and its
 # peers on the same files in the same run, and writes one result file plus SVG plots.
 #
-#   bench/run.sh                     # full run: about 45 min on 2 cores; writes docs/bench/
+#   bench/run.sh                     # full run: about 30 min on 2 cores; writes docs/bench/
 #   BENCH_SMOKE=1 bench/run.sh       # minutes: checks every scenario still runs (CI); writes to
 #                                    # a temporary directory unless BENCH_DIR is set
-#   BENCH_SCENARIOS="engine nbd coldstart" bench/run.sh   # a subset (the default is all three)
+#   BENCH_SCENARIOS="engine coldstart" bench/run.sh   # a subset (default: all three); the other
+#                                    # parts of an existing results.json are kept
 #
 # Scenarios and where they live:
 #   nbd        1. protocol and data path (fio over NBD vs qemu-nbd+qcow2, nbdkit cow, nbdkit
@@ -76,12 +77,19 @@ def ver(cmd):
     except Exception:
         return None
 mem = next((int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal")), 0)
-res = {"started": started, "smoke": smoke == "1",
+# A subset run (BENCH_SCENARIOS) keeps the other parts of an earlier result file.
+try:
+    res = json.load(open(dest))
+except Exception:
+    res = {}
+parts = {k: load(f"{k}.json") for k in ("nbd", "coldstart", "engine")}
+res.update({k: v for k, v in parts.items() if v is not None})
+res.update({"started": started, "smoke": smoke == "1",
        "command": ("BENCH_SMOKE=1 " if smoke == "1" else "") + "bench/run.sh",
        "machine": {"cpus": os.cpu_count(), "mem_gib": round(mem / 2**20, 1),
                    "kernel": platform.release(), "fio": ver(["fio", "--version"]),
-                   "qemu-nbd": ver(["qemu-nbd", "--version"]), "nbdkit": ver(["nbdkit", "--version"])},
-       "nbd": load("nbd.json"), "coldstart": load("coldstart.json"), "engine": load("engine.json")}
+                   "qemu-nbd": ver(["qemu-nbd", "--version"]), "nbdkit": ver(["nbdkit", "--version"])}})
+res.setdefault("runs", {}).update({k: started for k, v in parts.items() if v is not None})
 json.dump(res, open(dest, "w"), indent=1)
 print(dest)
 PY

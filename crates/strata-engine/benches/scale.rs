@@ -318,8 +318,9 @@ async fn shared_cache(
     .await
     .unwrap();
     let v = w.attach(T, "base").await.unwrap();
-    let chunk: Vec<u8> = (0..1u32 << 20).map(|i| (i * 7 % 251) as u8).collect();
     for off in (0..data_mib << 20).step_by(1 << 20) {
+        // Distinct blocks (identical ones would be stored once).
+        let chunk: Vec<u8> = (0..256).flat_map(|b| stamped((off >> 12) + b)).collect();
         v.write(off, &chunk, false).await.unwrap();
     }
     w.detach(T, "base").await.unwrap();

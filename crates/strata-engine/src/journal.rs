@@ -5,18 +5,20 @@
 //! - a write is acknowledged only after its record is written (page cache) and the overlay
 //!   points at it; it is durable after a flush has `fdatasync`ed every dirty segment and, if a
 //!   segment was created since, `fsync`ed the directory;
-//! - recovery replays records in order and stops at the first invalid one (torn tail) or the
-//!   first gap in the (contiguous) sequence numbers, truncates there and deletes every later
-//!   segment, so the journal is always a clean prefix;
+//! - recovery replays records in order; a segment ends at its first invalid record (a torn
+//!   tail, or the unused rest of a recycled or prepared file, which rotation leaves in place)
+//!   and is truncated there; the first gap in the (contiguous) sequence numbers, checked
+//!   across segments, ends the journal: every later segment is deleted, so the journal is
+//!   always a clean prefix;
 //! - segments are only ever deleted oldest first (publish, cleaning), so what remains is
 //!   contiguous;
 //! - a segment is deleted only when every record in it is covered by a published manifest
 //!   recorded in the durable local state (see `volume.rs`).
 //!
 //! - deleted segments are recycled (renamed to `{id}.free`, then to the next segment's name) so
-//!   that appends overwrite allocated blocks and an fdatasync need not commit a size change; a
-//!   segment is truncated to its logical length when sealed, so only the last segment can hold
-//!   stale bytes after its records, and replay stops there (their sequence numbers are old).
+//!   that appends overwrite allocated blocks and an fdatasync need not commit a size change;
+//!   stale bytes after a segment's records never verify (a fresh nonce per incarnation), and a
+//!   lost record anywhere shows as a gap in the sequence numbers that follow it.
 //!
 //! Files: `{dir}/{id:016x}.seg`, records per `strata_format::journal`; `{id:016x}.free` are
 //! recyclable.
@@ -105,7 +107,9 @@ impl Journal {
         ids.sort_unstable();
         let mut segments = BTreeMap::new();
         let mut last_seq = skip_upto;
-        let mut prev_seq = 0u64;
+        // The last valid record seen in any segment: sequence numbers continue across segments,
+        // so once one is known every later record must follow it exactly.
+        let mut prev_seq: Option<u64> = None;
         let mut discarded = 0u64;
         let mut torn = false;
         let mut dir_dirty = false;
@@ -130,6 +134,7 @@ impl Journal {
                 _ => None,
             };
             let mut pos = SEGMENT_HEADER_LEN as u64;
+            let mut ended = false;
             let mut seg_last = 0u64;
             let mut head = [0u8; HEADER_LEN];
             if nonce.is_none() {
@@ -147,18 +152,31 @@ impl Journal {
                     // Unpublished sequence numbers are contiguous: a gap means a lost record, so
                     // stop there. (Published records, <= skip_upto, may be left over from an
                     // interrupted deletion; they are skipped, not checked.)
-                    if pos + h.total_len() > len
-                        || (h.seq > skip_upto && prev_seq != 0 && h.seq != prev_seq + 1)
-                    {
+                    if h.seq > skip_upto && prev_seq.is_some_and(|p| h.seq != p + 1) {
+                        return Some(Err(()));
+                    }
+                    if pos + h.total_len() > len {
                         return None;
                     }
                     let mut payload = vec![0u8; h.payload_len as usize];
                     file.read_at(&mut payload, pos + HEADER_LEN as u64).ok()?;
-                    rec::verify(nonce, &head, &h, &payload).then_some(h)
+                    rec::verify(nonce, &head, &h, &payload).then_some(Ok(h))
                 })();
-                let Some(h) = ok else {
-                    torn = true;
-                    break;
+                let h = match ok {
+                    Some(Ok(h)) => h,
+                    // A gap in the sequence: a record was lost, nothing after it counts.
+                    Some(Err(())) => {
+                        torn = true;
+                        break;
+                    }
+                    // The end of this segment's records: a torn tail, or in a sealed segment
+                    // the unused rest of a recycled or prepared file (rotation does not
+                    // truncate it). Later segments still count if their sequence numbers
+                    // continue without a gap, which the check above enforces record by record.
+                    None => {
+                        ended = true;
+                        break;
+                    }
                 };
                 if h.seq > skip_upto {
                     apply(
@@ -174,13 +192,11 @@ impl Journal {
                     );
                 }
                 seg_last = h.seq;
-                if h.seq > skip_upto {
-                    prev_seq = h.seq;
-                }
+                prev_seq = Some(h.seq);
                 last_seq = last_seq.max(h.seq);
                 pos += h.total_len();
             }
-            if torn {
+            if torn || ended {
                 discarded += len.saturating_sub(pos);
                 if pos < len {
                     file.set_len(pos)?;
@@ -242,14 +258,10 @@ impl Journal {
     /// Seals the active segment and starts a new one (reusing a recycled file when there is
     /// one). Returns the new segment's id and file.
     pub fn rotate(&mut self) -> io::Result<(u64, Arc<dyn FsFile>)> {
-        if let Some(old) = self.segments.get(&self.active) {
-            // Drop any stale bytes of a recycled file past the last record; the next flush
-            // makes the new length durable together with the data.
-            if old.file.len()? != old.len {
-                old.file.set_len(old.len)?;
-                self.dirty.insert(self.active, old.file.clone());
-            }
-        }
+        // The sealed segment keeps any unused bytes of a recycled or prepared file past its
+        // last record: truncating here would free blocks under the writer lock (milliseconds on
+        // a busy disk). Replay ends a segment at its first invalid record and goes on with the
+        // next one only if the sequence continues without a gap.
         let id = self.active + 1;
         let path = seg_path(&self.dir, id);
         let recycled = self.free.pop();
@@ -379,23 +391,77 @@ impl Journal {
         }
     }
 
-    /// Deletes every sealed segment whose records are all `<= seq`. Returns the deleted ids.
-    pub fn delete_through(&mut self, seq: u64) -> io::Result<Vec<u64>> {
+    /// Takes every sealed segment whose records are all `<= seq` out of the journal and returns
+    /// them to be retired by [`Retired::apply`] *without* the journal's lock: unlinking and
+    /// closing large files and the directory fsync take tens of milliseconds each, which writers
+    /// must not wait for. Until then the files keep their segment names; replay after a crash
+    /// skips them (their records are all published).
+    pub fn detach_through(&mut self, seq: u64) -> Retired {
         let victims: Vec<u64> = self
             .segments
             .iter()
             .filter(|(id, s)| **id != self.active && s.last_seq <= seq)
             .map(|(id, _)| *id)
             .collect();
-        for id in &victims {
-            self.segments.remove(id);
-            self.dirty.remove(id);
-            self.retire(*id)?;
+        let mut room = FREE_POOL.saturating_sub(self.free.len());
+        let mut r = Retired {
+            ids: victims.clone(),
+            files: vec![],
+            recycle: vec![],
+            remove: vec![],
+            fs: self.fs.clone(),
+            dir: self.dir.clone(),
+        };
+        for id in victims {
+            if let Some(m) = self.segments.remove(&id) {
+                r.files.push(m.file);
+            }
+            self.dirty.remove(&id);
+            let path = seg_path(&self.dir, id);
+            if room > 0 {
+                room -= 1;
+                r.recycle
+                    .push((path, self.dir.join(format!("{id:016x}.free"))));
+            } else {
+                r.remove.push(path);
+            }
         }
-        if !victims.is_empty() {
+        r
+    }
+
+    /// Returns files renamed by [`Retired::apply`] to the recycling pool.
+    pub fn add_free(&mut self, paths: Vec<PathBuf>) {
+        self.free.extend(paths);
+    }
+}
+
+/// Segments detached from the journal, retired off its lock.
+pub(crate) struct Retired {
+    pub ids: Vec<u64>,
+    files: Vec<Arc<dyn FsFile>>,
+    recycle: Vec<(PathBuf, PathBuf)>,
+    remove: Vec<PathBuf>,
+    fs: Arc<dyn Fs>,
+    dir: PathBuf,
+}
+
+impl Retired {
+    /// Renames the recyclable files, deletes the rest, syncs the directory and closes the
+    /// handles. Returns the recycled paths for [`Journal::add_free`].
+    pub fn apply(self) -> io::Result<Vec<PathBuf>> {
+        let mut free = vec![];
+        for (from, to) in &self.recycle {
+            self.fs.rename(from, to)?;
+            free.push(to.clone());
+        }
+        for path in &self.remove {
+            self.fs.remove(path)?;
+        }
+        if !self.ids.is_empty() {
             self.fs.sync_dir(&self.dir)?;
         }
-        Ok(victims)
+        drop(self.files);
+        Ok(free)
     }
 }
 
@@ -418,4 +484,80 @@ pub(crate) fn prepare_file(fs: &dyn Fs, dir: &Path, size: u64) -> io::Result<Pat
     fs.rename(&tmp, &ready)?;
     fs.sync_dir(dir)?;
     Ok(ready)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fs::RealFs;
+
+    const MAX: u64 = 1 << 20;
+
+    fn open(dir: &Path, skip_upto: u64) -> (Journal, Vec<u64>) {
+        let mut seqs = vec![];
+        let (j, _) = Journal::open(Arc::new(RealFs), dir, skip_upto, MAX, |r, _| {
+            seqs.push(r.seq)
+        })
+        .unwrap();
+        (j, seqs)
+    }
+
+    fn append(j: &mut Journal, n: u64) -> Vec<(u64, u64, u64)> {
+        (0..n)
+            .map(|i| {
+                let (seq, seg, off, _) = j.append(Kind::Write, i, 1, &[i as u8; 4096]).unwrap();
+                (seq, seg, off)
+            })
+            .collect()
+    }
+
+    /// A sealed segment keeps the unused, zero-filled rest of a prepared file: replay ends that
+    /// segment at its last record and goes on with the next.
+    #[test]
+    fn a_sealed_segment_with_an_unused_tail_is_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut j, _) = open(dir.path(), 0);
+        let first = append(&mut j, 3);
+        let seg = first[0].1;
+        j.file(seg).unwrap().set_len(MAX).unwrap(); // as a prepared file would be
+        j.rotate().unwrap();
+        append(&mut j, 2);
+        drop(j);
+        let (_, seqs) = open(dir.path(), 0);
+        assert_eq!(seqs, vec![1, 2, 3, 4, 5]);
+        let len = std::fs::metadata(seg_path(dir.path(), seg)).unwrap().len();
+        assert!(len < MAX, "replay truncates the unused tail");
+    }
+
+    /// A record lost at the end of a sealed segment leaves a gap before the next segment's
+    /// records: replay stops at the gap and deletes what follows (a clean prefix).
+    #[test]
+    fn a_lost_record_ends_the_journal_even_across_segments() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut j, _) = open(dir.path(), 0);
+        let first = append(&mut j, 3);
+        let (_, seg, off) = first[2];
+        j.file(seg).unwrap().write_at(&[0xff; 16], off).unwrap(); // record 3 torn
+        j.rotate().unwrap();
+        let later = append(&mut j, 2);
+        drop(j);
+        let (_, seqs) = open(dir.path(), 0);
+        assert_eq!(seqs, vec![1, 2]);
+        assert!(!seg_path(dir.path(), later[0].1).exists());
+    }
+
+    /// Published records left in a sealed segment also count for the gap check.
+    #[test]
+    fn a_gap_right_after_published_records_is_caught() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut j, _) = open(dir.path(), 0);
+        let first = append(&mut j, 3);
+        let (_, seg, off) = first[2];
+        j.file(seg).unwrap().write_at(&[0xff; 16], off).unwrap(); // record 3 torn
+        j.rotate().unwrap();
+        append(&mut j, 2);
+        drop(j);
+        let (_, seqs) = open(dir.path(), 2); // records 1 and 2 are published
+        assert_eq!(seqs, Vec::<u64>::new());
+    }
 }

@@ -132,16 +132,26 @@ impl Volume {
                 let ls = self.local_state(version, manifest, cut);
                 let cleanup = async {
                     ls.store(&*self.fs, &self.dir)?;
-                    let deleted = self
-                        .writer
-                        .lock()
-                        .await
-                        .delete_through(cut)
-                        .map_err(Error::io("deleting published segments"))?;
-                    let mut st = self.st_mut();
-                    for id in deleted {
-                        st.files.remove(&id);
-                    }
+                    // Detached under the writer lock (in memory only), retired without it.
+                    let retired = self.writer.lock().await.detach_through(cut);
+                    let handles: Vec<_> = {
+                        let mut st = self.st_mut();
+                        retired
+                            .ids
+                            .iter()
+                            .filter_map(|id| st.files.remove(id))
+                            .collect()
+                    };
+                    let free = tokio::task::spawn_blocking(move || {
+                        let free = retired.apply();
+                        drop(handles);
+                        free
+                    })
+                    .await
+                    .map_err(std::io::Error::other)
+                    .and_then(|r| r)
+                    .map_err(Error::io("retiring published segments"))?;
+                    self.writer.lock().await.add_free(free);
                     Ok::<_, Error>(())
                 };
                 if let Err(e) = cleanup.await {
