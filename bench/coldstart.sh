@@ -9,7 +9,8 @@
 # mounted read-only through nbdfuse + a loop device, then `find` and `grep -r` run over the tree.
 # It counts B's object GETs and bytes fetched against the bytes the workload read from the disk
 # (the loop device's counters), cold and then warm (same node, page cache dropped); a fresh node
-# per repetition (BENCH_REPS, 3), medians reported.
+# per repetition (BENCH_REPS, 3), medians reported; each repetition also runs a node with
+# read-ahead off (--readahead-units 0) for comparison.
 #
 #   bench/coldstart.sh                 # full
 #   BENCH_SMOKE=1 bench/coldstart.sh   # seconds-long check that it works (CI)
@@ -64,11 +65,12 @@ store() { echo "s3://bench/strata?endpoint=http://127.0.0.1:$1&region=us-east-1&
 
 # serve NODE STORE-PORT: starts a daemon; sets $url and $pid.
 serve() {
-  "$strata" --data "$work/$1" --json serve --listen 127.0.0.1:0 --node-id "$1" \
-    --catalog "sqlite:$work/catalog.db" --store "$(store "$2")" > "$work/$1.out" 2> "$work/$1.err" &
+  local node=$1 port=$2; shift 2
+  "$strata" --data "$work/$node" --json serve --listen 127.0.0.1:0 --node-id "$node" \
+    --catalog "sqlite:$work/catalog.db" --store "$(store "$port")" "$@" > "$work/$node.out" 2> "$work/$node.err" &
   pid=$!; pids+=($pid)
-  for _ in $(seq 1 100); do [ -s "$work/$1.out" ] && break; sleep 0.1; done
-  url="http://$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["listening"])' "$work/$1.out")"
+  for _ in $(seq 1 100); do [ -s "$work/$node.out" ] && break; sleep 0.1; done
+  url="http://$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["listening"])' "$work/$node.out")"
 }
 cli() { STRATA_URL=$url STRATA_TOKEN=$tenant_token "$strata" --json "$@"; }
 
@@ -129,9 +131,12 @@ workload() {  # PASS: mount ro, find + grep -r, unmount; prints "ms read_bytes g
   echo "$((t1 - t0)) $(( (r1 - r0) * 512 )) $((g1 - g0)) $((f1 - f0))"
 }
 echo "[" > "$work/runs.json"
+first=1
 for rep in $(seq 1 "$reps"); do
-  serve "b$rep" "$pport"; b_pid=$pid; b_url=$url
-  cold_start "$rep" > "$work/start.txt"   # not in a subshell: it sets export_uri
+ # Read-ahead on (the default, 8 units) and off, alternating, each on a fresh node.
+ for ra in 8 0; do
+  serve "b$rep-ra$ra" "$pport" --readahead-units "$ra"; b_pid=$pid; b_url=$url
+  cold_start "$rep-ra$ra" > "$work/start.txt"   # not in a subshell: it sets export_uri
   read -r create_ms attach_ms first_ms first_gets < "$work/start.txt"
   echo "create $create_ms ms, attach $attach_ms ms, first 4 KiB read ~$first_ms ms ($first_gets GETs)" >&2
   cold="" warm=""
@@ -142,8 +147,8 @@ for rep in $(seq 1 "$reps"); do
     echo "not root: the mount workload is skipped" >&2
   fi
   kill "$b_pid"; wait "$b_pid" 2>/dev/null || true
-  [ "$rep" = 1 ] || echo "," >> "$work/runs.json"
-  python3 - "$create_ms" "$attach_ms" "$first_ms" "$first_gets" "$cold" "$warm" >> "$work/runs.json" <<'PY'
+  [ $first = 1 ] || echo "," >> "$work/runs.json"; first=0
+  python3 - "$create_ms" "$attach_ms" "$first_ms" "$first_gets" "$cold" "$warm" "$ra" >> "$work/runs.json" <<'PY'
 import json, sys
 def w(s):
     if not s: return None
@@ -151,9 +156,11 @@ def w(s):
     return {"ms": ms, "bytes_read": read, "gets": gets, "bytes_fetched": fetched,
             "fetched_over_read": fetched / read if read else None, "four_kib_misses": read // 4096}
 c, a, f, g = map(int, sys.argv[1:5])
-print(json.dumps({"create_ms": c, "attach_ms": a, "first_read_ms": f, "first_read_gets": g,
+print(json.dumps({"readahead_units": int(sys.argv[7]), "create_ms": c, "attach_ms": a,
+                  "first_read_ms": f, "first_read_gets": g,
                   "cold": w(sys.argv[5]), "warm": w(sys.argv[6])}))
 PY
+ done
 done
 echo "]" >> "$work/runs.json"
 
@@ -175,16 +182,19 @@ proxy_requests=$(awk '/requests/ {print $2}' "$work/proxy.err")
 mkdir -p "$(dirname "$out_json")"
 python3 - "$out_json" "$work/runs.json" "$work/template.json" <<PY
 import json, statistics as st, sys
-runs = json.load(open(sys.argv[2]))
-def med(get):
+all_runs = json.load(open(sys.argv[2]))
+runs = [r for r in all_runs if r["readahead_units"] > 0]
+off = [r for r in all_runs if r["readahead_units"] == 0]
+def med(get, runs=runs):
     v = [get(r) for r in runs]
     v = [x for x in v if x is not None]
     return st.median(v) if v else None
-def med_w(k):
-    if runs[0][k] is None: return None
-    return {f: med(lambda r: r[k][f]) for f in runs[0][k]}
+def med_w(k, runs=runs):
+    if not runs or runs[0][k] is None: return None
+    return {f: med(lambda r: r[k][f], runs) for f in runs[0][k]}
 json.dump({"latency_ms": $delay_ms, "tree_files": $tree_files, "tree_bytes": $tree_bytes,
-    "template": json.load(open(sys.argv[3])), "reps": len(runs), "runs": runs,
+    "template": json.load(open(sys.argv[3])), "reps": len(runs), "runs": all_runs,
+    "readahead_units": runs[0]["readahead_units"], "cold_no_readahead": med_w("cold", off),
     "create_ms": med(lambda r: r["create_ms"]), "attach_ms": med(lambda r: r["attach_ms"]),
     "first_read_ms": med(lambda r: r["first_read_ms"]),
     "first_read_gets": med(lambda r: r["first_read_gets"]),

@@ -72,7 +72,9 @@ if cs:
     print(f"| first 4 KiB read after attach (qemu-io, its start-up subtracted) | {cs['first_read_ms']:.0f} ms, {cs['first_read_gets']:.0f} GETs |")
     c, w = cs.get("cold"), cs.get("warm")
     if c:
-        print(f"| find + grep -r, cold (empty node cache) | {c['ms'] / 1000:.2f} s |")
+        print(f"| find + grep -r, cold (empty node cache), read-ahead {cs.get('readahead_units', '-')} units | {c['ms'] / 1000:.2f} s |")
+        if cs.get("cold_no_readahead"):
+            print(f"| same, read-ahead off | {cs['cold_no_readahead']['ms'] / 1000:.2f} s |")
         print(f"| find + grep -r, warm (node cache; page cache dropped) | {w['ms'] / 1000:.2f} s |")
         print(f"| bytes the workload read from the disk | {c['bytes_read'] / 2**20:.1f} MiB ({c['four_kib_misses']:,.0f} × 4 KiB) |")
         print(f"| bytes fetched from the store | {c['bytes_fetched'] / 2**20:.1f} MiB ({c['fetched_over_read']:.2f}x read; goal ≤ 1.2x) |")

@@ -596,6 +596,11 @@ async fn metrics(State(d): D) -> impl IntoResponse {
     );
     let _ = writeln!(
         out,
+        "# TYPE strata_object_prefetches_total counter\nstrata_object_prefetches_total {}",
+        r.prefetches
+    );
+    let _ = writeln!(
+        out,
         "# TYPE strata_object_bytes_uploaded_total counter\nstrata_object_bytes_uploaded_total {}",
         r.bytes_put
     );

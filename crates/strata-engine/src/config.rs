@@ -29,6 +29,8 @@ pub struct EngineConfig {
     pub cache_capacity: u64,
     /// Object read granularity (misses are fetched in aligned units of this size).
     pub fetch_unit: u64,
+    /// Units fetched ahead of a sequential reader of an object (0: off).
+    pub readahead_units: u64,
     pub segment_max_bytes: u64,
     /// Target size of packed objects.
     pub object_target_bytes: u64,
@@ -56,6 +58,7 @@ impl EngineConfig {
             lease_ttl: Duration::from_secs(30),
             cache_capacity: 8 << 30,
             fetch_unit: 256 << 10,
+            readahead_units: strata_store::DEFAULT_READAHEAD_UNITS,
             segment_max_bytes: 64 << 20,
             object_target_bytes: 8 << 20,
             cache_unsafe: cache_unsafe_from_env(),

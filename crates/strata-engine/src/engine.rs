@@ -92,6 +92,7 @@ impl Engine {
         let cache = NodeCache::open(&cfg.data_dir.join("cache"), cfg.cache_capacity)
             .map_err(Error::io("opening node cache"))?;
         let reader = Arc::new(ObjectReader::new(store, cache, cfg.fetch_unit));
+        reader.set_readahead(cfg.readahead_units);
         Ok(Arc::new(Engine {
             cfg,
             node,
@@ -575,6 +576,8 @@ impl Engine {
         for e in &m.extents {
             let o = m.objects[e.object as usize];
             let mut buf = vec![0u8; e.len as usize * strata_format::BLOCK_SIZE as usize];
+            self.reader
+                .read_ahead(tenant, &o, e.offset, buf.len() as u64);
             self.reader
                 .read_into(tenant, &o, e.offset, &mut buf)
                 .await?;

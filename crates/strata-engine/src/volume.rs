@@ -336,6 +336,9 @@ impl Volume {
         if remote.is_empty() {
             return Ok(());
         }
+        for &(_, bytes, o, off) in &remote {
+            self.reader.read_ahead(&self.tenant, &o, off, bytes as u64);
+        }
         let fetched =
             futures::future::join_all(remote.iter().map(|&(_, bytes, o, off)| async move {
                 let mut v = vec![0u8; bytes];

@@ -153,6 +153,11 @@ impl NodeCache {
         })
     }
 
+    /// Whether `k` is cached, without touching its recency.
+    pub(crate) fn contains(&self, k: &Key) -> bool {
+        self.lock().map.contains_key(k)
+    }
+
     pub(crate) fn mark_verified(&self, k: &Key) {
         if let Some(e) = self.lock().map.get_mut(k) {
             e.verified = true;

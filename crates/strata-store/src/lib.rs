@@ -13,7 +13,7 @@ mod reader;
 mod store;
 
 pub use cache::NodeCache;
-pub use reader::{ObjectReader, ReaderStats};
+pub use reader::{ObjectReader, ReaderStats, DEFAULT_READAHEAD_UNITS};
 pub use store::{Credentials, Store};
 
 /// What went wrong talking to the object store or the node cache.

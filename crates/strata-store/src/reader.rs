@@ -35,6 +35,8 @@ pub struct ReaderStats {
     pub verify_failures: u64,
     pub puts: u64,
     pub bytes_put: u64,
+    /// Units fetched ahead of sequential readers.
+    pub prefetches: u64,
 }
 
 #[derive(Default)]
@@ -46,7 +48,19 @@ struct Counters {
     verify_failures: AtomicU64,
     puts: AtomicU64,
     bytes_put: AtomicU64,
+    prefetches: AtomicU64,
 }
+
+/// A sequential read stream through one object: the unit it started at and the last unit
+/// fetched or scheduled.
+#[derive(Clone, Copy)]
+struct Stream {
+    start: u64,
+    frontier: u64,
+}
+
+/// Read-ahead: 8 units (2 MiB at the default 256 KiB unit) past a sequential reader.
+pub const DEFAULT_READAHEAD_UNITS: u64 = 8;
 
 pub struct ObjectReader {
     store: Store,
@@ -56,6 +70,8 @@ pub struct ObjectReader {
     table_flights: Flights<(String, Hash), Arc<FrameTable>>,
     unit_flights: Flights<Key, Bytes>,
     counters: Counters,
+    streams: Mutex<HashMap<(String, Hash), Stream>>,
+    readahead: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -89,6 +105,93 @@ impl ObjectReader {
             table_flights: Mutex::default(),
             unit_flights: Mutex::default(),
             counters: Counters::default(),
+            streams: Mutex::default(),
+            readahead: AtomicU64::new(DEFAULT_READAHEAD_UNITS),
+        }
+    }
+
+    /// Units fetched ahead of a sequential reader (0 turns read-ahead off).
+    pub fn set_readahead(&self, units: u64) {
+        self.readahead.store(units, Relaxed);
+    }
+
+    /// Call before reading `len` bytes at `offset` of `obj`: if this continues a sequential
+    /// stream through the object, fetches the next units into the node cache in the background,
+    /// so a cold sequential reader (a file system scan, an export) pays one store round trip per
+    /// window instead of one per unit. Random readers never trigger it. Needs a tokio runtime;
+    /// without one it does nothing.
+    pub fn read_ahead(self: &Arc<Self>, tenant: &str, obj: &ObjectRef, offset: u64, len: u64) {
+        let w = self.readahead.load(Relaxed);
+        if w == 0 || len == 0 || offset + len > obj.data_len {
+            return;
+        }
+        let units = obj.data_len.div_ceil(self.unit);
+        let (first, last) = (offset / self.unit, (offset + len - 1) / self.unit);
+        let next = {
+            let mut m = lock(&self.streams);
+            if m.len() > 4096 {
+                m.clear();
+            }
+            let k = (tenant.to_string(), obj.id);
+            match m.get(&k).copied() {
+                // A continuation (at most one unit skipped) that has crossed a unit boundary
+                // since the stream began and is within half a window of the frontier.
+                Some(s) if first >= s.start && first <= s.frontier + 2 => {
+                    if last > s.start && last + w / 2 >= s.frontier && s.frontier + 1 < units {
+                        let end = (s.frontier.max(last) + 1 + w).min(units);
+                        m.insert(
+                            k,
+                            Stream {
+                                start: s.start,
+                                frontier: end - 1,
+                            },
+                        );
+                        s.frontier.max(last) + 1..end
+                    } else {
+                        if last > s.frontier {
+                            m.insert(
+                                k,
+                                Stream {
+                                    start: s.start,
+                                    frontier: last,
+                                },
+                            );
+                        }
+                        return;
+                    }
+                }
+                _ => {
+                    m.insert(
+                        k,
+                        Stream {
+                            start: first,
+                            frontier: last,
+                        },
+                    );
+                    return;
+                }
+            }
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        for u in next {
+            let key = Key {
+                tenant: tenant.to_string(),
+                id: obj.id,
+                unit: u,
+            };
+            if self.cache.contains(&key) {
+                continue;
+            }
+            self.counters.prefetches.fetch_add(1, Relaxed);
+            let (this, obj) = (self.clone(), *obj);
+            rt.spawn(async move {
+                let r = single_flight(&this.unit_flights, key.clone(), this.fetch_unit(key, obj));
+                if let Err(e) = r.await {
+                    tracing::debug!(object = %obj.id, error = %e, "read-ahead failed");
+                }
+            });
         }
     }
 
@@ -110,6 +213,7 @@ impl ObjectReader {
             verify_failures: c.verify_failures.load(Relaxed),
             puts: c.puts.load(Relaxed),
             bytes_put: c.bytes_put.load(Relaxed),
+            prefetches: c.prefetches.load(Relaxed),
         }
     }
 

@@ -129,3 +129,40 @@ async fn concurrent_misses_share_one_get_and_cache_is_bounded() {
     r2.read_into("t1", &o2, 0, &mut b).await.unwrap();
     assert_eq!(b, big);
 }
+
+/// A sequential reader gets the next units fetched ahead (each unit still fetched once); a
+/// random reader gets no read-ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequential_readers_are_read_ahead_and_random_ones_are_not() {
+    let d = tempfile::tempdir().unwrap();
+    let w = reader(&d.path().join("o"), &d.path().join("c"), 1 << 30);
+    let unit = 256 * 1024;
+    let bytes = data(16 * unit);
+    let obj = w.put_object("t1", &bytes).await.unwrap();
+
+    let seq = Arc::new(reader(&d.path().join("o"), &d.path().join("c2"), 1 << 30));
+    let mut buf = vec![0; 64 * 1024];
+    for off in (0..bytes.len()).step_by(buf.len()) {
+        seq.read_ahead("t1", &obj, off as u64, buf.len() as u64);
+        seq.read_into("t1", &obj, off as u64, &mut buf)
+            .await
+            .unwrap();
+        assert_eq!(buf, &bytes[off..off + buf.len()]);
+    }
+    let s = seq.stats();
+    assert!(s.prefetches >= 8, "read-ahead ran: {} units", s.prefetches);
+    assert_eq!(s.gets, 1 + 16, "one trailer GET and each unit once");
+
+    let rnd = Arc::new(reader(&d.path().join("o"), &d.path().join("c3"), 1 << 30));
+    for u in [9usize, 2, 14, 5, 11, 0, 7] {
+        let off = u * unit + 4096;
+        rnd.read_ahead("t1", &obj, off as u64, 4096);
+        rnd.read_into("t1", &obj, off as u64, &mut buf[..4096])
+            .await
+            .unwrap();
+        assert_eq!(&buf[..4096], &bytes[off..off + 4096]);
+    }
+    let s = rnd.stats();
+    assert_eq!(s.prefetches, 0);
+    assert_eq!(s.gets, 1 + 7);
+}

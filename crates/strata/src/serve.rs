@@ -96,7 +96,8 @@ pub struct ServeArgs {
     /// TOML config file (keys: listen, admin_token, catalog, catalog_pool, node_id, store,
     /// s3_access_key_id, s3_secret_access_key, s3_session_token, upload_interval,
     /// upload_max_bytes, lease_ttl, cache_capacity, relay_max_bytes, gc_interval,
-    /// gc_grace, keep_checkpoints, keep_checkpoint_age, compact_below, segment_size).
+    /// gc_grace, keep_checkpoints, keep_checkpoint_age, compact_below, segment_size,
+    /// readahead_units).
     #[arg(long, env = "STRATA_CONFIG")]
     config: Option<PathBuf>,
     /// Catalog: sqlite:PATH (default DATA/catalog.db) or postgres://user@host:port/db (shared
@@ -127,6 +128,9 @@ pub struct ServeArgs {
     /// node sharing a store must use the same or a larger value).
     #[arg(long, env = "STRATA_GC_GRACE", value_parser = crate::units::parse_duration)]
     gc_grace: Option<std::time::Duration>,
+    /// Units (256 KiB) fetched ahead of a sequential cold reader of an object (default 8; 0: off).
+    #[arg(long, env = "STRATA_READAHEAD_UNITS")]
+    readahead_units: Option<u64>,
     /// Retention: unlabelled checkpoints kept per workspace (default 16) …
     #[arg(long, env = "STRATA_KEEP_CHECKPOINTS")]
     keep_checkpoints: Option<usize>,
@@ -166,6 +170,7 @@ struct FileConfig {
     gc_interval: Option<String>,
     gc_grace: Option<String>,
     keep_checkpoints: Option<usize>,
+    readahead_units: Option<u64>,
     keep_checkpoint_age: Option<String>,
     compact_below: Option<f64>,
     segment_size: Option<String>,
@@ -212,6 +217,9 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
     cfg.node_id = a.node_id.or(file.node_id);
     if let Some(d) = dur(a.gc_grace, &file.gc_grace)? {
         cfg.gc_grace = d;
+    }
+    if let Some(n) = a.readahead_units.or(file.readahead_units) {
+        cfg.readahead_units = n;
     }
     if let Some(n) = a.keep_checkpoints.or(file.keep_checkpoints) {
         cfg.keep_checkpoints = n;
