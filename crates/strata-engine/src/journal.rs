@@ -152,15 +152,21 @@ impl Journal {
                     // Unpublished sequence numbers are contiguous: a gap means a lost record, so
                     // stop there. (Published records, <= skip_upto, may be left over from an
                     // interrupted deletion; they are skipped, not checked.)
-                    if h.seq > skip_upto && prev_seq.is_some_and(|p| h.seq != p + 1) {
-                        return Some(Err(()));
-                    }
                     if pos + h.total_len() > len {
                         return None;
                     }
                     let mut payload = vec![0u8; h.payload_len as usize];
                     file.read_at(&mut payload, pos + HEADER_LEN as u64).ok()?;
-                    rec::verify(nonce, &head, &h, &payload).then_some(Ok(h))
+                    if !rec::verify(nonce, &head, &h, &payload) {
+                        return None;
+                    }
+                    // A valid record that does not follow the previous one: a record between
+                    // them was lost. (Bytes from a file's earlier life never verify, so they
+                    // cannot look like a gap.)
+                    if h.seq > skip_upto && prev_seq.is_some_and(|p| h.seq != p + 1) {
+                        return Some(Err(()));
+                    }
+                    Some(Ok(h))
                 })();
                 let h = match ok {
                     Some(Ok(h)) => h,
