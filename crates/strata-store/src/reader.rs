@@ -297,6 +297,11 @@ impl ObjectReader {
     async fn fetch_unit(&self, key: Key, obj: ObjectRef) -> Result<Bytes> {
         let start = key.unit * self.unit;
         let end = (start + self.unit).min(obj.data_len);
+        // A fetch of this unit may have completed between the caller's cache check and this
+        // flight (a read-ahead, another reader): then the cache has it.
+        if let Some(v) = self.cached(&key, &obj, 0, (end - start) as usize).await {
+            return Ok(Bytes::from(v));
+        }
         let okey = Store::object_key(&key.tenant, &obj.id);
         // Frames sit at fixed offsets, so the unit need not wait for the object's frame table:
         // both are fetched at once and a cold read of a new object costs one round trip.
