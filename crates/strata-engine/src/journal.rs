@@ -535,34 +535,33 @@ mod tests {
         assert!(len < MAX, "replay truncates the unused tail");
     }
 
+    /// Three records with the third torn, then a sealed segment and two more records in the
+    /// next one. Returns the later segment's id.
+    fn torn_third_then_two_more(dir: &Path) -> u64 {
+        let (mut j, _) = open(dir, 0);
+        let first = append(&mut j, 3);
+        let (_, seg, off) = first[2];
+        j.file(seg).unwrap().write_at(&[0xff; 16], off).unwrap();
+        j.rotate().unwrap();
+        append(&mut j, 2)[0].1
+    }
+
     /// A record lost at the end of a sealed segment leaves a gap before the next segment's
     /// records: replay stops at the gap and deletes what follows (a clean prefix).
     #[test]
     fn a_lost_record_ends_the_journal_even_across_segments() {
         let dir = tempfile::tempdir().unwrap();
-        let (mut j, _) = open(dir.path(), 0);
-        let first = append(&mut j, 3);
-        let (_, seg, off) = first[2];
-        j.file(seg).unwrap().write_at(&[0xff; 16], off).unwrap(); // record 3 torn
-        j.rotate().unwrap();
-        let later = append(&mut j, 2);
-        drop(j);
+        let later = torn_third_then_two_more(dir.path());
         let (_, seqs) = open(dir.path(), 0);
         assert_eq!(seqs, vec![1, 2]);
-        assert!(!seg_path(dir.path(), later[0].1).exists());
+        assert!(!seg_path(dir.path(), later).exists());
     }
 
     /// Published records left in a sealed segment also count for the gap check.
     #[test]
     fn a_gap_right_after_published_records_is_caught() {
         let dir = tempfile::tempdir().unwrap();
-        let (mut j, _) = open(dir.path(), 0);
-        let first = append(&mut j, 3);
-        let (_, seg, off) = first[2];
-        j.file(seg).unwrap().write_at(&[0xff; 16], off).unwrap(); // record 3 torn
-        j.rotate().unwrap();
-        append(&mut j, 2);
-        drop(j);
+        torn_third_then_two_more(dir.path());
         let (_, seqs) = open(dir.path(), 2); // records 1 and 2 are published
         assert_eq!(seqs, Vec::<u64>::new());
     }
