@@ -64,8 +64,6 @@ start_server() {
   esac
   for _ in $(seq 1 100); do [ -S "$sock" ] && break; sleep 0.1; done
 }
-# The server's process: the strata attach runs in the foreground of its pid, the others too.
-server_pid() { echo "${pids[-1]}"; }
 write_bytes() { awk '/^write_bytes/ {print $2}' "/proc/$1/io"; }
 stop_server() {
   if [ "$1" = raw ]; then rm -f "$work/raw.$n"; return; fi
@@ -128,7 +126,7 @@ PY
   [[ "fork-first-writes" =~ ${BENCH_ONLY:-.} ]] || continue
   for srv in strata qemu-nbd nbdkit-cow; do
     start_server "$srv" write
-    pid=$(server_pid); sleep 0.2
+    pid=${pids[-1]}; sleep 0.2   # the server process (strata ws attach, qemu-nbd, nbdkit)
     wb0=$(write_bytes "$pid"); ob0=$(du -sb "$STRATA_DATA/objects" | cut -f1)
     guest=$((size_mb / 16))
     fio --name=fork-first-writes --ioengine=nbd --uri="$uri" --rw=randwrite --bs=4k --iodepth=1 \
@@ -137,7 +135,7 @@ PY
     wb1=$(write_bytes "$pid"); ob1=$(du -sb "$STRATA_DATA/objects" | cut -f1)
     stop_server "$srv"
     [ "$srv" = strata ] || { ob0=0; ob1=0; }
-    echo "," >> "$work/results.json"
+    [ $first = 1 ] || echo "," >> "$work/results.json"; first=0
     python3 - "$work/fio.json" "$srv" "$rep" "$((guest << 20))" "$((wb1 - wb0))" "$((ob1 - ob0))" >> "$work/results.json" <<'PY'
 import json, sys
 t = open(sys.argv[1]).read()

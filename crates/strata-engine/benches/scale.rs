@@ -26,7 +26,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use strata_catalog::{Catalog, SqliteCatalog};
 use strata_engine::fs::RealFs;
-use strata_engine::{Engine, EngineConfig, Mode, Source};
+use strata_engine::{Engine, EngineConfig, Mode, Source, Volume};
 use strata_store::Store;
 
 const T: &str = "bench";
@@ -113,6 +113,14 @@ fn slow(store: &Store, lat: Duration) -> Store {
     Store::from_object_store(inner, store.url())
 }
 
+/// Creates an empty durable workspace of `size` bytes and attaches it.
+async fn empty_volume(e: &Arc<Engine>, name: &str, size: u64) -> Arc<Volume> {
+    e.create_workspace(T, name, Source::Empty { size }, Mode::Durable, None)
+        .await
+        .unwrap();
+    e.attach(T, name).await.unwrap()
+}
+
 /// A 4 KiB block stamped with its number (cheap distinct data).
 fn stamped(i: u64) -> Vec<u8> {
     let mut b = vec![0u8; 4096];
@@ -171,10 +179,7 @@ async fn scaling(
     let mut restores = vec![];
     for &(label, size) in sizes {
         let src = format!("disk-{label}");
-        e.create_workspace(T, &src, Source::Empty { size }, Mode::Durable, None)
-            .await
-            .unwrap();
-        let v = e.attach(T, &src).await.unwrap();
+        let v = empty_volume(&e, &src, size).await;
         let mut rng = SmallRng::seed_from_u64(size);
         let blocks = size / 4096;
         for i in 0..spread {
@@ -236,16 +241,7 @@ async fn scaling(
     let e = engine(dir, "checkpoints", catalog.clone(), store.clone());
     for &d in dirty {
         let name = format!("cp-{}", d >> 20);
-        e.create_workspace(
-            T,
-            &name,
-            Source::Empty { size: 64 << 30 },
-            Mode::Durable,
-            None,
-        )
-        .await
-        .unwrap();
-        let v = e.attach(T, &name).await.unwrap();
+        let v = empty_volume(&e, &name, 64 << 30).await;
         let mut rng = SmallRng::seed_from_u64(d);
         let blocks = (64u64 << 30) / 4096;
         for i in 0..d / 4096 {
@@ -306,18 +302,7 @@ async fn shared_cache(
 ) -> Value {
     let data_mib: u64 = if full { 64 } else { 8 };
     let w = engine(dir, "writer", catalog.clone(), store.clone());
-    w.create_workspace(
-        T,
-        "base",
-        Source::Empty {
-            size: data_mib << 20,
-        },
-        Mode::Durable,
-        None,
-    )
-    .await
-    .unwrap();
-    let v = w.attach(T, "base").await.unwrap();
+    let v = empty_volume(&w, "base", data_mib << 20).await;
     for off in (0..data_mib << 20).step_by(1 << 20) {
         // Distinct blocks (identical ones would be stored once).
         let chunk: Vec<u8> = (0..256).flat_map(|b| stamped((off >> 12) + b)).collect();
@@ -367,18 +352,7 @@ async fn memory(
 ) -> Value {
     let runs: u64 = if full { 500_000 } else { 20_000 };
     let m = engine(dir, "mem", catalog.clone(), store.clone());
-    m.create_workspace(
-        T,
-        "frag",
-        Source::Empty {
-            size: runs * 2 * 4096,
-        },
-        Mode::Durable,
-        None,
-    )
-    .await
-    .unwrap();
-    let v = m.attach(T, "frag").await.unwrap();
+    let v = empty_volume(&m, "frag", runs * 2 * 4096).await;
     let block = vec![1u8; 4096];
     // Every other block written: no runs merge, one overlay run (then one extent) per write.
     let l0 = live();

@@ -133,45 +133,35 @@ impl ObjectReader {
                 m.clear();
             }
             let k = (tenant.to_string(), obj.id);
-            match m.get(&k).copied() {
-                // A continuation (at most one unit skipped) that has crossed a unit boundary
-                // since the stream began and is within half a window of the frontier.
+            let (stream, next) = match m.get(&k).copied() {
+                // A continuation (at most one unit skipped): once it has crossed a unit boundary
+                // since the stream began and is within half a window of the frontier, the next
+                // window is fetched.
                 Some(s) if first >= s.start && first <= s.frontier + 2 => {
-                    if last > s.start && last + w / 2 >= s.frontier && s.frontier + 1 < units {
-                        let end = (s.frontier.max(last) + 1 + w).min(units);
-                        m.insert(
-                            k,
-                            Stream {
-                                start: s.start,
-                                frontier: end - 1,
-                            },
-                        );
-                        s.frontier.max(last) + 1..end
+                    let from = s.frontier.max(last) + 1;
+                    if last > s.start && last + w / 2 >= s.frontier && from < units {
+                        let end = (from + w).min(units);
+                        let frontier = end - 1;
+                        (Stream { frontier, ..s }, from..end)
                     } else {
-                        if last > s.frontier {
-                            m.insert(
-                                k,
-                                Stream {
-                                    start: s.start,
-                                    frontier: last,
-                                },
-                            );
-                        }
-                        return;
+                        let frontier = from - 1;
+                        (Stream { frontier, ..s }, 0..0)
                     }
                 }
-                _ => {
-                    m.insert(
-                        k,
-                        Stream {
-                            start: first,
-                            frontier: last,
-                        },
-                    );
-                    return;
-                }
-            }
+                _ => (
+                    Stream {
+                        start: first,
+                        frontier: last,
+                    },
+                    0..0,
+                ),
+            };
+            m.insert(k, stream);
+            next
         };
+        if next.is_empty() {
+            return;
+        }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
