@@ -164,7 +164,6 @@ impl Daemon {
         let mut attached: Vec<_> = self
             .engine
             .attached()
-            .await
             .iter()
             .map(|v| {
                 let s = v.stats();
@@ -288,7 +287,7 @@ impl Daemon {
                     }
                 };
                 for (t, w) in expired {
-                    let attached_here = d.engine.volume(&t, &w).await.is_some();
+                    let attached_here = d.engine.volume(&t, &w).is_some();
                     if attached_here {
                         routes::stop_export(&d, &t, &w).await;
                     }
@@ -318,7 +317,7 @@ impl Daemon {
         let mut ex = self.exports.lock().await;
         for ((t, w), h) in ex.drain() {
             h.task.abort();
-            if let Some(v) = self.engine.volume(&t, &w).await {
+            if let Some(v) = self.engine.volume(&t, &w) {
                 if let Err(e) = v.flush().await {
                     tracing::error!(tenant = t, workspace = w, error = %e, "flush at shutdown failed");
                 }

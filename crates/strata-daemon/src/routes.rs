@@ -317,7 +317,7 @@ async fn show_workspace(
         .await
         .get(&(t.clone(), name.clone()))
         .map(|h| h.uri.clone());
-    let vol = d.engine.volume(&t, &name).await;
+    let vol = d.engine.volume(&t, &name);
     Ok(Json(WorkspaceView {
         workspace,
         lease,
@@ -492,7 +492,7 @@ async fn attached_volume(
     name: &str,
 ) -> Result<Arc<strata_engine::Volume>, ApiError> {
     d.engine.workspace(t, name).await?;
-    d.engine.volume(t, name).await.ok_or_else(|| {
+    d.engine.volume(t, name).ok_or_else(|| {
         ApiError::new(
             StatusCode::CONFLICT,
             "conflict",
@@ -509,7 +509,7 @@ async fn freeze(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<s
 
 async fn thaw(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<serde_json::Value> {
     let v = attached_volume(&d, &t, &name).await?;
-    v.thaw();
+    v.thaw().await;
     Ok(Json(
         serde_json::json!({"workspace": name, "frozen": false}),
     ))
@@ -645,7 +645,7 @@ async fn metrics(State(d): D) -> impl IntoResponse {
     ];
     let mut stats = vec![];
     for (t, w) in &keys {
-        if let Some(v) = d.engine.volume(t, w).await {
+        if let Some(v) = d.engine.volume(t, w) {
             stats.push((t, w, v.stats()));
         }
     }

@@ -39,13 +39,25 @@ struct Attached {
     task: JoinHandle<()>,
 }
 
+type Key = (String, String);
+/// One workspace's attachment on this node. Attach, detach and delete of that workspace hold
+/// its slot's lock for their whole run (lease, replay, final publish), so they never interleave
+/// (two volumes on one journal), while other workspaces and lookups never wait for them.
+type Slot = Arc<tokio::sync::Mutex<Option<Attached>>>;
+
 pub struct Engine {
     cfg: EngineConfig,
     node: String,
     fs: Arc<dyn Fs>,
     catalog: Arc<dyn Catalog>,
     reader: Arc<ObjectReader>,
-    volumes: tokio::sync::Mutex<HashMap<(String, String), Attached>>,
+    slots: std::sync::Mutex<HashMap<Key, Slot>>,
+    /// Attached volumes, for lookups: changed only by the holder of the workspace's slot.
+    live: std::sync::RwLock<HashMap<Key, Arc<Volume>>>,
+}
+
+fn key(tenant: &str, ws: &str) -> Key {
+    (tenant.to_string(), ws.to_string())
 }
 
 fn node_id(data_dir: &Path) -> Result<String> {
@@ -99,7 +111,8 @@ impl Engine {
             fs,
             catalog,
             reader,
-            volumes: tokio::sync::Mutex::new(HashMap::new()),
+            slots: Default::default(),
+            live: Default::default(),
         }))
     }
 
@@ -309,13 +322,59 @@ impl Engine {
         Ok((cp, w))
     }
 
+    fn slot(&self, k: &Key) -> Slot {
+        let mut m = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(k.clone()).or_default().clone()
+    }
+
+    /// Forgets a workspace's slot once nobody holds or waits for it and it is empty.
+    fn tidy_slot(&self, k: &Key, slot: Slot) {
+        drop(slot);
+        let mut m = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let idle = m
+            .get(k)
+            .is_some_and(|s| Arc::strong_count(s) == 1 && s.try_lock().is_ok_and(|g| g.is_none()));
+        if idle {
+            m.remove(k);
+        }
+    }
+
+    fn set_live(&self, k: &Key, vol: Option<Arc<Volume>>) {
+        let mut m = self.live.write().unwrap_or_else(|p| p.into_inner());
+        match vol {
+            Some(v) => m.insert(k.clone(), v),
+            None => m.remove(k),
+        };
+    }
+
+    /// Runs `f` in a task of its own and waits for it: attach, detach and delete complete (or
+    /// fail) as a whole even when the caller goes away (an HTTP client that disconnects), so a
+    /// workspace is never left half attached or half detached.
+    async fn in_own_task<T, Fut>(self: &Arc<Self>, f: impl FnOnce(Arc<Engine>) -> Fut) -> Result<T>
+    where
+        T: Send + 'static,
+        Fut: std::future::Future<Output = Result<T>> + Send + 'static,
+    {
+        tokio::spawn(f(self.clone()))
+            .await
+            .map_err(|e| Error::Invalid(format!("engine task failed: {e}")))?
+    }
+
     /// Attaches a workspace on this node (idempotent): takes the lease, replays any local
-    /// journal, and starts background uploads and lease renewal.
+    /// journal, and starts background uploads and lease renewal. Only this workspace's other
+    /// operations wait for it.
     pub async fn attach(self: &Arc<Self>, tenant: &str, ws: &str) -> Result<Arc<Volume>> {
+        let (t, w) = (tenant.to_string(), ws.to_string());
+        self.in_own_task(move |e| async move { e.attach_now(&t, &w).await })
+            .await
+    }
+
+    async fn attach_now(self: &Arc<Self>, tenant: &str, ws: &str) -> Result<Arc<Volume>> {
         name::validate("workspace name", ws)?;
-        let mut vols = self.volumes.lock().await;
-        let key = (tenant.to_string(), ws.to_string());
-        if let Some(a) = vols.get(&key) {
+        let key = key(tenant, ws);
+        let slot = self.slot(&key);
+        let mut s = slot.lock().await;
+        if let Some(a) = &*s {
             return Ok(a.vol.clone());
         }
         let ttl = self.cfg.lease_ttl.as_millis() as u64;
@@ -340,50 +399,57 @@ impl Engine {
             Ok(v) => v,
             Err(e) => {
                 let _ = self.catalog.release_lease(tenant, ws, &lease).await;
+                drop(s);
+                self.tidy_slot(&key, slot);
                 return Err(e);
             }
         };
         let task = self.spawn_background(&vol);
-        vols.insert(
-            key,
-            Attached {
-                vol: vol.clone(),
-                task,
-            },
-        );
+        *s = Some(Attached {
+            vol: vol.clone(),
+            task,
+        });
+        self.set_live(&key, Some(vol.clone()));
         tracing::info!(tenant, workspace = ws, epoch = lease.epoch, "attached");
         Ok(vol)
     }
 
     /// Every volume attached on this node.
-    pub async fn attached(&self) -> Vec<Arc<Volume>> {
-        self.volumes
-            .lock()
-            .await
-            .values()
-            .map(|a| a.vol.clone())
-            .collect()
+    pub fn attached(&self) -> Vec<Arc<Volume>> {
+        let m = self.live.read().unwrap_or_else(|p| p.into_inner());
+        m.values().cloned().collect()
     }
 
-    pub async fn volume(&self, tenant: &str, ws: &str) -> Option<Arc<Volume>> {
-        self.volumes
-            .lock()
-            .await
-            .get(&(tenant.to_string(), ws.to_string()))
-            .map(|a| a.vol.clone())
+    pub fn volume(&self, tenant: &str, ws: &str) -> Option<Arc<Volume>> {
+        let m = self.live.read().unwrap_or_else(|p| p.into_inner());
+        m.get(&key(tenant, ws)).cloned()
     }
 
-    /// Detaches: publishes what is unpublished (durable and sync; an ephemeral workspace's
-    /// unpublished writes are discarded on purpose), releases the lease, removes local state.
-    pub async fn detach(&self, tenant: &str, ws: &str) -> Result<Option<Published>> {
-        let key = (tenant.to_string(), ws.to_string());
-        let Some(a) = self.volumes.lock().await.remove(&key) else {
+    /// Detaches: refuses new writes after draining those in flight, publishes what is
+    /// unpublished (durable and sync; an ephemeral workspace's unpublished writes are discarded
+    /// on purpose), releases the lease, removes local state. Every write acknowledged before
+    /// the call is in the published head; a write that arrives later gets an error, never an
+    /// acknowledgement that is then thrown away. If the final publish fails, the volume stays
+    /// attached and writable.
+    pub async fn detach(self: &Arc<Self>, tenant: &str, ws: &str) -> Result<Option<Published>> {
+        let (t, w) = (tenant.to_string(), ws.to_string());
+        self.in_own_task(move |e| async move { e.detach_now(&t, &w).await })
+            .await
+    }
+
+    async fn detach_now(&self, tenant: &str, ws: &str) -> Result<Option<Published>> {
+        let key = key(tenant, ws);
+        let slot = self.slot(&key);
+        let mut s = slot.lock().await;
+        let Some(a) = s.take() else {
+            drop(s);
+            self.tidy_slot(&key, slot);
             return Err(Error::Invalid(format!(
                 "workspace {ws:?} is not attached on this node"
             )));
         };
-        a.task.abort();
-        let vol = a.vol;
+        let vol = a.vol.clone();
+        vol.seal().await;
         let published = if vol.mode() == Mode::Ephemeral {
             None
         } else {
@@ -391,37 +457,54 @@ impl Engine {
                 Ok(p) => Some(p),
                 Err(e) => {
                     // Keep it attached: nothing may be lost.
-                    let task = self.spawn_background(&vol);
-                    self.volumes
-                        .lock()
-                        .await
-                        .insert(key, Attached { vol, task });
+                    vol.unseal();
+                    *s = Some(a);
                     return Err(e);
                 }
             }
         };
+        a.task.abort();
         vol.close();
-        self.fs
+        self.set_live(&key, None);
+        let res = self
+            .fs
             .remove_dir_all(vol.dir())
-            .map_err(Error::io("removing local volume state"))?;
-        self.catalog.release_lease(tenant, ws, &vol.lease()).await?;
+            .map_err(Error::io("removing local volume state"));
+        let released = self.catalog.release_lease(tenant, ws, &vol.lease()).await;
+        drop(s);
+        self.tidy_slot(&key, slot);
+        res?;
+        released?;
         Ok(published)
     }
 
     /// Drops every attached volume without publishing or releasing leases, as a crash would
     /// (tests), or before a restart that resumes them.
     pub async fn abandon(&self) {
-        for (_, a) in self.volumes.lock().await.drain() {
-            a.task.abort();
-            a.vol.close();
+        let slots: Vec<(Key, Slot)> = {
+            let m = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            m.iter().map(|(k, s)| (k.clone(), s.clone())).collect()
+        };
+        for (k, slot) in slots {
+            if let Some(a) = slot.lock().await.take() {
+                a.task.abort();
+                a.vol.close();
+            }
+            self.set_live(&k, None);
         }
     }
 
     /// Stops every volume's background work (lease renewal, uploads) while leaving it attached:
     /// what a paused or partitioned node looks like from outside. For fault tests.
     pub async fn stop_background(&self) {
-        for a in self.volumes.lock().await.values() {
-            a.task.abort();
+        let slots: Vec<Slot> = {
+            let m = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            m.values().cloned().collect()
+        };
+        for slot in slots {
+            if let Some(a) = &*slot.lock().await {
+                a.task.abort();
+            }
         }
     }
 
@@ -432,7 +515,7 @@ impl Engine {
         ws: &str,
         f: impl AsyncFnOnce(&Volume) -> Result<T>,
     ) -> Result<T> {
-        if let Some(v) = self.volume(tenant, ws).await {
+        if let Some(v) = self.volume(tenant, ws) {
             return f(&v).await;
         }
         let v = self.attach(tenant, ws).await?;
@@ -507,7 +590,7 @@ impl Engine {
         new: &str,
         mode: Option<Mode>,
     ) -> Result<Workspace> {
-        let version = match (version, self.volume(tenant, src).await) {
+        let version = match (version, self.volume(tenant, src)) {
             (None, Some(v)) => Some(v.checkpoint(None).await?.version),
             (v, _) => v,
         };
@@ -528,20 +611,38 @@ impl Engine {
         .await
     }
 
-    pub async fn delete_workspace(&self, tenant: &str, ws: &str) -> Result<()> {
-        let key = (tenant.to_string(), ws.to_string());
-        if let Some(a) = self.volumes.lock().await.remove(&key) {
-            a.task.abort();
-            a.vol.close();
-            self.catalog
-                .release_lease(tenant, ws, &a.vol.lease())
-                .await?;
+    /// Deletes a workspace (on purpose: its data goes). If attached here, new writes are
+    /// refused and in-flight ones drained first, so nothing is acknowledged into a journal
+    /// about to be removed.
+    pub async fn delete_workspace(self: &Arc<Self>, tenant: &str, ws: &str) -> Result<()> {
+        let (t, w) = (tenant.to_string(), ws.to_string());
+        self.in_own_task(move |e| async move { e.delete_now(&t, &w).await })
+            .await
+    }
+
+    async fn delete_now(&self, tenant: &str, ws: &str) -> Result<()> {
+        let key = key(tenant, ws);
+        let slot = self.slot(&key);
+        let mut s = slot.lock().await;
+        let res = async {
+            if let Some(a) = s.take() {
+                a.vol.seal().await;
+                a.task.abort();
+                a.vol.close();
+                self.set_live(&key, None);
+                self.catalog
+                    .release_lease(tenant, ws, &a.vol.lease())
+                    .await?;
+            }
+            self.catalog.delete_workspace(tenant, ws).await?;
+            self.fs
+                .remove_dir_all(&self.volume_dir(tenant, ws))
+                .map_err(Error::io("removing local volume state"))
         }
-        self.catalog.delete_workspace(tenant, ws).await?;
-        self.fs
-            .remove_dir_all(&self.volume_dir(tenant, ws))
-            .map_err(Error::io("removing local volume state"))?;
-        Ok(())
+        .await;
+        drop(s);
+        self.tidy_slot(&key, slot);
+        res
     }
 
     pub async fn workspace(&self, tenant: &str, ws: &str) -> Result<Workspace> {

@@ -24,6 +24,15 @@ pub enum Error {
     Unavailable(String, String),
     #[error("{0}")]
     Tool(String),
+    /// The node's disk (or quota) is full: this request was refused, nothing acknowledged is
+    /// affected, and the same request succeeds once space is reclaimed.
+    #[error("no space left on the node for {0}; retry once space is reclaimed")]
+    NoSpace(String),
+}
+
+/// Whether an I/O error means the disk or a quota is full (ENOSPC, EDQUOT).
+pub fn is_no_space(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::StorageFull || matches!(e.raw_os_error(), Some(28) | Some(122))
 }
 
 impl Error {
@@ -36,6 +45,7 @@ impl Error {
         match self {
             Error::Catalog(e) => e.is_retryable(),
             Error::Store(e) => e.is_retryable(),
+            Error::NoSpace(_) => true,
             _ => false,
         }
     }

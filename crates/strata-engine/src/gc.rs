@@ -181,7 +181,7 @@ impl Engine {
             left: opts.stop_after,
         };
         if let (Some(t), false) = (opts.compact_below, opts.dry_run) {
-            for v in self.attached().await {
+            for v in self.attached() {
                 match v.compact(t).await {
                     Ok(Some(p)) => {
                         report.compactions += 1;

@@ -68,7 +68,8 @@ const FREE_POOL: usize = 2;
 
 /// What a flush must make durable, taken from the journal in one step.
 pub(crate) struct SyncBatch {
-    pub files: Vec<Arc<dyn FsFile>>,
+    /// (segment id, file) to `fdatasync`.
+    pub files: Vec<(u64, Arc<dyn FsFile>)>,
     pub dir: Option<PathBuf>,
     pub upto: u64,
 }
@@ -272,16 +273,31 @@ impl Journal {
         let path = seg_path(&self.dir, id);
         let recycled = self.free.pop();
         let prepared = recycled.is_some();
-        let file = match recycled {
+        let file = match &recycled {
             Some(f) => {
-                self.fs.rename(&f, &path)?;
-                self.fs.open(&path, false)?
+                if let Err(e) = self.fs.rename(f, &path) {
+                    self.free.push(f.clone());
+                    return Err(e);
+                }
+                self.fs.open(&path, false)
             }
-            None => self.fs.open(&path, true)?,
+            None => self.fs.open(&path, true),
         };
         // A fresh nonce per incarnation: records left in a recycled file never verify again.
         let nonce: u64 = rand::random();
-        file.write_at(&rec::encode_segment_header(id, nonce), 0)?;
+        let file = file.and_then(|f| {
+            f.write_at(&rec::encode_segment_header(id, nonce), 0)?;
+            Ok(f)
+        });
+        let file = match file {
+            Ok(f) => f,
+            Err(e) => {
+                // A full disk, say: the half-made segment (last, with no records) goes, so
+                // nothing is left for replay to stop at, and the next append tries again.
+                let _ = self.fs.remove(&path);
+                return Err(e);
+            }
+        };
         self.dirty.insert(id, file.clone());
         self.segments.insert(
             id,
@@ -351,9 +367,18 @@ impl Journal {
         Ok((seq, self.active, data_off, rotated))
     }
 
+    /// Puts back what a failed sync of `batch` was meant to make durable, so a later flush
+    /// tries again rather than believing it done.
+    pub fn restore_dirty(&mut self, batch: SyncBatch) {
+        for (id, f) in batch.files {
+            self.dirty.entry(id).or_insert(f);
+        }
+        self.dir_dirty |= batch.dir.is_some();
+    }
+
     /// Everything a flush must sync to make every record so far durable.
     pub fn take_dirty(&mut self) -> SyncBatch {
-        let files = std::mem::take(&mut self.dirty).into_values().collect();
+        let files = std::mem::take(&mut self.dirty).into_iter().collect();
         let dir = std::mem::take(&mut self.dir_dirty).then(|| self.dir.clone());
         SyncBatch {
             files,
@@ -372,22 +397,22 @@ impl Journal {
     }
 
     /// Deletes the oldest sealed segment (after its live data was copied forward and synced).
-    pub fn remove_oldest(&mut self, id: u64) -> io::Result<()> {
+    pub fn remove_oldest(&mut self, id: u64, busy: bool) -> io::Result<()> {
         if self.oldest_sealed().map(|(o, _, _)| o) != Some(id) {
             return Err(io::Error::other(format!(
                 "segment {id} is not the oldest sealed segment"
             )));
         }
         self.segments.remove(&id);
-        self.dirty.remove(&id);
-        self.retire(id)?;
+        self.retire(id, busy)?;
         self.fs.sync_dir(&self.dir)
     }
 
-    /// Removes a segment's name: keeps the file for recycling if the pool has room.
-    fn retire(&mut self, id: u64) -> io::Result<()> {
+    /// Removes a segment's name: keeps the file for recycling if the pool has room and no read
+    /// holds it (`busy`: its blocks must not be overwritten under that read).
+    fn retire(&mut self, id: u64, busy: bool) -> io::Result<()> {
         let path = seg_path(&self.dir, id);
-        if self.free.len() < FREE_POOL {
+        if !busy && self.free.len() < FREE_POOL {
             let to = self.dir.join(format!("{id:016x}.free"));
             self.fs.rename(&path, &to)?;
             self.free.push(to);
@@ -422,7 +447,10 @@ impl Journal {
             if let Some(m) = self.segments.remove(&id) {
                 r.files.push(m.file);
             }
-            self.dirty.remove(&id);
+            // A retired segment stays in the dirty set until a flush syncs it: its name may
+            // outlive a power cut (the rename below may not be durable yet), and a segment
+            // whose header never reached the disk would end replay before later, flushed
+            // segments.
             let path = seg_path(&self.dir, id);
             if room > 0 {
                 room -= 1;
@@ -452,13 +480,19 @@ pub(crate) struct Retired {
 }
 
 impl Retired {
-    /// Renames the recyclable files, deletes the rest, syncs the directory and closes the
-    /// handles. Returns the recycled paths for [`Journal::add_free`].
-    pub fn apply(self) -> io::Result<Vec<PathBuf>> {
+    /// Renames the recyclable files, deletes the rest (and those of segments in `busy`, which a
+    /// read still holds: unlinked, their blocks are never reused under it), syncs the directory
+    /// and closes the handles. Returns the recycled paths for [`Journal::add_free`].
+    pub fn apply(self, busy: &[u64]) -> io::Result<Vec<PathBuf>> {
         let mut free = vec![];
         for (from, to) in &self.recycle {
-            self.fs.rename(from, to)?;
-            free.push(to.clone());
+            let in_use = busy.iter().any(|id| *from == seg_path(&self.dir, *id));
+            if in_use {
+                self.fs.remove(from)?;
+            } else {
+                self.fs.rename(from, to)?;
+                free.push(to.clone());
+            }
         }
         for path in &self.remove {
             self.fs.remove(path)?;

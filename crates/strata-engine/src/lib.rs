@@ -21,7 +21,7 @@ mod volume;
 
 pub use config::{cache_unsafe, cache_unsafe_from_env, EngineConfig, UNSAFE_ENV};
 pub use engine::{Engine, Source};
-pub use error::{Error, Result};
+pub use error::{is_no_space, Error, Result};
 pub use gc::{GcOptions, GcReport};
 pub use local::LocalState;
 pub use volume::{Published, Volume, VolumeOptions, VolumeStats};

@@ -148,6 +148,19 @@ impl Overlay {
         }
     }
 
+    /// Drops every run written at or before `seq` (they are in a published base now).
+    pub fn drop_through(&mut self, seq: u64) {
+        let old: Vec<u64> = self
+            .map
+            .iter()
+            .filter(|(_, r)| r.seq <= seq)
+            .map(|(k, _)| *k)
+            .collect();
+        for lba in old {
+            self.take(lba);
+        }
+    }
+
     /// Lays `self` over `lower`: the result has `lower`'s runs wherever `self` has none.
     pub fn over(self, lower: &Overlay) -> Overlay {
         let mut merged = lower.clone();

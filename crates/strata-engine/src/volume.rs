@@ -98,7 +98,30 @@ struct State {
     base_version: u64,
     frozen: Option<Arc<Overlay>>,
     active: Overlay,
-    files: HashMap<u64, Arc<dyn FsFile>>,
+    files: HashMap<u64, SegFile>,
+}
+
+/// A journal segment's file as reads see it: the handle and a pin. A read holds the pin from
+/// planning until its bytes are copied out; a retired segment whose pin is still held is
+/// unlinked rather than recycled, so a reader never sees its blocks overwritten by a later
+/// incarnation of the file.
+#[derive(Clone)]
+pub(crate) struct SegFile {
+    pub file: Arc<dyn FsFile>,
+    pin: Arc<()>,
+}
+
+impl SegFile {
+    pub fn new(file: Arc<dyn FsFile>) -> SegFile {
+        SegFile {
+            file,
+            pin: Arc::new(()),
+        }
+    }
+    /// Whether a read still holds this segment (besides the one handle given up here).
+    pub fn in_use(&self) -> bool {
+        Arc::strong_count(&self.pin) > 1
+    }
 }
 
 #[derive(Default)]
@@ -138,7 +161,18 @@ pub struct Volume {
     journal_id: String,
     opts: VolumeOptions,
     gate: Arc<tokio::sync::RwLock<()>>,
-    freeze_guard: Mutex<Option<OwnedRwLockWriteGuard<()>>>,
+    /// Held while frozen. Lock order: `freeze` before `gate` (freeze, seal and rollback take
+    /// both; writers take only the gate).
+    freeze: tokio::sync::Mutex<Option<OwnedRwLockWriteGuard<()>>>,
+    frozen_flag: AtomicBool,
+    /// Set by [`Volume::seal`] (detach): writes are refused from then on; reads, flushes and
+    /// publishes go on.
+    sealed: AtomicBool,
+    /// A head CAS failed in a way a lost reply may explain: the next publish first checks
+    /// whether the head moved to a version this journal published (see `publish.rs`).
+    ambiguous: AtomicBool,
+    /// This volume, for work that must outlive its caller (publishes run in their own task).
+    me: std::sync::Weak<Volume>,
     writer: tokio::sync::Mutex<Journal>,
     state: RwLock<State>,
     sync_lock: tokio::sync::Mutex<()>,
@@ -160,7 +194,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// A piece of a read plan.
 enum Src {
-    Journal(Arc<dyn FsFile>, u64),
+    Journal(SegFile, u64),
     Zero,
     Object(ObjectRef, u64),
 }
@@ -221,6 +255,19 @@ impl Volume {
             return Err(Error::Unavailable(self.name.clone(), why));
         }
         Ok(())
+    }
+
+    /// What a write checks under the gate and the writer lock: usable, not sealed for detach,
+    /// and the lease still locally valid.
+    fn writable(&self) -> Result<()> {
+        self.usable()?;
+        if self.sealed.load(SeqCst) {
+            return Err(Error::Unavailable(
+                self.name.clone(),
+                "detaching: writes are no longer accepted".into(),
+            ));
+        }
+        self.lease_valid()
     }
 
     /// Refuses to acknowledge a write or flush once the local lease deadline has passed: by
@@ -312,7 +359,7 @@ impl Volume {
             Loc::Journal { seg, off } => match st.files.get(&seg) {
                 Some(f) => Src::Journal(f.clone(), off),
                 // Unreachable by construction; reading zeros would be wrong data, so fail loudly.
-                None => Src::Journal(Arc::new(MissingSegment(seg)), off),
+                None => Src::Journal(SegFile::new(Arc::new(MissingSegment(seg))), off),
             },
         }
     }
@@ -328,6 +375,7 @@ impl Volume {
             match src {
                 Src::Zero => dst.fill(0),
                 Src::Journal(f, off) => f
+                    .file
                     .read_at(dst, off)
                     .map_err(Error::io(format!("reading journal of {}", self.name)))?,
                 Src::Object(o, off) => remote.push((at, bytes, o, off)),
@@ -420,6 +468,11 @@ impl Volume {
             };
             let (seq, seg, off, rotated) = match j.append(kind, lba + done, k as u32, payload) {
                 Ok(r) => r,
+                // A full disk refuses this request only: the failed record was never counted
+                // (the next append overwrites it), so the journal stays a clean prefix.
+                Err(e) if crate::error::is_no_space(&e) => {
+                    return Err(Error::NoSpace(format!("the journal of {}: {e}", self.name)));
+                }
                 Err(e) => {
                     self.fail(format!("journal write failed: {e}"));
                     return Err(Error::io("appending to journal")(e));
@@ -432,7 +485,7 @@ impl Volume {
             {
                 let mut st = self.st_mut();
                 if let Some((id, f)) = rotated {
-                    st.files.insert(id, f);
+                    st.files.insert(id, SegFile::new(f));
                 }
                 st.active.insert(lba + done, k, seq, loc);
             }
@@ -463,8 +516,7 @@ impl Volume {
         {
             let _gate = self.gate.read().await;
             let mut j = self.writer.lock().await;
-            self.usable()?;
-            self.lease_valid()?;
+            self.writable()?;
             let lba = offset / BLOCK_SIZE;
             let end = (offset + data.len() as u64).div_ceil(BLOCK_SIZE);
             let n = end - lba;
@@ -519,8 +571,7 @@ impl Volume {
         {
             let _gate = self.gate.read().await;
             let mut j = self.writer.lock().await;
-            self.usable()?;
-            self.lease_valid()?;
+            self.writable()?;
             self.append(&mut j, Kind::Zero, first_full, end_full - first_full, &[])?;
         }
         if fua {
@@ -540,8 +591,7 @@ impl Volume {
         }
         let _gate = self.gate.read().await;
         let mut j = self.writer.lock().await;
-        self.usable()?;
-        self.lease_valid()?;
+        self.writable()?;
         self.append(&mut j, Kind::Zero, first_full, end_full - first_full, &[])
     }
 
@@ -560,7 +610,7 @@ impl Volume {
         let fs = self.fs.clone();
         let n = batch.files.len() as u64;
         let res = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-            for f in &batch.files {
+            for (_, f) in &batch.files {
                 f.sync_data()?;
             }
             if let Some(d) = &batch.dir {
@@ -626,22 +676,52 @@ impl Volume {
     }
 
     /// Stops acknowledging new writes after draining those in flight (reads continue). Pair
-    /// with a checkpoint and a VM memory snapshot, then [`Volume::thaw`].
+    /// with a checkpoint and a VM memory snapshot, then [`Volume::thaw`]. Idempotent.
     pub async fn freeze(&self) {
-        let g = self.gate.clone().write_owned().await;
-        *lock(&self.freeze_guard) = Some(g);
+        let mut f = self.freeze.lock().await;
+        if f.is_none() {
+            *f = Some(self.gate.clone().write_owned().await);
+            self.frozen_flag.store(true, SeqCst);
+        }
     }
 
-    pub fn thaw(&self) {
-        lock(&self.freeze_guard).take();
+    pub async fn thaw(&self) {
+        let mut f = self.freeze.lock().await;
+        self.frozen_flag.store(false, SeqCst);
+        f.take();
     }
 
     pub fn is_frozen(&self) -> bool {
-        lock(&self.freeze_guard).is_some()
+        self.frozen_flag.load(SeqCst)
+    }
+
+    /// Runs `f` with no write in flight and none starting: under the freeze if the volume is
+    /// frozen (its gate is already held), otherwise under the gate taken exclusively. Thaw and
+    /// freeze wait until `f` returns.
+    pub(crate) async fn exclusive<T>(&self, f: impl AsyncFnOnce() -> T) -> T {
+        let frozen = self.freeze.lock().await;
+        let _gate = match &*frozen {
+            Some(_) => None,
+            None => Some(self.gate.write().await),
+        };
+        f().await
+    }
+
+    /// Refuses every later write, after draining those in flight (detach: the final cut then
+    /// covers every write ever acknowledged). Reads, flushes and publishes go on.
+    pub(crate) async fn seal(&self) {
+        self.exclusive(async || self.sealed.store(true, SeqCst))
+            .await
+    }
+
+    /// Undoes [`Volume::seal`] (a detach whose final publish failed keeps the volume).
+    pub(crate) fn unseal(&self) {
+        self.sealed.store(false, SeqCst);
     }
 
     /// Marks the volume closed: later I/O fails. Used by detach after the final publish.
     pub(crate) fn close(&self) {
+        self.sealed.store(true, SeqCst);
         self.closed.store(true, SeqCst);
     }
 

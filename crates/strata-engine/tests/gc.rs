@@ -106,7 +106,7 @@ async fn check(
             );
         }
         // The attached volume (journal over the head) reads as the model's head …
-        if let Some(vol) = node.volume(TENANT, &ws).await {
+        if let Some(vol) = node.volume(TENANT, &ws) {
             for lba in 0..LBAS {
                 let b = vol.read(lba * 4096, 4096).await.unwrap();
                 let want = m.heads[&ws].get(&lba).copied().unwrap_or(0);
@@ -182,7 +182,7 @@ async fn run_case(seed: u64) {
         let op = rng.random_range(0..100);
         let what;
         if op < 35 {
-            let vol = node.volume(TENANT, &ws).await.unwrap();
+            let vol = node.volume(TENANT, &ws).unwrap();
             for _ in 0..rng.random_range(1..6) {
                 let lba = rng.random_range(0..LBAS);
                 let tag = rng.random_range(1..1_000_000u64);

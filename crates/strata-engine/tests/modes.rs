@@ -445,7 +445,7 @@ async fn freeze_holds_writes_until_thaw_and_checkpoint_works_while_frozen() {
         Some(1),
         "reads continue while frozen"
     );
-    v.thaw();
+    v.thaw().await;
     pending.await.unwrap().unwrap();
     let out = c.path("z.raw");
     a.export(TENANT, "z", Some(p.version), &out).await.unwrap();

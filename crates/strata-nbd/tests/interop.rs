@@ -76,7 +76,7 @@ async fn qemu_img_and_qemu_io() {
     ))
     .await;
     let got = std::fs::read(&out_img).unwrap();
-    let v = rig.engine.volume(TENANT, "q").await.unwrap();
+    let v = rig.engine.volume(TENANT, "q").unwrap();
     assert!(got == v.read(0, 64 << 20).await.unwrap());
     assert!(got[8192..256 << 10].iter().all(|&b| b == 0xab));
     assert!(got[777..5777].iter().all(|&b| b == 0x11));

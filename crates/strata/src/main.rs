@@ -490,7 +490,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         upload_progress(move || {
                             let (e, t, ws) = (e.clone(), t.clone(), ws.clone());
                             async move {
-                                let s = e.volume(&t, &ws).await?.stats();
+                                let s = e.volume(&t, &ws)?.stats();
                                 Some((s.publish_done_bytes, s.publish_total_bytes))
                             }
                         })

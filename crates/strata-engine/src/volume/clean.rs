@@ -34,7 +34,7 @@ impl Volume {
                     _ => None,
                 })
                 .collect();
-            let file = self.st().files.get(&victim).cloned();
+            let file = self.st().files.get(&victim).map(|f| f.file.clone());
             for (lba, n, off) in runs {
                 let Some(off) = off else {
                     self.append_inner(&mut j, Kind::Zero, lba, n, &[], true)?;
@@ -50,21 +50,28 @@ impl Volume {
             }
             // The copies must be durable before the originals go.
             let batch = j.take_dirty();
-            for f in &batch.files {
+            for (_, f) in &batch.files {
                 if let Err(e) = f.sync_data() {
                     self.fail(format!("fsync failed while cleaning: {e}"));
                     return Err(Error::io("fsync while cleaning")(e));
                 }
             }
             if let Some(d) = &batch.dir {
-                self.fs
-                    .sync_dir(d)
-                    .map_err(Error::io("syncing journal directory"))?;
+                if let Err(e) = self.fs.sync_dir(d) {
+                    // The directory still needs a sync (new segments' names): the next flush
+                    // must not believe otherwise.
+                    j.restore_dirty(batch);
+                    return Err(Error::io("syncing journal directory")(e));
+                }
             }
             self.synced_seq.fetch_max(batch.upto, SeqCst);
-            j.remove_oldest(victim)
+            let busy = self
+                .st_mut()
+                .files
+                .remove(&victim)
+                .is_some_and(|f| f.in_use());
+            j.remove_oldest(victim, busy)
                 .map_err(Error::io("deleting cleaned segment"))?;
-            self.st_mut().files.remove(&victim);
             reclaimed += len;
         }
     }
@@ -91,7 +98,7 @@ impl Volume {
             .add_prepared(path)
             .map_err(Error::io("rotating onto a prepared segment"))?
         {
-            self.st_mut().files.insert(id, f);
+            self.st_mut().files.insert(id, SegFile::new(f));
         }
         Ok(())
     }

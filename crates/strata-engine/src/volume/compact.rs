@@ -25,6 +25,11 @@ impl Volume {
     /// Rewrites the live data of every head object whose live fraction is below `threshold`
     /// (0..=1) and publishes it as a `compact` version. None when nothing is that sparse.
     pub async fn compact(&self, threshold: f64) -> Result<Option<Published>> {
+        self.in_own_task(move |v| async move { v.compact_run(threshold).await })
+            .await
+    }
+
+    async fn compact_run(&self, threshold: f64) -> Result<Option<Published>> {
         let started = Instant::now();
         let _p = self.publish_lock.lock().await;
         self.usable()?;
@@ -105,12 +110,8 @@ impl Volume {
             .await?;
         let cut = self.published_seq.load(SeqCst);
         let version = self
-            .catalog
             .advance_head(
-                &self.tenant,
-                &self.name,
                 base_version,
-                &self.lease(),
                 &NewCheckpoint {
                     manifest: id,
                     label: None,
@@ -123,7 +124,7 @@ impl Volume {
             )
             .await
             .inspect_err(|e| {
-                if let CatalogError::Fenced { .. } = e {
+                if let Error::Catalog(CatalogError::Fenced { .. }) = e {
                     self.fail(e.to_string());
                 }
             })?;

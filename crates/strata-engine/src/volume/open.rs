@@ -59,7 +59,7 @@ impl Volume {
         .store(&*p.fs, &p.dir)?;
 
         let mut active = Overlay::default();
-        let mut files: HashMap<u64, Arc<dyn FsFile>> = HashMap::new();
+        let mut files: HashMap<u64, SegFile> = HashMap::new();
         let mut replayed_bytes = 0u64;
         let disk_blocks = base.disk_blocks();
         let (mut journal, discarded) = Journal::open(
@@ -75,7 +75,9 @@ impl Volume {
                     );
                     return;
                 }
-                files.entry(r.seg).or_insert_with(|| file.clone());
+                files
+                    .entry(r.seg)
+                    .or_insert_with(|| SegFile::new(file.clone()));
                 let loc = match r.kind {
                     Kind::Write => {
                         replayed_bytes += r.nblocks * BLOCK_SIZE;
@@ -98,7 +100,8 @@ impl Volume {
         // …and so does what opening wrote (the new active segment's header): a segment whose
         // header never reached the disk would end replay there after a power cut.
         let batch = journal.take_dirty();
-        for f in files.values().chain(batch.files.iter()) {
+        let replayed = files.values().map(|f| &f.file);
+        for f in replayed.chain(batch.files.iter().map(|(_, f)| f)) {
             f.sync_data()
                 .map_err(Error::io("syncing replayed journal"))?;
         }
@@ -108,7 +111,7 @@ impl Volume {
         }
         let active_seg = journal.active();
         if let Some(f) = journal.file(active_seg) {
-            files.insert(active_seg, f);
+            files.insert(active_seg, SegFile::new(f));
         }
         let last = journal.last_seq();
         let flush_honoured = match ws.mode {
@@ -121,7 +124,12 @@ impl Volume {
             since: (replayed_bytes > 0).then(Instant::now),
             ..Window::default()
         };
-        Ok(Arc::new(Volume {
+        Ok(Arc::new_cyclic(|me| Volume {
+            me: me.clone(),
+            freeze: tokio::sync::Mutex::new(None),
+            frozen_flag: AtomicBool::new(false),
+            sealed: AtomicBool::new(false),
+            ambiguous: AtomicBool::new(false),
             tenant: p.tenant,
             name: p.name,
             mode: ws.mode,
@@ -136,7 +144,6 @@ impl Volume {
             journal_id,
             opts: p.opts,
             gate: Arc::new(tokio::sync::RwLock::new(())),
-            freeze_guard: Mutex::new(None),
             writer: tokio::sync::Mutex::new(journal),
             state: RwLock::new(State {
                 base: Arc::new(base),

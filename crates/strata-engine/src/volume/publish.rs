@@ -54,9 +54,38 @@ impl Volume {
         self.publish_inner(kind, (None, None), None).await
     }
 
-    /// The checkpoint protocol (see the module docs). With `upto`, returns early if an earlier
-    /// publish already covered that sequence number (group commit for sync-mode flushes).
+    /// Runs `f` on this volume in a task of its own and waits for it. A publish, rollback or
+    /// compaction thus runs to its end even when the caller's future is dropped (an HTTP client
+    /// that goes away, a detach aborting the background uploader): its state changes (cut,
+    /// frozen overlay, head CAS, new base) never stop halfway.
+    pub(super) async fn in_own_task<T, Fut>(&self, f: impl FnOnce(Arc<Volume>) -> Fut) -> Result<T>
+    where
+        T: Send + 'static,
+        Fut: std::future::Future<Output = Result<T>> + Send + 'static,
+    {
+        let me = self
+            .me
+            .upgrade()
+            .ok_or_else(|| Error::Unavailable(self.name.clone(), "detached".into()))?;
+        tokio::spawn(f(me))
+            .await
+            .map_err(|e| Error::Unavailable(self.name.clone(), format!("publish task: {e}")))?
+    }
+
+    /// The checkpoint protocol (see the module docs), in its own task. With `upto`, returns
+    /// early if an earlier publish already covered that sequence number (group commit for
+    /// sync-mode flushes).
     pub(super) async fn publish_inner(
+        &self,
+        kind: CheckpointKind,
+        meta: (Option<String>, Option<u64>),
+        upto: Option<u64>,
+    ) -> Result<Published> {
+        self.in_own_task(move |v| async move { v.publish_run(kind, meta, upto).await })
+            .await
+    }
+
+    async fn publish_run(
         &self,
         kind: CheckpointKind,
         (label, keep_until_ms): (Option<String>, Option<u64>),
@@ -65,6 +94,7 @@ impl Volume {
         let started = Instant::now();
         let _p = self.publish_lock.lock().await;
         self.usable()?;
+        self.resolve_ambiguous().await?;
         // Background and detach publishes with nothing new add no version (explicit
         // checkpoints always do: they carry a label or a retention promise).
         let nothing_new = self.acked_seq.load(SeqCst) <= self.published_seq.load(SeqCst);
@@ -89,10 +119,24 @@ impl Volume {
         let stall_start = Instant::now();
         let (cut, frozen, base, base_version) = {
             let mut j = self.writer.lock().await;
+            if self.st().frozen.is_some() {
+                // Unreachable while publishes hold the publish lock for their whole run; a
+                // second cut would overwrite the frozen overlay and lose what it holds.
+                return Err(Error::Unavailable(
+                    self.name.clone(),
+                    "a publish is already in progress".into(),
+                ));
+            }
             let cut = j.last_seq();
-            let (id, f) = j.rotate().map_err(Error::io("rotating journal segment"))?;
+            let (id, f) = match j.rotate() {
+                Ok(r) => r,
+                Err(e) if crate::error::is_no_space(&e) => {
+                    return Err(Error::NoSpace(format!("a new journal segment: {e}")))
+                }
+                Err(e) => return Err(Error::io("rotating journal segment")(e)),
+            };
             let mut st = self.st_mut();
-            st.files.insert(id, f);
+            st.files.insert(id, SegFile::new(f));
             let frozen = Arc::new(std::mem::take(&mut st.active));
             st.frozen = Some(frozen.clone());
             let mut w = lock(&self.window);
@@ -114,50 +158,8 @@ impl Volume {
             .await;
         match res {
             Ok((version, manifest, m, bytes)) => {
-                {
-                    let mut st = self.st_mut();
-                    st.base = Arc::new(m);
-                    st.base_id = manifest;
-                    st.base_version = version;
-                    st.frozen = None;
-                    let mut w = lock(&self.window);
-                    w.bytes = w.after_bytes;
-                    w.since = w.after_since;
-                    w.cutting = false;
-                }
-                self.published_seq.fetch_max(cut, SeqCst);
-                self.counters.publishes.fetch_add(1, SeqCst);
-                self.counters.bytes_uploaded.fetch_add(bytes, SeqCst);
-                // Local state first, then drop the segments it covers.
-                let ls = self.local_state(version, manifest, cut);
-                let cleanup = async {
-                    ls.store(&*self.fs, &self.dir)?;
-                    // Detached under the writer lock (in memory only), retired without it.
-                    let retired = self.writer.lock().await.detach_through(cut);
-                    let handles: Vec<_> = {
-                        let mut st = self.st_mut();
-                        retired
-                            .ids
-                            .iter()
-                            .filter_map(|id| st.files.remove(id))
-                            .collect()
-                    };
-                    let free = tokio::task::spawn_blocking(move || {
-                        let free = retired.apply();
-                        drop(handles);
-                        free
-                    })
-                    .await
-                    .map_err(std::io::Error::other)
-                    .and_then(|r| r)
-                    .map_err(Error::io("retiring published segments"))?;
-                    self.writer.lock().await.add_free(free);
-                    Ok::<_, Error>(())
-                };
-                if let Err(e) = cleanup.await {
-                    // The head is published; only local cleanup failed. Replay handles leftovers.
-                    tracing::warn!(workspace = %self.name, error = %e, "post-publish cleanup failed");
-                }
+                self.finish_publish(version, manifest, Arc::new(m), cut, bytes)
+                    .await;
                 Ok(Published {
                     version,
                     manifest,
@@ -182,6 +184,126 @@ impl Volume {
         }
     }
 
+    /// Makes a committed head version (`manifest` holding every write up to `cut`) this
+    /// volume's base, records it locally, then retires the journal segments it covers.
+    async fn finish_publish(
+        &self,
+        version: u64,
+        manifest: Hash,
+        m: Arc<Manifest>,
+        cut: u64,
+        bytes: u64,
+    ) {
+        {
+            let mut st = self.st_mut();
+            st.base = m;
+            st.base_id = manifest;
+            st.base_version = version;
+            st.frozen = None;
+            // Runs up to the cut are in the new base (after an ambiguous CAS they were folded
+            // back into the active overlay); keeping them would pin segments about to go.
+            st.active.drop_through(cut);
+            let mut w = lock(&self.window);
+            if w.cutting {
+                w.bytes = w.after_bytes;
+                w.since = w.after_since;
+                w.cutting = false;
+            } else {
+                w.bytes = st.active.data_blocks() * BLOCK_SIZE;
+                if w.bytes == 0 {
+                    w.since = None;
+                }
+            }
+        }
+        self.published_seq.fetch_max(cut, SeqCst);
+        self.counters.publishes.fetch_add(1, SeqCst);
+        self.counters.bytes_uploaded.fetch_add(bytes, SeqCst);
+        // Local state first, then drop the segments it covers.
+        let ls = self.local_state(version, manifest, cut);
+        let cleanup = async {
+            ls.store(&*self.fs, &self.dir)?;
+            self.retire_through(cut).await
+        };
+        if let Err(e) = cleanup.await {
+            // The head is published; only local cleanup failed. Replay handles leftovers.
+            tracing::warn!(tenant = %self.tenant, workspace = %self.name, error = %e, "post-publish cleanup failed");
+        }
+    }
+
+    /// Retires every sealed segment whose records are all `<= cut` (published): taken out of
+    /// the journal under the writer lock (in memory only), renamed or unlinked without it.
+    /// A segment a read still holds is unlinked, never recycled (see [`SegFile`]).
+    async fn retire_through(&self, cut: u64) -> Result<()> {
+        let retired = self.writer.lock().await.detach_through(cut);
+        let handles: Vec<_> = {
+            let mut st = self.st_mut();
+            retired
+                .ids
+                .iter()
+                .filter_map(|id| st.files.remove(id).map(|f| (*id, f)))
+                .collect()
+        };
+        let busy: Vec<u64> = handles
+            .iter()
+            .filter(|(_, f)| f.in_use())
+            .map(|(id, _)| *id)
+            .collect();
+        let free = tokio::task::spawn_blocking(move || {
+            let free = retired.apply(&busy);
+            drop(handles);
+            free
+        })
+        .await
+        .map_err(std::io::Error::other)
+        .and_then(|r| r)
+        .map_err(Error::io("retiring published segments"))?;
+        self.writer.lock().await.add_free(free);
+        Ok(())
+    }
+
+    /// Settles a head CAS whose outcome was unknown or that conflicted: if the head moved to a
+    /// version this volume's journal published (its receipt names our journal id), that
+    /// publish committed with its reply lost: its manifest becomes the base. Otherwise nothing
+    /// changes, and the data it carried is still in the active overlay.
+    async fn resolve_ambiguous(&self) -> Result<()> {
+        if !self.ambiguous.swap(false, SeqCst) {
+            return Ok(());
+        }
+        let settle = async {
+            let ws = self.catalog.get_workspace(&self.tenant, &self.name).await?;
+            if ws.head_version <= self.st().base_version {
+                return Ok(());
+            }
+            let cp = self
+                .catalog
+                .get_checkpoint(&self.tenant, &self.name, ws.head_version)
+                .await?;
+            if cp.journal_id.as_deref() != Some(self.journal_id.as_str()) {
+                return Ok(()); // Moved by someone else: the next CAS reports it.
+            }
+            let m = self
+                .reader
+                .store()
+                .get_manifest(&self.tenant, &ws.head_manifest)
+                .await?;
+            tracing::info!(tenant = %self.tenant, workspace = %self.name, version = ws.head_version, "a publish whose reply was lost had committed; adopting it");
+            self.finish_publish(
+                ws.head_version,
+                ws.head_manifest,
+                Arc::new(m),
+                cp.cut_seq,
+                0,
+            )
+            .await;
+            Ok::<_, Error>(())
+        };
+        let r = settle.await;
+        if r.is_err() {
+            self.ambiguous.store(true, SeqCst);
+        }
+        r
+    }
+
     async fn publish_cut(
         &self,
         frozen: &Overlay,
@@ -192,7 +314,12 @@ impl Volume {
         (label, keep_until_ms): (Option<String>, Option<u64>),
     ) -> Result<(u64, Hash, Manifest, u64)> {
         let uploads_began = Instant::now();
-        let files = self.st().files.clone();
+        let files: HashMap<u64, Arc<dyn FsFile>> = self
+            .st()
+            .files
+            .iter()
+            .map(|(id, f)| (*id, f.file.clone()))
+            .collect();
         // 2. Pack and upload every live block <= cut.
         self.publish_done.store(0, SeqCst);
         self.publish_total
@@ -226,43 +353,76 @@ impl Volume {
             ));
         }
         // 4 + 5. Move the head (expected version, lease epoch) and record the receipt.
-        let lease = self.lease();
-        let version = self
-            .catalog
-            .advance_head(
-                &self.tenant,
-                &self.name,
-                base_version,
-                &lease,
-                &NewCheckpoint {
-                    manifest: id,
-                    label,
-                    kind,
-                    bytes: packed.bytes_uploaded,
-                    cut_seq: cut,
-                    journal_id: Some(self.journal_id.clone()),
-                    keep_until_ms,
-                },
-            )
-            .await?;
+        let cp = NewCheckpoint {
+            manifest: id,
+            label,
+            kind,
+            bytes: packed.bytes_uploaded,
+            cut_seq: cut,
+            journal_id: Some(self.journal_id.clone()),
+            keep_until_ms,
+        };
+        let version = self.advance_head(base_version, &cp).await?;
         Ok((version, id, m, packed.bytes_uploaded))
     }
 
+    /// The head CAS of a publish (step 4). When it fails, the head is read back: naming this
+    /// publish's manifest (salted, so never anyone else's) it committed and only the reply was
+    /// lost. When that cannot be told now (the head is unreadable, or a conflict that an earlier
+    /// lost reply may explain), the next publish settles it first
+    /// ([`Volume::resolve_ambiguous`]), so the volume never keeps conflicting with itself.
+    pub(super) async fn advance_head(&self, base_version: u64, cp: &NewCheckpoint) -> Result<u64> {
+        let lease = self.lease();
+        let err = match self
+            .catalog
+            .advance_head(&self.tenant, &self.name, base_version, &lease, cp)
+            .await
+        {
+            Ok(v) => return Ok(v),
+            Err(e) => e,
+        };
+        match self.catalog.get_workspace(&self.tenant, &self.name).await {
+            Ok(ws) if ws.head_manifest == cp.manifest => {
+                tracing::info!(tenant = %self.tenant, workspace = %self.name, version = ws.head_version, error = %err, "head CAS reported an error but had committed");
+                return Ok(ws.head_version);
+            }
+            _ if matches!(
+                err,
+                CatalogError::Backend(_) | CatalogError::Conflict { .. }
+            ) =>
+            {
+                self.ambiguous.store(true, SeqCst);
+            }
+            _ => {}
+        }
+        Err(err.into())
+    }
+
     /// Rolls the head back to `version`'s manifest as a new version, after publishing the
-    /// current state (so history keeps every acknowledged write).
+    /// current state (so history keeps every acknowledged write). No write is in flight while it
+    /// runs; on a frozen volume it runs inside the freeze (an orchestrator restoring a paired
+    /// memory snapshot rolls the disk back before it thaws).
     pub(crate) async fn rollback(&self, version: u64) -> Result<Published> {
+        self.in_own_task(move |v| async move {
+            v.exclusive(async || v.rollback_exclusive(version).await)
+                .await
+        })
+        .await
+    }
+
+    async fn rollback_exclusive(&self, version: u64) -> Result<Published> {
         let target = self
             .catalog
             .get_checkpoint(&self.tenant, &self.name, version)
             .await?;
-        let _gate = self.gate.write().await;
-        self.publish_inner(
+        self.publish_run(
             CheckpointKind::Auto,
             (None, None),
             Some(self.acked_seq.load(SeqCst)),
         )
         .await?;
         let _p = self.publish_lock.lock().await;
+        self.usable()?;
         let started = Instant::now();
         let m = self
             .reader
@@ -272,12 +432,8 @@ impl Volume {
         let base_version = self.st().base_version;
         let cut = self.acked_seq.load(SeqCst);
         let new_version = self
-            .catalog
             .advance_head(
-                &self.tenant,
-                &self.name,
                 base_version,
-                &self.lease(),
                 &NewCheckpoint {
                     manifest: target.manifest,
                     label: Some(format!("rollback to v{version}")),
