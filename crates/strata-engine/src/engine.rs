@@ -163,13 +163,27 @@ impl Engine {
         }
     }
 
+    /// Publishes a built template. `began` is when its first chunk upload started: chunks that
+    /// stayed unreferenced longer than the GC grace period may already be condemned, so a
+    /// build slower than half of it gives up (a retry uploads fresh, salted keys).
     async fn publish_template(
         &self,
         tenant: &str,
         name: &str,
         m: Manifest,
         stored: u64,
+        began: Instant,
     ) -> Result<Template> {
+        let deadline = self.opts().publish_deadline;
+        if began.elapsed() > deadline {
+            return Err(Error::Unavailable(
+                format!("template {name}"),
+                format!(
+                    "the build took {:?}, more than half the GC grace period; build it again",
+                    began.elapsed()
+                ),
+            ));
+        }
         let id = self.reader.store().put_manifest(tenant, &m).await?;
         self.catalog.record_manifest(tenant, id, &m.objects).await?;
         let t = Template {
@@ -213,10 +227,11 @@ impl Engine {
         } else {
             image
         };
+        let began = Instant::now();
         let res = template::import_raw(&self.reader, tenant, path, progress).await;
         let _ = std::fs::remove_dir_all(&tmp);
         let (m, stored) = res?;
-        self.publish_template(tenant, name, m, stored).await
+        self.publish_template(tenant, name, m, stored, began).await
     }
 
     /// Builds an ext4 template from a directory (`mkfs.ext4 -d`); size derived if not given.
@@ -241,14 +256,16 @@ impl Engine {
         };
         let tmp = tempdir_in(&self.cfg.data_dir)?;
         let img = tmp.join("image.raw");
+        let mut began = Instant::now();
         let res = async {
             template::mkfs_from_dir(dir, &img, size)?;
+            began = Instant::now();
             template::import_raw(&self.reader, tenant, &img, progress).await
         }
         .await;
         let _ = std::fs::remove_dir_all(&tmp);
         let (m, stored) = res?;
-        self.publish_template(tenant, name, m, stored).await
+        self.publish_template(tenant, name, m, stored, began).await
     }
 
     pub async fn create_workspace(

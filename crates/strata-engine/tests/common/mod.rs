@@ -2,6 +2,8 @@
 //! Shared test scaffolding: a "cluster" is one catalog and one object store; nodes are engines
 //! with their own data directories (and optionally a simulated file system) on top of it.
 
+pub mod faults;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,0 +1,338 @@
+//! Operations racing the data path, one regression test per way an acknowledged write was lost
+//! (or a volume wedged) before: detach while a writer flushes, a checkpoint whose caller goes
+//! away, a lost head-CAS reply, rollback inside a freeze, a full disk, a segment recycled under
+//! a read, a failed directory fsync in cleaning, a template build slower than the GC grace.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::faults::{FaultFs, LossyCatalog, Switches};
+use common::*;
+use object_store::memory::InMemory;
+use object_store::throttle::{ThrottleConfig, ThrottledStore};
+use object_store::ObjectStore;
+use strata_engine::{Engine, Error, Mode};
+use strata_store::Store;
+
+const DISK: u64 = 64 << 20;
+
+/// Reads every block in `expect` and checks it holds at least the flushed tag (tags grow per
+/// block, so anything older is a lost flushed write). Returns how many blocks were checked.
+async fn check_flushed(v: &strata_engine::Volume, expect: &HashMap<u64, u64>) -> usize {
+    let mut lost = vec![];
+    for (&lba, &tag) in expect {
+        let b = v.read(lba * 4096, 4096).await.unwrap();
+        match tag_of(&b, lba) {
+            Some(got) if got >= tag => {}
+            got => lost.push((lba, tag, got)),
+        }
+    }
+    assert!(
+        lost.is_empty(),
+        "{} of {} flushed blocks read back older data, e.g. {:?}",
+        lost.len(),
+        expect.len(),
+        &lost[..lost.len().min(5)]
+    );
+    expect.len()
+}
+
+/// A writer that writes tagged 4 KiB blocks over `span` blocks and flushes after every 32,
+/// until a write or flush fails. Returns the tag each block held at its last successful flush.
+async fn write_until_refused(v: Arc<strata_engine::Volume>, span: u64) -> HashMap<u64, u64> {
+    let mut flushed = HashMap::new();
+    let mut pending = vec![];
+    for i in 0u64.. {
+        let lba = (i * 7919) % span;
+        let tag = i + 1;
+        if v.write(lba * 4096, &tagged(tag, lba), false).await.is_err() {
+            break;
+        }
+        pending.push((lba, tag));
+        if pending.len() == 32 {
+            if v.flush().await.is_err() {
+                break;
+            }
+            flushed.extend(pending.drain(..));
+        }
+    }
+    flushed
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detach_while_a_writer_flushes_loses_no_flushed_write() {
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
+    let writer = tokio::spawn(write_until_refused(v.clone(), 4096));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.detach(TENANT, "w").await.unwrap();
+    let flushed = tokio::time::timeout(Duration::from_secs(10), writer)
+        .await
+        .expect("writes are refused after a detach")
+        .unwrap();
+    assert!(flushed.len() > 100, "the writer got going");
+    let v = a.attach(TENANT, "w").await.unwrap();
+    check_flushed(&v, &flushed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_while_a_writer_writes_acknowledges_nothing_after() {
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    let v = empty_volume(&a, "d", DISK, Mode::Durable).await;
+    let writer = tokio::spawn(write_until_refused(v.clone(), 1024));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    a.delete_workspace(TENANT, "d").await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), writer)
+        .await
+        .expect("writes are refused after a delete")
+        .unwrap();
+    assert!(v.write(0, &tagged(1, 0), false).await.is_err());
+}
+
+/// An in-memory object store whose every put takes `ms` milliseconds (object_store's throttle
+/// cannot wrap the local file store's reads).
+fn slow_store(ms: u64) -> Store {
+    let cfg = ThrottleConfig {
+        wait_put_per_call: Duration::from_millis(ms),
+        ..ThrottleConfig::default()
+    };
+    let inner: Arc<dyn ObjectStore> = Arc::new(ThrottledStore::new(InMemory::new(), cfg));
+    Store::from_object_store(inner, "slow")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_whose_caller_goes_away_loses_nothing() {
+    let c = Cluster::new().await;
+    let store = slow_store(100);
+    let node = |n: &str| {
+        let fs = Arc::new(strata_engine::fs::RealFs);
+        Engine::open_with(c.config(n), c.catalog.clone(), store.clone(), fs).unwrap()
+    };
+    let a = node("a");
+    let v = empty_volume(&a, "c", DISK, Mode::Durable).await;
+    let mut expect = HashMap::new();
+    for lba in 0..2048u64 {
+        v.write(lba * 4096, &tagged(1, lba), false).await.unwrap();
+        expect.insert(lba, 1);
+    }
+    v.flush().await.unwrap();
+    // The caller gives up during the upload (an HTTP client with a short timeout).
+    let r = tokio::time::timeout(Duration::from_millis(150), v.checkpoint(None)).await;
+    assert!(r.is_err(), "the checkpoint was still uploading");
+    for lba in 4000..4256u64 {
+        v.write(lba * 4096, &tagged(2, lba), false).await.unwrap();
+        expect.insert(lba, 2);
+    }
+    v.flush().await.unwrap();
+    let p = v.checkpoint(None).await.unwrap();
+    a.detach(TENANT, "c").await.unwrap();
+    // Another node restores from the head alone.
+    let b = node("b");
+    let v = b.attach(TENANT, "c").await.unwrap();
+    assert!(v.head_version() > p.version - 1);
+    check_flushed(&v, &expect).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_cas_reply_does_not_wedge_the_volume() {
+    let c = Cluster::new().await;
+    let lossy = LossyCatalog::new(c.catalog.clone());
+    let a = Engine::open_with(
+        c.config("a"),
+        lossy.clone(),
+        c.store.clone(),
+        Arc::new(strata_engine::fs::RealFs),
+    )
+    .unwrap();
+    let v = empty_volume(&a, "cas", DISK, Mode::Durable).await;
+    let mut expect = HashMap::new();
+    for round in 1..=3u64 {
+        for lba in 0..64u64 {
+            let lba = lba + round * 100;
+            v.write(lba * 4096, &tagged(round, lba), false)
+                .await
+                .unwrap();
+            expect.insert(lba, round);
+        }
+        v.flush().await.unwrap();
+        lossy.lose_next_cas_reply.store(true, SeqCst);
+        // Round 2: the head cannot even be read back right away.
+        lossy.blind.store(round == 2, SeqCst);
+        let r = v.checkpoint(None).await;
+        lossy.blind.store(false, SeqCst);
+        if round == 2 {
+            assert!(r.is_err(), "the outcome could not be known yet");
+        } else {
+            r.unwrap();
+        }
+    }
+    // The volume is not stuck conflicting with its own committed versions.
+    let p = v.checkpoint(Some("after".into())).await.unwrap();
+    let head = a.workspace(TENANT, "cas").await.unwrap();
+    assert_eq!(head.head_version, p.version);
+    a.detach(TENANT, "cas").await.unwrap();
+    let v = c.node("b").attach(TENANT, "cas").await.unwrap();
+    check_flushed(&v, &expect).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rollback_works_inside_a_freeze() {
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    let v = empty_volume(&a, "r", DISK, Mode::Durable).await;
+    v.write(0, &tagged(1, 0), false).await.unwrap();
+    let p1 = v.checkpoint(None).await.unwrap();
+    v.write(0, &tagged(2, 0), false).await.unwrap();
+    v.freeze().await;
+    let r = tokio::time::timeout(Duration::from_secs(10), a.rollback(TENANT, "r", p1.version))
+        .await
+        .expect("rollback of a frozen workspace completes");
+    r.unwrap();
+    assert_eq!(tag_of(&v.read(0, 4096).await.unwrap(), 0), Some(1));
+    v.thaw().await;
+    v.write(4096, &tagged(3, 1), false).await.unwrap();
+    // The write of tag 2 is kept in history: the version before the rollback.
+    let log = a.log(TENANT, "r").await.unwrap();
+    let before = &log[log.len() - 2];
+    let out = c.path("before.raw");
+    a.export(TENANT, "r", Some(before.version), &out)
+        .await
+        .unwrap();
+    assert_eq!(tag_of(&std::fs::read(&out).unwrap()[..4096], 0), Some(2));
+}
+
+fn fault_node(c: &Cluster, name: &str) -> (Arc<Engine>, Arc<Switches>) {
+    let sw = Arc::new(Switches::default());
+    let node = c.node_with(c.config(name), Arc::new(FaultFs(sw.clone())));
+    (node, sw)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_refuses_writes_and_recovers() {
+    let c = Cluster::new().await;
+    let (a, sw) = fault_node(&c, "a");
+    let v = empty_volume(&a, "full", DISK, Mode::Durable).await;
+    for lba in 0..16u64 {
+        v.write(lba * 4096, &tagged(1, lba), false).await.unwrap();
+    }
+    v.flush().await.unwrap();
+    sw.full.store(true, SeqCst);
+    for lba in 0..400u64 {
+        match v.write(lba * 4096, &tagged(2, lba), false).await {
+            Ok(()) => {}
+            Err(Error::NoSpace(_)) => break,
+            Err(e) => panic!("a full disk must say so, not {e}"),
+        }
+        assert!(lba < 399, "the full disk was never hit");
+    }
+    // What is already durable still reads and flushes.
+    assert!(tag_of(&v.read(15 * 4096, 4096).await.unwrap(), 15).is_some());
+    v.flush().await.unwrap();
+    assert!(
+        v.failure().is_none(),
+        "a full disk does not kill the volume"
+    );
+    sw.full.store(false, SeqCst);
+    v.write(0, &tagged(3, 0), false).await.unwrap();
+    v.flush().await.unwrap();
+    assert_eq!(tag_of(&v.read(0, 4096).await.unwrap(), 0), Some(3));
+    a.detach(TENANT, "full").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_in_flight_never_sees_its_segment_recycled() {
+    let c = Cluster::new().await;
+    let (a, sw) = fault_node(&c, "a");
+    let v = empty_volume(&a, "pin", DISK, Mode::Durable).await;
+    v.write(0, &tagged(1, 0), false).await.unwrap();
+    v.flush().await.unwrap();
+    sw.stall_next_read.store(true, SeqCst);
+    let reader = {
+        let v = v.clone();
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap()
+                .block_on(v.read(0, 4096))
+        })
+    };
+    tokio::task::spawn_blocking({
+        let sw = sw.clone();
+        move || sw.wait_stalled()
+    })
+    .await
+    .unwrap();
+    // Publish (retiring the read's segment), then write enough to rotate into recycled files
+    // and overwrite the same offsets with other data.
+    v.checkpoint(None).await.unwrap();
+    for round in 0..4u64 {
+        for lba in 0..96u64 {
+            let lba = 1000 + lba;
+            v.write(lba * 4096, &tagged(10 + round, lba), false)
+                .await
+                .unwrap();
+        }
+        v.flush().await.unwrap();
+        v.checkpoint(None).await.unwrap();
+    }
+    sw.release();
+    let got = reader.join().unwrap().unwrap();
+    assert_eq!(
+        tag_of(&got, 0),
+        Some(1),
+        "the read saw another write's bytes"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_directory_fsync_in_cleaning_leaves_the_flush_to_sync_it() {
+    let c = Cluster::new().await;
+    let (a, sw) = fault_node(&c, "a");
+    let v = empty_volume(&a, "clean2", DISK, Mode::Durable).await;
+    for round in 0..12u64 {
+        for lba in 0..16u64 {
+            v.write(lba * 4096, &tagged(round + 1, lba), false)
+                .await
+                .unwrap();
+        }
+    }
+    sw.fail_sync_dir.store(true, SeqCst);
+    assert!(v.clean_journal(0).await.is_err());
+    let before = sw.sync_dirs.load(SeqCst);
+    v.flush().await.unwrap();
+    assert!(
+        sw.sync_dirs.load(SeqCst) > before,
+        "the flush after a failed directory fsync syncs the directory"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_build_slower_than_half_the_gc_grace_gives_up() {
+    let c = Cluster::new().await;
+    let mut cfg = c.config("a");
+    cfg.gc_grace = Duration::from_millis(200);
+    let a = Engine::open_with(
+        cfg,
+        c.catalog.clone(),
+        slow_store(150),
+        Arc::new(strata_engine::fs::RealFs),
+    )
+    .unwrap();
+    let img = c.path("img.raw");
+    let data: Vec<u8> = (0..(24u32 << 20)).map(|i| (i % 251) as u8 + 1).collect();
+    std::fs::write(&img, &data).unwrap();
+    let r = a
+        .build_template_from_image(TENANT, "slow", &img, &|_, _| {})
+        .await;
+    assert!(
+        r.is_err(),
+        "a template whose first chunks may already be condemned is not published"
+    );
+    assert!(c.catalog.get_template(TENANT, "slow").await.is_err());
+}
