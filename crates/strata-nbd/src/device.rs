@@ -49,6 +49,9 @@ fn map(e: Error, write: bool) -> DevError {
     let errno = match &e {
         Error::OutOfRange { .. } if write => proto::ENOSPC,
         Error::OutOfRange { .. } | Error::Invalid(_) => proto::EINVAL,
+        // A full node disk: this request failed, the device did not (retry later).
+        Error::NoSpace(_) => proto::ENOSPC,
+        Error::Io { source, .. } if strata_engine::is_no_space(source) => proto::ENOSPC,
         Error::Unavailable(..) => proto::ESHUTDOWN,
         _ => proto::EIO,
     };

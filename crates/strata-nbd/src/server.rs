@@ -11,6 +11,16 @@
 //! ```
 //! A FLUSH covers every write whose reply was sent before the FLUSH arrived, on any connection
 //! to the same export (the device is shared), which is what CAN_MULTI_CONN promises.
+//!
+//! Memory per connection is bounded whatever the client sends: every request is charged to the
+//! connection's in-flight budget (its payload or read length, at least [`MIN_CHARGE`]) from
+//! when its header is read until its reply has been written to the socket, so a client that
+//! stops reading replies stops the server from reading requests.
+//!
+//! [`Server::shutdown`] stops accepting, lets every connection finish the requests it already
+//! accepted (their replies are sent), then closes them; it returns when none is left. Stopping
+//! an export this way is what detach does before its final cut, so no write is acknowledged
+//! after the cut.
 //! Protocol violations that desynchronise the stream (bad magic, absurd payloads) close the
 //! connection; everything else gets the error reply the spec names, and the server and other
 //! connections keep running. Nothing acknowledged is undone by a disconnect.
@@ -23,7 +33,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::device::{BlockDevice, DevError};
@@ -104,7 +114,19 @@ impl Default for ServerConfig {
 pub struct Server {
     exports: Arc<Exports>,
     cfg: ServerConfig,
+    stop: watch::Sender<bool>,
+    /// Cloned by every live connection; [`Server::shutdown`] waits for all clones to drop.
+    alive: std::sync::Mutex<Option<mpsc::Sender<()>>>,
+    drained: tokio::sync::Mutex<mpsc::Receiver<()>>,
 }
+
+/// The least a request is charged against the in-flight budget, so that a client cannot hold
+/// millions of tiny requests (FLUSH, TRIM) in flight on one connection.
+pub const MIN_CHARGE: u32 = 16 << 10;
+
+/// At most this many BLOCK_STATUS descriptors in one reply (the spec lets a server describe a
+/// prefix of the range; the client asks again for the rest).
+const MAX_EXTENTS: usize = 1 << 16;
 
 #[derive(Debug, thiserror::Error)]
 enum ConnError {
@@ -128,7 +150,32 @@ impl Server {
     pub fn new(exports: Arc<Exports>, mut cfg: ServerConfig) -> Arc<Server> {
         cfg.max_request = cfg.max_request.clamp(4096, 1 << 30);
         cfg.max_inflight_bytes = cfg.max_inflight_bytes.max(cfg.max_request);
-        Arc::new(Server { exports, cfg })
+        let (alive, drained) = mpsc::channel(1);
+        Arc::new(Server {
+            exports,
+            cfg,
+            stop: watch::Sender::new(false),
+            alive: std::sync::Mutex::new(Some(alive)),
+            drained: tokio::sync::Mutex::new(drained),
+        })
+    }
+
+    /// Stops accepting connections, lets every open connection finish what it accepted (their
+    /// replies are written), closes them, and returns once none is left. Idempotent.
+    pub async fn shutdown(&self) {
+        self.stop.send_replace(true);
+        self.alive.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let mut rx = self.drained.lock().await;
+        while rx.recv().await.is_some() {}
+    }
+
+    fn stopped(&self) -> watch::Receiver<bool> {
+        self.stop.subscribe()
+    }
+
+    /// A token held by one connection for its life; None once the server is shutting down.
+    fn join(&self) -> Option<mpsc::Sender<()>> {
+        self.alive.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Binds a unix socket at `path` (replacing a stale one), owner-only (0600).
@@ -140,22 +187,44 @@ impl Server {
         Ok(l)
     }
 
+    /// Accepts connections until [`Server::shutdown`].
     pub async fn serve_unix(self: Arc<Self>, listener: UnixListener) -> io::Result<()> {
+        let mut stop = self.stopped();
         loop {
-            let (s, _) = listener.accept().await?;
-            let me = self.clone();
-            tokio::spawn(async move { me.handle(s).await });
+            let (s, _) = tokio::select! {
+                r = listener.accept() => r?,
+                _ = stop.wait_for(|s| *s) => return Ok(()),
+            };
+            self.spawn_connection(s);
         }
     }
 
+    /// Accepts connections until [`Server::shutdown`].
     pub async fn serve_tcp(self: Arc<Self>, listener: TcpListener) -> io::Result<()> {
+        let mut stop = self.stopped();
         loop {
-            let (s, peer) = listener.accept().await?;
+            let (s, peer) = tokio::select! {
+                r = listener.accept() => r?,
+                _ = stop.wait_for(|s| *s) => return Ok(()),
+            };
             let _ = s.set_nodelay(true);
-            let me = self.clone();
             tracing::debug!(%peer, "nbd connection");
-            tokio::spawn(async move { me.handle(s).await });
+            self.spawn_connection(s);
         }
+    }
+
+    /// Serves one accepted connection in its own task, unless the server is shutting down (then
+    /// the connection is closed at once).
+    pub fn spawn_connection<S>(self: &Arc<Self>, s: S)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let Some(token) = self.join() else { return };
+        let me = self.clone();
+        tokio::spawn(async move {
+            me.handle(s).await;
+            drop(token);
+        });
     }
 
     /// Serves one connection to completion. Errors are logged here, where they are handled.
@@ -164,12 +233,12 @@ impl Server {
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let (mut rd, mut wr) = tokio::io::split(stream);
-        let neg = match tokio::time::timeout(
-            self.cfg.handshake_timeout,
-            self.negotiate(&mut rd, &mut wr),
-        )
-        .await
-        {
+        let mut stop = self.stopped();
+        let negotiated = tokio::select! {
+            r = tokio::time::timeout(self.cfg.handshake_timeout, self.negotiate(&mut rd, &mut wr)) => r,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        let neg = match negotiated {
             Ok(Ok(Some(n))) => n,
             Ok(Ok(None)) | Ok(Err(ConnError::Aborted)) => return,
             Ok(Err(e)) => {
@@ -407,6 +476,8 @@ impl Server {
                 if !r.data.is_empty() {
                     wr.write_all(&r.data).await?;
                 }
+                // The request's budget is returned only now that its reply has left.
+                drop(r.permit);
                 if rx.is_empty() {
                     wr.flush().await?;
                 }
@@ -420,15 +491,24 @@ impl Server {
         let size = dev.size();
         let ro = dev.read_only();
         let structured = neg.structured;
+        let mut stop = self.stopped();
         let result: Result<(), ConnError> = 'conn: loop {
             let mut head = [0u8; REQUEST_LEN];
-            let read = rd.read_exact(&mut head);
-            let got = match self.cfg.idle_timeout {
-                Some(t) => match tokio::time::timeout(t, read).await {
-                    Ok(r) => r,
-                    Err(_) => break Ok(()),
+            let read = async {
+                match self.cfg.idle_timeout {
+                    Some(t) => tokio::time::timeout(t, rd.read_exact(&mut head)).await.ok(),
+                    None => Some(rd.read_exact(&mut head).await),
+                }
+            };
+            // Shutdown takes effect between requests: a request whose header arrived is
+            // served to completion; none is accepted after.
+            let got = tokio::select! {
+                biased;
+                _ = stop.wait_for(|s| *s) => break Ok(()),
+                r = read => match r {
+                    Some(r) => r,
+                    None => break Ok(()),
                 },
-                None => read.await,
             };
             match got {
                 Ok(_) => {}
@@ -475,7 +555,11 @@ impl Server {
                 CMD_READ | CMD_WRITE => len.min(self.cfg.max_request),
                 _ => 0,
             };
-            let permit = match budget.clone().acquire_many_owned(reserve.max(1)).await {
+            let permit = match budget
+                .clone()
+                .acquire_many_owned(reserve.max(MIN_CHARGE))
+                .await
+            {
                 Ok(p) => p,
                 Err(_) => break Ok(()),
             };
@@ -489,16 +573,16 @@ impl Server {
             if let Some((errno, msg)) =
                 validate(&req, size, ro, structured, neg.meta, self.cfg.max_request)
             {
-                let _ = tx
-                    .send(error_reply(structured, &req, errno, msg).into())
-                    .await;
+                let mut r: Reply = error_reply(structured, &req, errno, msg).into();
+                r.permit = Some(permit);
+                let _ = tx.send(r).await;
                 continue;
             }
             let (dev, tx) = (dev.clone(), tx.clone());
             let metrics = self.cfg.metrics.clone();
             tasks.spawn(async move {
                 let started = std::time::Instant::now();
-                let reply = execute(&*dev, &req, payload, structured).await;
+                let mut reply = execute(&*dev, &req, payload, structured).await;
                 if let Some(h) = metrics.as_ref().and_then(|m| m.for_command(req.kind)) {
                     let ok = reply_ok(&reply.head);
                     let bytes = if matches!(req.kind, CMD_READ | CMD_WRITE) && ok {
@@ -508,8 +592,8 @@ impl Server {
                     };
                     h.record(started.elapsed(), bytes, ok);
                 }
+                reply.permit = Some(permit);
                 let _ = tx.send(reply).await;
-                drop(permit);
             });
         };
         // Finish what was accepted, then close: acknowledged work is never abandoned.
@@ -589,10 +673,11 @@ fn reply_ok(reply: &[u8]) -> bool {
 }
 
 /// A reply on its way to the wire: header, then (for reads) the data, moved rather than copied
-/// into one buffer.
+/// into one buffer, and the request's share of the in-flight budget, returned once written.
 struct Reply {
     head: Vec<u8>,
     data: Vec<u8>,
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 impl From<Vec<u8>> for Reply {
@@ -600,6 +685,7 @@ impl From<Vec<u8>> for Reply {
         Reply {
             head,
             data: Vec::new(),
+            permit: None,
         }
     }
 }
@@ -636,12 +722,17 @@ async fn execute(
                     8 + data.len(),
                 );
                 head.extend_from_slice(&req.offset.to_be_bytes());
-                return Reply { head, data };
+                return Reply {
+                    head,
+                    data,
+                    permit: None,
+                };
             }
             Ok(data) => {
                 return Reply {
                     head: simple_reply(0, req.cookie, &[]),
                     data,
+                    permit: None,
                 }
             }
             Err(e) => {
@@ -653,27 +744,20 @@ async fn execute(
         CMD_WRITE => done(dev.write(req.offset, &payload, fua).await),
         CMD_FLUSH => done(dev.flush().await),
         CMD_TRIM => done(dev.trim(req.offset, req.length, fua).await),
-        CMD_WRITE_ZEROES => {
-            if req.flags & CMD_FLAG_NO_HOLE != 0 {
-                if req.flags & CMD_FLAG_FAST_ZERO != 0 {
-                    // Writing allocated zeros is not guaranteed fast.
-                    return error_reply(structured, req, ENOTSUP, "NO_HOLE zeroing is not fast")
-                        .into();
-                }
-                let zeros = vec![0u8; req.length as usize];
-                done(dev.write(req.offset, &zeros, fua).await)
-            } else {
-                done(dev.write_zeroes(req.offset, req.length, fua).await)
-            }
-        }
+        // NO_HOLE asks for the range to stay provisioned so later writes cannot run out of
+        // space. A copy-on-write device cannot promise that (every write appends), and writing
+        // real zeros would only fill its journal, so both forms record the range as zeros:
+        // metadata only, and fast.
+        CMD_WRITE_ZEROES => done(dev.write_zeroes(req.offset, req.length, fua).await),
         CMD_BLOCK_STATUS => match dev.allocation(req.offset, req.length).await {
             Ok(runs) => {
                 let mut p = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
-                for (len, zero) in runs.iter().take(if req.flags & CMD_FLAG_REQ_ONE != 0 {
+                let most = if req.flags & CMD_FLAG_REQ_ONE != 0 {
                     1
                 } else {
-                    usize::MAX
-                }) {
+                    MAX_EXTENTS
+                };
+                for (len, zero) in runs.iter().take(most) {
                     // Lengths are bounded by the request length (u32).
                     p.extend_from_slice(&(*len as u32).to_be_bytes());
                     p.extend_from_slice(
