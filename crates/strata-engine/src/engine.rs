@@ -211,7 +211,9 @@ impl Engine {
         }
     }
 
-    /// Builds a template from a raw or qcow2 image file.
+    /// Builds a template from a raw or qcow2 image file on this host (the operator's own: the
+    /// local CLI, an import directory). The format is read from the file's first bytes and then
+    /// stated explicitly to qemu-img; a qcow2 image naming a backing or data file is refused.
     pub async fn build_template_from_image(
         &self,
         tenant: &str,
@@ -219,22 +221,45 @@ impl Engine {
         image: &Path,
         progress: template::Progress<'_>,
     ) -> Result<Template> {
+        let format = template::detect_format(image)?;
+        self.build_template_from_image_as(tenant, name, image, format, progress)
+            .await
+    }
+
+    /// [`Engine::build_template_from_image`] with the format given by the caller (an upload
+    /// says what it is; raw bytes are imported as they are, without any tool).
+    pub async fn build_template_from_image_as(
+        &self,
+        tenant: &str,
+        name: &str,
+        image: &Path,
+        format: template::ImageFormat,
+        progress: template::Progress<'_>,
+    ) -> Result<Template> {
         self.check_new_template(tenant, name).await?;
         let tmp = tempdir_in(&self.cfg.data_dir)?;
-        let raw = tmp.join("image.raw");
-        let path = if template::to_raw(image, &raw)? {
-            raw.as_path()
-        } else {
-            image
-        };
-        let began = Instant::now();
-        let res = template::import_raw(&self.reader, tenant, path, progress).await;
+        let res = async {
+            let path = match format {
+                template::ImageFormat::Raw => image.to_path_buf(),
+                template::ImageFormat::Qcow2 => {
+                    let raw = tmp.join("image.raw");
+                    template::qcow2_to_raw(image, &raw)?;
+                    raw
+                }
+            };
+            let began = Instant::now();
+            let (m, stored) = template::import_raw(&self.reader, tenant, &path, progress).await?;
+            Ok::<_, Error>((m, stored, began))
+        }
+        .await;
         let _ = std::fs::remove_dir_all(&tmp);
-        let (m, stored) = res?;
+        let (m, stored, began) = res?;
         self.publish_template(tenant, name, m, stored, began).await
     }
 
-    /// Builds an ext4 template from a directory (`mkfs.ext4 -d`); size derived if not given.
+    /// Builds an ext4 template from a directory on this host (`mkfs.ext4 -d`); size derived
+    /// if not given. For the operator's own directories: a tenant's tree arrives as an archive
+    /// ([`Engine::build_template_from_archive`]).
     pub async fn build_template_from_dir(
         &self,
         tenant: &str,
@@ -250,22 +275,63 @@ impl Engine {
                 dir.display()
             )));
         }
+        let tmp = tempdir_in(&self.cfg.data_dir)?;
+        let res = self
+            .mkfs_and_import(tenant, dir, &tmp, size, progress)
+            .await;
+        let _ = std::fs::remove_dir_all(&tmp);
+        let (m, stored, began) = res?;
+        self.publish_template(tenant, name, m, stored, began).await
+    }
+
+    /// Builds an ext4 template from a tar archive of a directory tree (what `strata template
+    /// build --from-dir` streams to a daemon), unpacked as hostile input
+    /// ([`template::unpack_archive`]).
+    pub async fn build_template_from_archive(
+        &self,
+        tenant: &str,
+        name: &str,
+        archive: &Path,
+        size: Option<u64>,
+        limits: template::ArchiveLimits,
+        progress: template::Progress<'_>,
+    ) -> Result<Template> {
+        self.check_new_template(tenant, name).await?;
+        let tmp = tempdir_in(&self.cfg.data_dir)?;
+        let res = async {
+            let tree = tmp.join("tree");
+            std::fs::create_dir(&tree).map_err(Error::io("creating unpack directory"))?;
+            let (a, t) = (archive.to_path_buf(), tree.clone());
+            tokio::task::spawn_blocking(move || template::unpack_archive(&a, &t, limits))
+                .await
+                .map_err(|e| Error::Invalid(format!("unpack task failed: {e}")))??;
+            self.mkfs_and_import(tenant, &tree, &tmp, size, progress)
+                .await
+        }
+        .await;
+        let _ = std::fs::remove_dir_all(&tmp);
+        let (m, stored, began) = res?;
+        self.publish_template(tenant, name, m, stored, began).await
+    }
+
+    /// `mkfs.ext4 -d dir` into `tmp/image.raw` and imports it; returns when the uploads began.
+    async fn mkfs_and_import(
+        &self,
+        tenant: &str,
+        dir: &Path,
+        tmp: &Path,
+        size: Option<u64>,
+        progress: template::Progress<'_>,
+    ) -> Result<(Manifest, u64, Instant)> {
         let size = match size {
             Some(s) => s.div_ceil(strata_format::BLOCK_SIZE) * strata_format::BLOCK_SIZE,
             None => template::derive_size(dir)?,
         };
-        let tmp = tempdir_in(&self.cfg.data_dir)?;
         let img = tmp.join("image.raw");
-        let mut began = Instant::now();
-        let res = async {
-            template::mkfs_from_dir(dir, &img, size)?;
-            began = Instant::now();
-            template::import_raw(&self.reader, tenant, &img, progress).await
-        }
-        .await;
-        let _ = std::fs::remove_dir_all(&tmp);
-        let (m, stored) = res?;
-        self.publish_template(tenant, name, m, stored, began).await
+        template::mkfs_from_dir(dir, &img, size)?;
+        let began = Instant::now();
+        let (m, stored) = template::import_raw(&self.reader, tenant, &img, progress).await?;
+        Ok((m, stored, began))
     }
 
     pub async fn create_workspace(
@@ -756,8 +822,15 @@ async fn work(vol: Weak<Volume>, interval: Duration, segment_max: u64) {
     }
 }
 
-fn tempdir_in(dir: &Path) -> Result<PathBuf> {
-    let p = dir.join("tmp").join(crate::local::new_journal_id());
-    std::fs::create_dir_all(&p).map_err(Error::io("creating temp directory"))?;
+/// A fresh private (0700) directory under `DATA/tmp`.
+pub fn tempdir_in(dir: &Path) -> Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    let root = dir.join("tmp");
+    std::fs::create_dir_all(&root).map_err(Error::io("creating temp directory"))?;
+    let p = root.join(crate::local::new_journal_id());
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&p)
+        .map_err(Error::io("creating temp directory"))?;
     Ok(p)
 }

@@ -183,26 +183,149 @@ pub fn mkfs_from_dir(dir: &Path, out: &Path, size: u64) -> Result<()> {
     Ok(())
 }
 
-/// Converts `image` to raw at `out` if it is not raw already; returns the path to import.
-pub fn to_raw(image: &Path, out: &Path) -> Result<bool> {
+/// The format of an image to import. Always explicit: an image is never probed by a tool that
+/// might then open files it names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ImageFormat {
+    Raw,
+    Qcow2,
+}
+
+impl std::str::FromStr for ImageFormat {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<ImageFormat> {
+        match s {
+            "raw" => Ok(ImageFormat::Raw),
+            "qcow2" => Ok(ImageFormat::Qcow2),
+            _ => Err(Error::Invalid(format!(
+                "image format {s:?} is not raw or qcow2"
+            ))),
+        }
+    }
+}
+
+const QCOW2_MAGIC: &[u8; 4] = b"QFI\xfb";
+
+/// The format of a local image file, from its first bytes (qcow2's magic, else raw).
+pub fn detect_format(image: &Path) -> Result<ImageFormat> {
+    let mut magic = [0u8; 4];
+    let mut f =
+        std::fs::File::open(image).map_err(Error::io(format!("opening {}", image.display())))?;
+    let n = f.read(&mut magic).map_err(Error::io("reading image"))?;
+    Ok(if n == 4 && &magic == QCOW2_MAGIC {
+        ImageFormat::Qcow2
+    } else {
+        ImageFormat::Raw
+    })
+}
+
+/// Converts a qcow2 `image` to raw at `out`, opened as qcow2 and nothing else: an image that
+/// names a backing file or an external data file is refused, so an import never reads a file
+/// the image's author chose.
+pub fn qcow2_to_raw(image: &Path, out: &Path) -> Result<()> {
+    let mut magic = [0u8; 4];
+    let mut f =
+        std::fs::File::open(image).map_err(Error::io(format!("opening {}", image.display())))?;
+    if f.read(&mut magic).map_err(Error::io("reading image"))? != 4 || &magic != QCOW2_MAGIC {
+        return Err(Error::Invalid("the image is not qcow2".into()));
+    }
     let info = run(
         Command::new("qemu-img")
-            .args(["info", "--output=json"])
+            .args(["info", "-f", "qcow2", "--output=json"])
             .arg(image),
         "qemu-img info",
     )?;
     let v: serde_json::Value = serde_json::from_str(&info)
         .map_err(|e| Error::Tool(format!("qemu-img info output: {e}")))?;
-    let format = v.get("format").and_then(|f| f.as_str()).unwrap_or("raw");
-    if format == "raw" {
-        return Ok(false);
+    if v.get("backing-filename").is_some() || v.get("full-backing-filename").is_some() {
+        return Err(Error::Invalid(
+            "the qcow2 image names a backing file; flatten it first (qemu-img convert -O qcow2)"
+                .into(),
+        ));
+    }
+    if v.pointer("/format-specific/data/data-file").is_some() {
+        return Err(Error::Invalid(
+            "the qcow2 image names an external data file; it is not imported".into(),
+        ));
     }
     run(
         Command::new("qemu-img")
-            .args(["convert", "-O", "raw"])
+            .args(["convert", "-f", "qcow2", "-O", "raw"])
             .arg(image)
             .arg(out),
         "qemu-img convert",
     )?;
-    Ok(true)
+    Ok(())
+}
+
+/// Limits of one archive import.
+#[derive(Clone, Copy, Debug)]
+pub struct ArchiveLimits {
+    /// Sum of the entries' sizes.
+    pub max_bytes: u64,
+    pub max_entries: u64,
+}
+
+/// Unpacks a tar archive (a directory tree sent by a tenant) into `dst`, as hostile input:
+/// only regular files, directories, symlinks and hard links; every path and hard-link target
+/// relative and inside `dst` (also through symlinks unpacked before); no device nodes, fifos or
+/// sparse entries; ownership not restored; sizes and entry count bounded. Symlinks are kept as
+/// links (mkfs.ext4 -d copies them, it does not follow them).
+pub fn unpack_archive(archive: &Path, dst: &Path, limits: ArchiveLimits) -> Result<()> {
+    use std::path::Component;
+    let bad = |why: String| Error::Invalid(format!("archive: {why}"));
+    let relative = |p: &Path| {
+        p.components()
+            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+    };
+    let f = std::fs::File::open(archive).map_err(Error::io("opening archive"))?;
+    let mut ar = tar::Archive::new(f);
+    ar.set_preserve_ownerships(false);
+    ar.set_preserve_permissions(true);
+    ar.set_unpack_xattrs(false);
+    ar.set_overwrite(true);
+    let (mut bytes, mut entries) = (0u64, 0u64);
+    for e in ar.entries().map_err(Error::io("reading archive"))? {
+        let mut e = e.map_err(|e| bad(e.to_string()))?;
+        entries += 1;
+        if entries > limits.max_entries {
+            return Err(bad(format!("more than {} entries", limits.max_entries)));
+        }
+        let path = e.path().map_err(|e| bad(e.to_string()))?.into_owned();
+        if !relative(&path) {
+            return Err(bad(format!("{} is not a relative path", path.display())));
+        }
+        use tar::EntryType as T;
+        match e.header().entry_type() {
+            T::Regular | T::Continuous | T::Directory | T::Symlink => {}
+            T::Link => {
+                let target = e
+                    .link_name()
+                    .map_err(|e| bad(e.to_string()))?
+                    .ok_or_else(|| bad("hard link without a target".into()))?;
+                if !relative(&target) {
+                    return Err(bad(format!(
+                        "hard link {} points outside the archive",
+                        path.display()
+                    )));
+                }
+            }
+            t => {
+                return Err(bad(format!(
+                    "{} is a {t:?} entry (only files, directories and links)",
+                    path.display()
+                )))
+            }
+        }
+        bytes = bytes.saturating_add(e.size());
+        if bytes > limits.max_bytes {
+            return Err(bad(format!("more than {} bytes", limits.max_bytes)));
+        }
+        // unpack_in also refuses paths that would land outside `dst` through a symlink.
+        if !e.unpack_in(dst).map_err(|e| bad(e.to_string()))? {
+            return Err(bad(format!("{} escapes the archive", path.display())));
+        }
+    }
+    Ok(())
 }

@@ -248,3 +248,150 @@ fn count_objects(dir: &Path) -> usize {
         .unwrap();
     String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
 }
+
+/// A tar archive of `entries` (path, type, link target, body) built by hand, so it can hold what
+/// no honest tar tool would write.
+fn hostile_tar(path: &Path, entries: &[(&str, tar::EntryType, &str, &[u8])]) {
+    let mut b = tar::Builder::new(std::fs::File::create(path).unwrap());
+    for (name, kind, link, body) in entries {
+        let mut h = tar::Header::new_old();
+        // Write the name bytes raw: `set_path` refuses `..` and absolute paths.
+        let n = name.as_bytes();
+        h.as_old_mut().name[..n.len()].copy_from_slice(n);
+        h.set_entry_type(*kind);
+        h.set_size(body.len() as u64);
+        h.set_mode(0o644);
+        if !link.is_empty() {
+            let l = link.as_bytes();
+            h.as_old_mut().linkname[..l.len()].copy_from_slice(l);
+        }
+        h.set_cksum();
+        b.append(&h, *body).unwrap();
+    }
+    b.finish().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn archives_are_unpacked_as_hostile_input() {
+    use strata_engine::template::ArchiveLimits;
+    use tar::EntryType as T;
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    let limits = ArchiveLimits {
+        max_bytes: 1 << 20,
+        max_entries: 100,
+    };
+    let outside = c.path("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    let cases: Vec<(&str, Vec<(&str, T, String, &[u8])>)> = vec![
+        (
+            "dotdot",
+            vec![("../escape", T::Regular, String::new(), b"x")],
+        ),
+        (
+            "absolute",
+            vec![("/tmp/strata-escape", T::Regular, String::new(), b"x")],
+        ),
+        (
+            "through-symlink",
+            vec![
+                ("d", T::Symlink, outside.display().to_string(), b""),
+                ("d/planted", T::Regular, String::new(), b"x"),
+            ],
+        ),
+        (
+            "hardlink-out",
+            vec![("h", T::Link, "/etc/hostname".into(), b"")],
+        ),
+        ("device", vec![("null", T::Char, String::new(), b"")]),
+        ("fifo", vec![("pipe", T::Fifo, String::new(), b"")]),
+        (
+            "too-big",
+            vec![("big", T::Regular, String::new(), &[7u8; 2 << 20])],
+        ),
+    ];
+    for (name, entries) in &cases {
+        let tarball = c.path(&format!("{name}.tar"));
+        let e: Vec<_> = entries
+            .iter()
+            .map(|(p, k, l, b)| (*p, *k, l.as_str(), *b))
+            .collect();
+        hostile_tar(&tarball, &e);
+        let r = a
+            .build_template_from_archive(TENANT, name, &tarball, Some(16 << 20), limits, &|_, _| {})
+            .await;
+        let e = r.expect_err("a hostile archive was accepted");
+        eprintln!("{name}: refused: {e}");
+    }
+    assert!(!outside.join("planted").exists(), "nothing lands outside");
+    assert!(!Path::new("/tmp/strata-escape").exists());
+    // An honest archive of a real tree builds the same files as the directory would.
+    let tree = c.path("tree");
+    make_tree(&tree);
+    let tarball = c.path("tree.tar");
+    {
+        let mut b = tar::Builder::new(std::fs::File::create(&tarball).unwrap());
+        b.follow_symlinks(false);
+        b.append_dir_all(".", &tree).unwrap();
+        b.finish().unwrap();
+    }
+    let limits = ArchiveLimits {
+        max_bytes: 64 << 20,
+        max_entries: 10_000,
+    };
+    a.build_template_from_archive(TENANT, "tree", &tarball, Some(64 << 20), limits, &|_, _| {})
+        .await
+        .unwrap();
+    a.create_workspace(
+        TENANT,
+        "t",
+        Source::Template("tree".into()),
+        Mode::Durable,
+        None,
+    )
+    .await
+    .unwrap();
+    let img = c.path("t.raw");
+    a.export(TENANT, "t", None, &img).await.unwrap();
+    assert_same_files(&img, &tree, &c.path("check-tar"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qcow2_image_naming_a_backing_file_is_refused() {
+    if !have("qemu-img") {
+        panic!("qemu-img is required; .ci/run installs it");
+    }
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    // The backing file stands for a host file the image's author wants read (a catalog, a
+    // device, another tenant's journal).
+    let secret = c.path("secret.raw");
+    std::fs::write(&secret, vec![0x5e; 1 << 20]).unwrap();
+    let q = c.path("overlay.qcow2");
+    run(Command::new("qemu-img")
+        .args(["create", "-f", "qcow2", "-F", "raw", "-b"])
+        .arg(&secret)
+        .arg(&q));
+    let r = a
+        .build_template_from_image(TENANT, "sneaky", &q, &|_, _| {})
+        .await;
+    let err = r
+        .expect_err("an image with a backing file is refused")
+        .to_string();
+    assert!(err.contains("backing"), "{err}");
+    // Declared raw, a qcow2 file is imported as the bytes it is, never interpreted.
+    let t = a
+        .build_template_from_image_as(
+            TENANT,
+            "asraw",
+            &q,
+            strata_engine::template::ImageFormat::Raw,
+            &|_, _| {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        t.disk_size,
+        std::fs::metadata(&q).unwrap().len().div_ceil(4096) * 4096
+    );
+}
