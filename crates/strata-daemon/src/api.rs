@@ -18,17 +18,33 @@ pub struct TenantToken {
     pub token: String,
 }
 
+/// `POST /v1/templates`: a template from the operator's import directory. Content a tenant has
+/// goes in a `PUT /v1/templates/{name}` body instead; host paths are never accepted.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BuildTemplate {
     pub name: String,
-    /// A directory on the daemon's host, made into ext4 with `mkfs.ext4 -d`.
+    /// A path relative to `IMPORT/{tenant}/` (the daemon's `--import-dir`): a directory (made
+    /// into ext4) or a raw or qcow2 image.
     #[serde(default)]
-    pub from_dir: Option<String>,
-    /// A raw or qcow2 image on the daemon's host.
+    pub import: Option<String>,
+    /// Disk size in bytes for a directory (derived when absent).
     #[serde(default)]
-    pub from_image: Option<String>,
-    /// Disk size in bytes for `from_dir` (derived when absent).
+    pub size: Option<u64>,
+    /// No longer accepted (a host path chosen by a tenant); kept to say so clearly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_dir: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_image: Option<serde_json::Value>,
+}
+
+/// `PUT /v1/templates/{name}?format=…`: what the body holds.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UploadTemplate {
+    /// `tar` (a directory tree, made into ext4), `raw` or `qcow2` (a disk image).
+    pub format: String,
+    /// Disk size in bytes for `tar` (derived when absent).
     #[serde(default)]
     pub size: Option<u64>,
 }

@@ -40,6 +40,11 @@ impl ApiError {
     pub fn forbidden(m: impl Into<String>) -> Self {
         Self::new(StatusCode::FORBIDDEN, "forbidden", m)
     }
+    pub fn internal(m: impl Into<String>) -> Self {
+        let m = m.into();
+        tracing::error!(error = %m, "request failed");
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", m)
+    }
 }
 
 impl From<Error> for ApiError {
@@ -58,6 +63,7 @@ impl From<Error> for ApiError {
                 (StatusCode::BAD_REQUEST, "invalid")
             }
             Error::Unavailable(..) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            Error::NoSpace(_) => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
         if status.is_server_error() {

@@ -4,16 +4,21 @@
 //!   Prometheus text at `/metrics`;
 //! - tenancy: every request carries a bearer token, stored only as a BLAKE3 hash; another
 //!   tenant's workspace is indistinguishable from a missing one (404);
-//! - NBD exports: an attached workspace is served on a unix socket under
-//!   `DATA/run/{tenant}/{ws}.sock` (directories 0700, sockets 0600);
+//! - NBD exports: an attached workspace is served on a unix socket `RUN/{hash}.sock` (the run
+//!   directory, `DATA/run` by default, is 0700; sockets 0600), see `exports.rs`;
+//! - `/metrics` needs the admin token or the scrape token (it names every tenant's workspaces);
+//! - templates come from content sent in the request or from the operator's import directory,
+//!   never from a host path a tenant names (`template_api.rs`);
 //! - restart: workspaces with local state on this node are re-attached at the same socket
 //!   paths, unless their lease was lost (then they are not served).
 
 mod api;
 mod error;
+mod exports;
 pub mod relay;
 mod relay_api;
 mod routes;
+mod template_api;
 
 pub use api::*;
 
@@ -24,12 +29,27 @@ use std::sync::Arc;
 use strata_engine::Engine;
 use tokio::task::JoinHandle;
 
-/// A running export of one workspace.
-pub(crate) struct ExportHandle {
-    pub uri: String,
-    pub socket: PathBuf,
-    pub task: JoinHandle<()>,
+use exports::{ExportHandle, Key};
+
+/// How a daemon is set up beyond its engine.
+#[derive(Clone, Debug, Default)]
+pub struct DaemonConfig {
+    /// Manages tenants, runs GC, reads the nodes view and `/metrics`.
+    pub admin_token: Option<String>,
+    /// May read `/metrics` and nothing else (a Prometheus scraper's token).
+    pub metrics_token: Option<String>,
+    /// Where export sockets live (default `DATA/run`): short enough for unix socket paths,
+    /// and free to be off the data disk.
+    pub run_dir: Option<PathBuf>,
+    /// The operator's import directory: a tenant may build templates from what the operator
+    /// put under `IMPORT/{tenant}/` (images or directories). Off when `None`.
+    pub import_dir: Option<PathBuf>,
+    /// Largest template upload, in bytes of the request body (default 16 GiB).
+    pub template_max_bytes: Option<u64>,
 }
+
+/// Default size limit of a template upload.
+pub const TEMPLATE_MAX_BYTES: u64 = 16 << 30;
 
 pub struct Daemon {
     pub(crate) engine: Arc<Engine>,
@@ -38,8 +58,14 @@ pub struct Daemon {
     pub(crate) fork_seconds: strata_nbd::metrics::Histogram,
     pub(crate) expired_deleted: std::sync::atomic::AtomicU64,
     pub(crate) admin_hash: Option<String>,
+    pub(crate) metrics_hash: Option<String>,
     pub(crate) run_dir: PathBuf,
-    pub(crate) exports: tokio::sync::Mutex<HashMap<(String, String), ExportHandle>>,
+    pub(crate) import_dir: Option<PathBuf>,
+    pub(crate) template_max_bytes: u64,
+    /// Live exports; locked only briefly (never across an await).
+    pub(crate) exports: std::sync::Mutex<HashMap<Key, ExportHandle>>,
+    /// One lock per workspace: its attach, detach and delete never interleave.
+    pub(crate) ops: std::sync::Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
     /// This node's API address, as reported to the `nodes` view.
     pub(crate) url: std::sync::Mutex<Option<String>>,
     /// The durable relay (`/v1/relay`).
@@ -81,9 +107,15 @@ pub fn new_token() -> String {
 }
 
 impl Daemon {
-    /// A daemon over `engine`; fails only if the relay directory cannot be opened.
-    pub fn new(engine: Arc<Engine>, admin_token: Option<&str>) -> std::io::Result<Arc<Daemon>> {
-        let run_dir = engine.config().data_dir.join("run");
+    /// A daemon over `engine`; fails if the relay directory cannot be opened or the run
+    /// directory is too long for socket paths.
+    pub fn new(engine: Arc<Engine>, cfg: DaemonConfig) -> std::io::Result<Arc<Daemon>> {
+        let run_dir = cfg
+            .run_dir
+            .clone()
+            .unwrap_or_else(|| engine.config().data_dir.join("run"));
+        exports::check_run_dir(&run_dir)?;
+        let hash = |t: &Option<String>| t.as_deref().filter(|t| !t.is_empty()).map(token_hash);
         let relay = Arc::new(relay::Relay::open(
             engine.config().data_dir.join("relay"),
             engine.reader().store().clone(),
@@ -95,9 +127,13 @@ impl Daemon {
             checkpoint_seconds: Default::default(),
             fork_seconds: Default::default(),
             expired_deleted: Default::default(),
-            admin_hash: admin_token.filter(|t| !t.is_empty()).map(token_hash),
+            admin_hash: hash(&cfg.admin_token),
+            metrics_hash: hash(&cfg.metrics_token),
             run_dir,
-            exports: tokio::sync::Mutex::new(HashMap::new()),
+            import_dir: cfg.import_dir,
+            template_max_bytes: cfg.template_max_bytes.unwrap_or(TEMPLATE_MAX_BYTES),
+            exports: Default::default(),
+            ops: Default::default(),
             url: std::sync::Mutex::new(None),
             relay,
             gc: GcState::default(),
@@ -199,7 +235,7 @@ impl Daemon {
     /// Attaches a workspace and serves it over NBD (what `POST …/attach` does); returns the
     /// export address and socket.
     pub async fn attach(self: &Arc<Self>, tenant: &str, ws: &str) -> Result<Attached, String> {
-        routes::attach_and_export(self, tenant, ws)
+        self.attach_and_export(tenant, ws)
             .await
             .map_err(|e| e.message)
     }
@@ -222,7 +258,7 @@ impl Daemon {
                 if !w.path().join("state.json").exists() {
                     continue;
                 }
-                match routes::attach_and_export(self, &tenant, &ws).await {
+                match self.attach_and_export(&tenant, &ws).await {
                     Ok(_) => resumed.push((tenant.clone(), ws)),
                     Err(e) => {
                         tracing::warn!(tenant, workspace = ws, error = %e.message, "not resuming workspace")
@@ -287,11 +323,7 @@ impl Daemon {
                     }
                 };
                 for (t, w) in expired {
-                    let attached_here = d.engine.volume(&t, &w).is_some();
-                    if attached_here {
-                        routes::stop_export(&d, &t, &w).await;
-                    }
-                    match d.engine.delete_workspace(&t, &w).await {
+                    match d.delete_workspace(&t, &w).await {
                         Ok(()) => {
                             d.expired_deleted
                                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -303,7 +335,7 @@ impl Daemon {
                         }
                         // Held by another node: that node's daemon deletes it.
                         Err(e) => {
-                            tracing::debug!(tenant = t, workspace = w, error = %e, "expired workspace not deleted here")
+                            tracing::debug!(tenant = t, workspace = w, error = %e.message, "expired workspace not deleted here")
                         }
                     }
                 }
@@ -314,15 +346,12 @@ impl Daemon {
     /// Orderly stop: make every attached volume's acknowledged writes durable, stop exports,
     /// keep leases and local state so that a restart resumes at the same addresses.
     pub async fn shutdown(&self) {
-        let mut ex = self.exports.lock().await;
-        for ((t, w), h) in ex.drain() {
-            h.task.abort();
-            if let Some(v) = self.engine.volume(&t, &w) {
-                if let Err(e) = v.flush().await {
-                    tracing::error!(tenant = t, workspace = w, error = %e, "flush at shutdown failed");
-                }
+        // Connections finish what they accepted before the flush that covers it.
+        self.stop_all_exports().await;
+        for v in self.engine.attached() {
+            if let Err(e) = v.flush().await {
+                tracing::error!(tenant = v.tenant(), workspace = v.name(), error = %e, "flush at shutdown failed");
             }
-            let _ = std::fs::remove_file(&h.socket);
         }
         self.engine.abandon().await;
     }

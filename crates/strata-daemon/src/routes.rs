@@ -13,11 +13,11 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use strata_catalog::{Checkpoint, Mode, Template, Workspace};
 use strata_engine::{Published, Source};
-use strata_nbd::{Export, Exports, Server, ServerConfig};
 
 use crate::api::*;
 use crate::error::ApiError;
-use crate::{new_token, relay_api, token_hash, Daemon, ExportHandle};
+use crate::exports::own_task;
+use crate::{new_token, relay_api, template_api, token_hash, Daemon};
 
 pub(crate) type D = State<Arc<Daemon>>;
 pub(crate) type R<T> = Result<Json<T>, ApiError>;
@@ -48,10 +48,16 @@ pub fn router(d: Arc<Daemon>) -> Router {
         )
         .route("/v1/tenants", post(create_tenant))
         .route("/v1/tenants/{name}/tokens", post(create_token))
-        .route("/v1/templates", get(list_templates).post(build_template))
+        .route(
+            "/v1/templates",
+            get(list_templates).post(template_api::import_template),
+        )
         .route(
             "/v1/templates/{name}",
-            get(show_template).delete(delete_template),
+            // The upload streams its body itself, with its own limit (not the 64 KiB one).
+            get(show_template)
+                .delete(delete_template)
+                .put(template_api::upload_template),
         )
         .route(
             "/v1/workspaces",
@@ -224,32 +230,6 @@ async fn delete_template(
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn build_template(
-    Tenant(t): Tenant,
-    State(d): D,
-    b: Result<Json<BuildTemplate>, JsonRejection>,
-) -> Result<(StatusCode, Json<Template>), ApiError> {
-    let b = body(b)?;
-    let tpl = match (&b.from_dir, &b.from_image) {
-        (Some(dir), None) => {
-            d.engine
-                .build_template_from_dir(&t, &b.name, std::path::Path::new(dir), b.size, &|_, _| {})
-                .await?
-        }
-        (None, Some(img)) => {
-            d.engine
-                .build_template_from_image(&t, &b.name, std::path::Path::new(img), &|_, _| {})
-                .await?
-        }
-        _ => {
-            return Err(ApiError::invalid(
-                "give exactly one of from_dir or from_image",
-            ))
-        }
-    };
-    Ok((StatusCode::CREATED, Json(tpl)))
-}
-
 async fn list_workspaces(Tenant(t): Tenant, State(d): D) -> R<Vec<Workspace>> {
     Ok(Json(d.engine.list_workspaces(&t).await?))
 }
@@ -311,12 +291,7 @@ async fn show_workspace(
 ) -> R<WorkspaceView> {
     let workspace = d.engine.workspace(&t, &name).await?;
     let lease = d.engine.catalog().get_lease(&t, &name).await?;
-    let export = d
-        .exports
-        .lock()
-        .await
-        .get(&(t.clone(), name.clone()))
-        .map(|h| h.uri.clone());
+    let export = d.export_uri(&t, &name);
     let vol = d.engine.volume(&t, &name);
     Ok(Json(WorkspaceView {
         workspace,
@@ -333,101 +308,18 @@ async fn delete_workspace(
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     d.engine.workspace(&t, &name).await?;
-    stop_export(&d, &t, &name).await;
-    d.engine.delete_workspace(&t, &name).await?;
+    d.delete_workspace(&t, &name).await?;
     Ok(StatusCode::NO_CONTENT)
-}
-
-/// Attaches (idempotently) and serves the workspace over NBD on its unix socket.
-pub(crate) async fn attach_and_export(
-    d: &Arc<Daemon>,
-    t: &str,
-    name: &str,
-) -> Result<Attached, ApiError> {
-    let mut ex = d.exports.lock().await;
-    let key = (t.to_string(), name.to_string());
-    if let Some(h) = ex.get(&key) {
-        return Ok(Attached {
-            workspace: name.into(),
-            export: h.uri.clone(),
-            socket: h.socket.display().to_string(),
-        });
-    }
-    let vol = d.engine.attach(t, name).await?;
-    let dir = d.run_dir.join(t);
-    let io = |e: std::io::Error| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            format!("export socket: {e}"),
-        )
-    };
-    std::fs::create_dir_all(&dir).map_err(io)?;
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&d.run_dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
-    }
-    let socket = dir.join(format!("{name}.sock"));
-    let exports = Exports::new();
-    exports.insert(
-        name,
-        Export {
-            device: vol.clone(),
-            description: format!("strata workspace {name} ({})", vol.mode()),
-            multi_conn: true,
-        },
-    );
-    let listener = Server::bind_unix(&socket).map_err(io)?;
-    let server = Server::new(
-        exports,
-        ServerConfig {
-            metrics: Some(d.nbd_metrics.clone()),
-            ..ServerConfig::default()
-        },
-    );
-    let task = tokio::spawn(async move {
-        if let Err(e) = server.serve_unix(listener).await {
-            tracing::error!(error = %e, "nbd listener failed");
-        }
-    });
-    let uri = format!("nbd+unix:///{name}?socket={}", socket.display());
-    ex.insert(
-        key,
-        ExportHandle {
-            uri: uri.clone(),
-            socket: socket.clone(),
-            task,
-        },
-    );
-    Ok(Attached {
-        workspace: name.into(),
-        export: uri,
-        socket: socket.display().to_string(),
-    })
-}
-
-pub(crate) async fn stop_export(d: &Daemon, t: &str, name: &str) {
-    if let Some(h) = d
-        .exports
-        .lock()
-        .await
-        .remove(&(t.to_string(), name.to_string()))
-    {
-        h.task.abort();
-        let _ = std::fs::remove_file(&h.socket);
-    }
 }
 
 async fn attach(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Attached> {
     d.engine.workspace(&t, &name).await?;
-    Ok(Json(attach_and_export(&d, &t, &name).await?))
+    Ok(Json(d.attach_and_export(&t, &name).await?))
 }
 
 async fn detach(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Option<Published>> {
     d.engine.workspace(&t, &name).await?;
-    stop_export(&d, &t, &name).await;
-    Ok(Json(d.engine.detach(&t, &name).await?))
+    Ok(Json(d.detach_workspace(&t, &name).await?))
 }
 
 async fn checkpoint(
@@ -449,10 +341,15 @@ async fn checkpoint(
         None => None,
     };
     let started = std::time::Instant::now();
-    let r = d
-        .engine
-        .checkpoint_with(&t, &name, b.label, keep_until)
-        .await;
+    let r = own_task({
+        let d = d.clone();
+        async move {
+            Ok(d.engine
+                .checkpoint_with(&t, &name, b.label, keep_until)
+                .await?)
+        }
+    })
+    .await;
     d.checkpoint_seconds.record(started.elapsed(), 0, r.is_ok());
     Ok(Json(r?))
 }
@@ -465,7 +362,11 @@ async fn fork(
 ) -> Result<(StatusCode, Json<Workspace>), ApiError> {
     let b = body(b)?;
     let started = std::time::Instant::now();
-    let r = d.engine.fork(&t, &name, b.version, &b.name, b.mode).await;
+    let r = own_task({
+        let d = d.clone();
+        async move { Ok(d.engine.fork(&t, &name, b.version, &b.name, b.mode).await?) }
+    })
+    .await;
     d.fork_seconds.record(started.elapsed(), 0, r.is_ok());
     let w = r?;
     Ok((StatusCode::CREATED, Json(w)))
@@ -479,7 +380,8 @@ async fn rollback(
 ) -> R<Published> {
     let b = body(b)?;
     d.engine.workspace(&t, &name).await?;
-    Ok(Json(d.engine.rollback(&t, &name, b.version).await?))
+    let r = own_task(async move { Ok(d.engine.rollback(&t, &name, b.version).await?) }).await;
+    Ok(Json(r?))
 }
 
 async fn log(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Vec<Checkpoint>> {
@@ -515,8 +417,26 @@ async fn thaw(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<ser
     ))
 }
 
-/// Prometheus text exposition.
-async fn metrics(State(d): D) -> impl IntoResponse {
+/// The caller may read `/metrics`: the admin token or the configured scrape token.
+pub struct Scraper;
+
+impl FromRequestParts<Arc<Daemon>> for Scraper {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, d: &Arc<Daemon>) -> Result<Self, ApiError> {
+        let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
+        let h = token_hash(token);
+        if d.admin_hash.as_deref() == Some(&h) || d.metrics_hash.as_deref() == Some(&h) {
+            Ok(Scraper)
+        } else {
+            Err(ApiError::forbidden(
+                "/metrics needs the admin token or the scrape token (metrics_token)",
+            ))
+        }
+    }
+}
+
+/// Prometheus text exposition (it spans tenants: admin or scrape token only).
+async fn metrics(_: Scraper, State(d): D) -> impl IntoResponse {
     use std::fmt::Write;
     let mut out = String::new();
     {
@@ -619,7 +539,7 @@ async fn metrics(State(d): D) -> impl IntoResponse {
         "# TYPE strata_verify_failures_total counter\nstrata_verify_failures_total {}",
         r.verify_failures
     );
-    let keys: Vec<(String, String)> = d.exports.lock().await.keys().cloned().collect();
+
     type Series = (
         &'static str,
         &'static str,
@@ -643,12 +563,12 @@ async fn metrics(State(d): D) -> impl IntoResponse {
         ("strata_volume_journal_bytes", "gauge", |s| s.journal_bytes),
         ("strata_volume_lease_epoch", "gauge", |s| s.lease_epoch),
     ];
-    let mut stats = vec![];
-    for (t, w) in &keys {
-        if let Some(v) = d.engine.volume(t, w) {
-            stats.push((t, w, v.stats()));
-        }
-    }
+    let stats: Vec<_> = d
+        .engine
+        .attached()
+        .iter()
+        .map(|v| (v.tenant().to_string(), v.name().to_string(), v.stats()))
+        .collect();
     for (name, kind, f) in series {
         let _ = writeln!(out, "# TYPE {name} {kind}");
         for (t, w, s) in &stats {
@@ -687,5 +607,7 @@ async fn run_gc(
         Err(JsonRejection::MissingJsonContentType(_)) => GcRequest::default(),
         b => body(b)?,
     };
-    Ok(Json(d.run_gc(b.dry_run).await?))
+    Ok(Json(
+        own_task(async move { Ok(d.run_gc(b.dry_run).await?) }).await?,
+    ))
 }

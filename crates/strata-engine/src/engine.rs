@@ -222,7 +222,8 @@ impl Engine {
         progress: template::Progress<'_>,
     ) -> Result<Template> {
         let format = template::detect_format(image)?;
-        self.build_template_from_image_as(tenant, name, image, format, progress)
+        let limits = template::ImportLimits::operator();
+        self.build_template_from_image_as(tenant, name, image, format, limits, progress)
             .await
     }
 
@@ -234,16 +235,28 @@ impl Engine {
         name: &str,
         image: &Path,
         format: template::ImageFormat,
+        limits: template::ImportLimits,
         progress: template::Progress<'_>,
     ) -> Result<Template> {
         self.check_new_template(tenant, name).await?;
         let tmp = tempdir_in(&self.cfg.data_dir)?;
         let res = async {
             let path = match format {
-                template::ImageFormat::Raw => image.to_path_buf(),
+                template::ImageFormat::Raw => {
+                    let len = std::fs::metadata(image)
+                        .map_err(Error::io("reading image size"))?
+                        .len();
+                    if len > limits.max_disk {
+                        return Err(Error::Invalid(format!(
+                            "the image is {len} bytes, more than the {} allowed",
+                            limits.max_disk
+                        )));
+                    }
+                    image.to_path_buf()
+                }
                 template::ImageFormat::Qcow2 => {
                     let raw = tmp.join("image.raw");
-                    template::qcow2_to_raw(image, &raw)?;
+                    template::qcow2_to_raw(image, &raw, limits.max_disk)?;
                     raw
                 }
             };
@@ -293,7 +306,7 @@ impl Engine {
         name: &str,
         archive: &Path,
         size: Option<u64>,
-        limits: template::ArchiveLimits,
+        limits: template::ImportLimits,
         progress: template::Progress<'_>,
     ) -> Result<Template> {
         self.check_new_template(tenant, name).await?;
@@ -305,7 +318,17 @@ impl Engine {
             tokio::task::spawn_blocking(move || template::unpack_archive(&a, &t, limits))
                 .await
                 .map_err(|e| Error::Invalid(format!("unpack task failed: {e}")))??;
-            self.mkfs_and_import(tenant, &tree, &tmp, size, progress)
+            let size = match size {
+                Some(s) => s,
+                None => template::derive_size(&tree)?,
+            };
+            if size > limits.max_disk {
+                return Err(Error::Invalid(format!(
+                    "a {size}-byte disk is more than the {} allowed",
+                    limits.max_disk
+                )));
+            }
+            self.mkfs_and_import(tenant, &tree, &tmp, Some(size), progress)
                 .await
         }
         .await;

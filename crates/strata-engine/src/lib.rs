@@ -20,7 +20,7 @@ pub mod template;
 mod volume;
 
 pub use config::{cache_unsafe, cache_unsafe_from_env, EngineConfig, UNSAFE_ENV};
-pub use engine::{Engine, Source};
+pub use engine::{tempdir_in, Engine, Source};
 pub use error::{is_no_space, Error, Result};
 pub use gc::{GcOptions, GcReport};
 pub use local::LocalState;

@@ -223,7 +223,7 @@ pub fn detect_format(image: &Path) -> Result<ImageFormat> {
 /// Converts a qcow2 `image` to raw at `out`, opened as qcow2 and nothing else: an image that
 /// names a backing file or an external data file is refused, so an import never reads a file
 /// the image's author chose.
-pub fn qcow2_to_raw(image: &Path, out: &Path) -> Result<()> {
+pub fn qcow2_to_raw(image: &Path, out: &Path, max_disk: u64) -> Result<()> {
     let mut magic = [0u8; 4];
     let mut f =
         std::fs::File::open(image).map_err(Error::io(format!("opening {}", image.display())))?;
@@ -244,6 +244,15 @@ pub fn qcow2_to_raw(image: &Path, out: &Path) -> Result<()> {
                 .into(),
         ));
     }
+    let virtual_size = v
+        .get("virtual-size")
+        .and_then(|n| n.as_u64())
+        .unwrap_or(u64::MAX);
+    if virtual_size > max_disk {
+        return Err(Error::Invalid(format!(
+            "the image's disk is {virtual_size} bytes, more than the {max_disk} allowed"
+        )));
+    }
     if v.pointer("/format-specific/data/data-file").is_some() {
         return Err(Error::Invalid(
             "the qcow2 image names an external data file; it is not imported".into(),
@@ -259,12 +268,25 @@ pub fn qcow2_to_raw(image: &Path, out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Limits of one archive import.
+/// Limits of one import from content a tenant sent.
 #[derive(Clone, Copy, Debug)]
-pub struct ArchiveLimits {
-    /// Sum of the entries' sizes.
+pub struct ImportLimits {
+    /// Sum of an archive's entry sizes.
     pub max_bytes: u64,
     pub max_entries: u64,
+    /// Largest disk a template may describe (an image's virtual size, an ext4 image's size).
+    pub max_disk: u64,
+}
+
+impl ImportLimits {
+    /// No limit beyond the formats' own: for the operator's own files.
+    pub fn operator() -> ImportLimits {
+        ImportLimits {
+            max_bytes: u64::MAX,
+            max_entries: u64::MAX,
+            max_disk: strata_format::manifest::MAX_DISK_SIZE,
+        }
+    }
 }
 
 /// Unpacks a tar archive (a directory tree sent by a tenant) into `dst`, as hostile input:
@@ -272,7 +294,7 @@ pub struct ArchiveLimits {
 /// relative and inside `dst` (also through symlinks unpacked before); no device nodes, fifos or
 /// sparse entries; ownership not restored; sizes and entry count bounded. Symlinks are kept as
 /// links (mkfs.ext4 -d copies them, it does not follow them).
-pub fn unpack_archive(archive: &Path, dst: &Path, limits: ArchiveLimits) -> Result<()> {
+pub fn unpack_archive(archive: &Path, dst: &Path, limits: ImportLimits) -> Result<()> {
     use std::path::Component;
     let bad = |why: String| Error::Invalid(format!("archive: {why}"));
     let relative = |p: &Path| {

@@ -273,17 +273,19 @@ fn hostile_tar(path: &Path, entries: &[(&str, tar::EntryType, &str, &[u8])]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn archives_are_unpacked_as_hostile_input() {
-    use strata_engine::template::ArchiveLimits;
+    use strata_engine::template::ImportLimits;
     use tar::EntryType as T;
     let c = Cluster::new().await;
     let a = c.node("a");
-    let limits = ArchiveLimits {
+    let limits = ImportLimits {
         max_bytes: 1 << 20,
         max_entries: 100,
+        max_disk: 1 << 30,
     };
     let outside = c.path("outside");
     std::fs::create_dir_all(&outside).unwrap();
-    let cases: Vec<(&str, Vec<(&str, T, String, &[u8])>)> = vec![
+    type Entry<'a> = (&'a str, T, String, &'a [u8]);
+    let cases: Vec<(&str, Vec<Entry>)> = vec![
         (
             "dotdot",
             vec![("../escape", T::Regular, String::new(), b"x")],
@@ -335,9 +337,10 @@ async fn archives_are_unpacked_as_hostile_input() {
         b.append_dir_all(".", &tree).unwrap();
         b.finish().unwrap();
     }
-    let limits = ArchiveLimits {
+    let limits = ImportLimits {
         max_bytes: 64 << 20,
         max_entries: 10_000,
+        max_disk: 1 << 30,
     };
     a.build_template_from_archive(TENANT, "tree", &tarball, Some(64 << 20), limits, &|_, _| {})
         .await
@@ -386,6 +389,7 @@ async fn a_qcow2_image_naming_a_backing_file_is_refused() {
             "asraw",
             &q,
             strata_engine::template::ImageFormat::Raw,
+            strata_engine::template::ImportLimits::operator(),
             &|_, _| {},
         )
         .await
@@ -394,4 +398,25 @@ async fn a_qcow2_image_naming_a_backing_file_is_refused() {
         t.disk_size,
         std::fs::metadata(&q).unwrap().len().div_ceil(4096) * 4096
     );
+    // A tiny file describing an enormous disk is refused before anything is converted.
+    let huge = c.path("huge.qcow2");
+    run(Command::new("qemu-img")
+        .args(["create", "-f", "qcow2"])
+        .arg(&huge)
+        .arg("8T"));
+    let limits = strata_engine::template::ImportLimits {
+        max_disk: 1 << 30,
+        ..strata_engine::template::ImportLimits::operator()
+    };
+    let r = a
+        .build_template_from_image_as(
+            TENANT,
+            "huge",
+            &huge,
+            strata_engine::template::ImageFormat::Qcow2,
+            limits,
+            &|_, _| {},
+        )
+        .await;
+    assert!(r.is_err(), "an 8 TiB virtual disk is over the limit");
 }

@@ -62,9 +62,49 @@ struct Stream {
 /// Read-ahead: 8 units (2 MiB at the default 256 KiB unit) past a sequential reader.
 pub const DEFAULT_READAHEAD_UNITS: u64 = 8;
 
+/// Units of objects in a local store that were verified since this process started: read in
+/// place from the object files afterwards, bounded like the node cache (by recency).
+#[derive(Default)]
+struct InPlace {
+    ticks: HashMap<Key, u64>,
+    lru: std::collections::BTreeMap<u64, Key>,
+    tick: u64,
+}
+
+impl InPlace {
+    fn touch(&mut self, k: &Key) -> bool {
+        self.tick += 1;
+        let tick = self.tick;
+        match self.ticks.get_mut(k) {
+            Some(t) => {
+                let old = std::mem::replace(t, tick);
+                self.lru.remove(&old);
+                self.lru.insert(tick, k.clone());
+                true
+            }
+            None => false,
+        }
+    }
+    fn insert(&mut self, k: Key, max: usize) {
+        if self.touch(&k) {
+            return;
+        }
+        self.lru.insert(self.tick, k.clone());
+        self.ticks.insert(k, self.tick);
+        while self.ticks.len() > max {
+            let Some((_, old)) = self.lru.pop_first() else {
+                break;
+            };
+            self.ticks.remove(&old);
+        }
+    }
+}
+
 pub struct ObjectReader {
     store: Store,
     cache: NodeCache,
+    /// With a local store: which units are verified (the objects themselves are the copy).
+    in_place: Option<Mutex<InPlace>>,
     unit: u64,
     tables: Mutex<HashMap<(String, Hash), Arc<FrameTable>>>,
     table_flights: Flights<(String, Hash), Arc<FrameTable>>,
@@ -98,6 +138,7 @@ impl ObjectReader {
     pub fn new(store: Store, cache: NodeCache, unit: u64) -> ObjectReader {
         let unit = unit.max(FRAME_SIZE as u64) / FRAME_SIZE as u64 * FRAME_SIZE as u64;
         ObjectReader {
+            in_place: store.is_local().then(Mutex::default),
             store,
             cache,
             unit,
@@ -171,7 +212,7 @@ impl ObjectReader {
                 id: obj.id,
                 unit: u,
             };
-            if self.cache.contains(&key) {
+            if self.has(&key) {
                 continue;
             }
             self.counters.prefetches.fetch_add(1, Relaxed);
@@ -236,11 +277,29 @@ impl ObjectReader {
                 id: r.id,
                 unit: u,
             };
-            self.cache
-                .insert(&key, &data[(u * self.unit) as usize..end as usize]);
+            self.keep(key, &data[(u * self.unit) as usize..end as usize]);
             u += 1;
         }
         Ok(r)
+    }
+
+    /// Keeps a verified unit for later reads: a copy in the node cache, or (local store) only
+    /// the fact that the object file's bytes were verified.
+    fn keep(&self, key: Key, bytes: &[u8]) {
+        match &self.in_place {
+            Some(ip) => {
+                let max = (self.cache.capacity() / self.unit).max(1024) as usize;
+                lock(ip).insert(key, max);
+            }
+            None => self.cache.insert(&key, bytes),
+        }
+    }
+
+    fn has(&self, key: &Key) -> bool {
+        match &self.in_place {
+            Some(ip) => lock(ip).ticks.contains_key(key),
+            None => self.cache.contains(key),
+        }
     }
 
     async fn table(&self, tenant: &str, obj: &ObjectRef) -> Result<Arc<FrameTable>> {
@@ -309,7 +368,7 @@ impl ObjectReader {
             };
             let first = (start / FRAME_SIZE as u64) as usize;
             if bytes.len() as u64 == end - start && table.verify(first, &bytes).is_ok() {
-                self.cache.insert(&key, &bytes);
+                self.keep(key, &bytes);
                 return Ok(bytes);
             }
             self.counters.verify_failures.fetch_add(1, Relaxed);
@@ -324,6 +383,13 @@ impl ObjectReader {
     /// Reads bytes `[off, off + len)` of `unit` from the cache, verifying an entry left by a
     /// previous run before trusting it. `None` is a miss.
     async fn cached(&self, key: &Key, obj: &ObjectRef, off: u64, len: usize) -> Option<Vec<u8>> {
+        if let Some(ip) = &self.in_place {
+            if !lock(ip).touch(key) {
+                return None;
+            }
+            let path = self.store.local_object_path(&key.tenant, &obj.id)?;
+            return NodeCache::read_at(&path, key.unit * self.unit + off, len);
+        }
         let hit = self.cache.get(key)?;
         if hit.verified {
             return NodeCache::read_at(&hit.path, off, len);

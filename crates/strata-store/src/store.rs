@@ -23,6 +23,9 @@ use crate::{Result, StoreError};
 pub struct Store {
     inner: Arc<dyn ObjectStore>,
     url: String,
+    /// For `file:` stores: the directory whose files are the objects (read in place, never
+    /// copied into the node cache).
+    local_root: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for Store {
@@ -44,9 +47,11 @@ impl Store {
 
     /// [`Store::open`] with S3 credentials from configuration (they override `AWS_*`).
     pub fn open_with(url: &str, creds: &Credentials) -> Result<Store> {
+        let mut local_root = None;
         let inner: Arc<dyn ObjectStore> = if let Some(dir) = url.strip_prefix("file:") {
             let dir = dir.strip_prefix("//").unwrap_or(dir);
             std::fs::create_dir_all(dir)?;
+            local_root = Some(std::fs::canonicalize(dir)?);
             Arc::new(
                 LocalFileSystem::new_with_prefix(dir)
                     .map_err(|e| StoreError::BadUrl(url.into(), e.to_string()))?
@@ -65,6 +70,7 @@ impl Store {
         Ok(Store {
             inner,
             url: url.into(),
+            local_root,
         })
     }
 
@@ -73,7 +79,19 @@ impl Store {
         Store {
             inner,
             url: url.into(),
+            local_root: None,
         }
+    }
+
+    /// The file holding object `id` of `tenant`, for a store in a local directory.
+    pub fn local_object_path(&self, tenant: &str, id: &Hash) -> Option<std::path::PathBuf> {
+        let root = self.local_root.as_ref()?;
+        Some(root.join(Self::object_key(tenant, id).as_ref()))
+    }
+
+    /// Whether objects are files in a local directory (the embedded default).
+    pub fn is_local(&self) -> bool {
+        self.local_root.is_some()
     }
 
     pub fn url(&self) -> &str {

@@ -6,9 +6,63 @@ use object_store::path::Path;
 use object_store::{ObjectStoreExt, PutPayload};
 use strata_store::{NodeCache, ObjectReader, Store, StoreError};
 
+/// A reader whose store is a local directory seen as a remote store would be (through
+/// `object_store` only), so verified units are copied into the node cache.
 fn reader(objs: &std::path::Path, cache: &std::path::Path, cap: u64) -> ObjectReader {
-    let store = Store::open(&format!("file:{}", objs.display())).unwrap();
+    let local = Store::open(&format!("file:{}", objs.display())).unwrap();
+    let store = Store::from_object_store(local.inner().clone(), "remote-like");
     ObjectReader::new(store, NodeCache::open(cache, cap).unwrap(), 256 * 1024)
+}
+
+/// A reader on the embedded default: the local object directory itself.
+fn local_reader(objs: &std::path::Path, cache: &std::path::Path) -> ObjectReader {
+    let store = Store::open(&format!("file:{}", objs.display())).unwrap();
+    ObjectReader::new(store, NodeCache::open(cache, 1 << 30).unwrap(), 256 * 1024)
+}
+
+fn cache_files(dir: &std::path::Path) -> usize {
+    walk(dir)
+        .into_iter()
+        .filter(|p| !p.starts_with(dir.join("tmp")))
+        .count()
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = vec![];
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// The embedded default keeps one copy of uploaded bytes: the object directory. Nothing is
+/// written through to the node cache, and a unit verified once is read from the object file
+/// in place (no second GET, no copy).
+#[tokio::test]
+async fn a_local_store_is_not_copied_into_the_node_cache() {
+    let d = tempfile::tempdir().unwrap();
+    let (objs, cdir) = (d.path().join("o"), d.path().join("c"));
+    let r = local_reader(&objs, &cdir);
+    let bytes = data(1_000_000);
+    let obj = r.put_object("t1", &bytes).await.unwrap();
+    let mut buf = vec![0; 4096];
+    r.read_into("t1", &obj, 300_000, &mut buf).await.unwrap();
+    assert_eq!(buf, &bytes[300_000..304_096]);
+    assert_eq!(r.stats().gets, 0, "verified at upload, read in place");
+    assert_eq!(cache_files(&cdir), 0, "no second copy in the node cache");
+    // After a restart, a unit is fetched and verified once, then read in place.
+    let r2 = local_reader(&objs, &cdir);
+    r2.read_into("t1", &obj, 300_000, &mut buf).await.unwrap();
+    let gets = r2.stats().gets;
+    r2.read_into("t1", &obj, 310_000, &mut buf).await.unwrap();
+    assert_eq!(buf, &bytes[310_000..314_096]);
+    assert_eq!(r2.stats().gets, gets);
+    assert_eq!(cache_files(&cdir), 0);
 }
 
 fn data(n: usize) -> Vec<u8> {

@@ -80,7 +80,7 @@ async fn run_in(root: &Path, json: bool) -> anyhow::Result<()> {
         None,
     )
     .await?;
-    let daemon = strata_daemon::Daemon::new(a.clone(), None)?;
+    let daemon = strata_daemon::Daemon::new(a.clone(), Default::default())?;
     let att = daemon
         .attach(TENANT, "agent-1")
         .await

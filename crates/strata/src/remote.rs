@@ -11,21 +11,43 @@ struct Http {
 }
 
 impl Http {
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let r = self
+            .c
+            .request(method, format!("{}{path}", self.url.trim_end_matches('/')));
+        if self.token.is_empty() {
+            r
+        } else {
+            r.bearer_auth(&self.token)
+        }
+    }
+
     async fn call(
         &self,
         method: reqwest::Method,
         path: &str,
         body: Option<Value>,
     ) -> anyhow::Result<Value> {
-        let mut r = self
-            .c
-            .request(method, format!("{}{path}", self.url.trim_end_matches('/')));
-        if !self.token.is_empty() {
-            r = r.bearer_auth(&self.token);
-        }
+        let mut r = self.request(method, path);
         if let Some(b) = body {
             r = r.json(&b);
         }
+        self.send(r).await
+    }
+
+    /// Streams a local file as the request body.
+    async fn upload(&self, path: &str, file: &std::path::Path) -> anyhow::Result<Value> {
+        let f = tokio::fs::File::open(file).await?;
+        let len = f.metadata().await?.len();
+        let r = self
+            .request(reqwest::Method::PUT, path)
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .header(reqwest::header::CONTENT_LENGTH, len)
+            .body(reqwest::Body::from(f));
+        self.send(r).await
+    }
+
+    async fn send(&self, r: reqwest::RequestBuilder) -> anyhow::Result<Value> {
         let resp = r
             .send()
             .await
@@ -94,6 +116,52 @@ fn out(json_out: bool, v: &Value, human: impl FnOnce(&Value) -> String) {
     }
 }
 
+/// `template build` through a daemon: the CLI sends the content (a tar archive of the
+/// directory, or the image with its format stated), never a path on the daemon's host.
+async fn upload_template(
+    h: &Http,
+    name: &str,
+    from_dir: Option<std::path::PathBuf>,
+    from_image: Option<std::path::PathBuf>,
+    size: Option<u64>,
+) -> anyhow::Result<Value> {
+    let mut q = String::new();
+    let spool;
+    let file = match (from_dir, from_image) {
+        (Some(dir), None) => {
+            anyhow::ensure!(dir.is_dir(), "{} is not a directory", dir.display());
+            spool = tempfile::NamedTempFile::new()?;
+            let out = spool.reopen()?;
+            let d = dir.clone();
+            tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+                let mut b = tar::Builder::new(std::io::BufWriter::new(out));
+                b.follow_symlinks(false);
+                b.append_dir_all(".", &d)?;
+                b.into_inner()?
+                    .into_inner()
+                    .map_err(|e| e.into_error())?
+                    .sync_all()
+            })
+            .await??;
+            q.push_str("format=tar");
+            if let Some(s) = size {
+                q.push_str(&format!("&size={s}"));
+            }
+            spool.path().to_path_buf()
+        }
+        (None, Some(img)) => {
+            let f = strata_engine::template::detect_format(&img)?;
+            q.push_str(match f {
+                strata_engine::template::ImageFormat::Raw => "format=raw",
+                strata_engine::template::ImageFormat::Qcow2 => "format=qcow2",
+            });
+            img
+        }
+        _ => anyhow::bail!("give --from-dir DIR or --from-image FILE"),
+    };
+    h.upload(&format!("/v1/templates/{name}?{q}"), &file).await
+}
+
 pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
     use reqwest::Method as M;
     let h = Http {
@@ -130,12 +198,7 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                     from_dir,
                     from_image,
                     size,
-                } => {
-                    let abs = |p: std::path::PathBuf| {
-                        std::fs::canonicalize(&p).unwrap_or(p).display().to_string()
-                    };
-                    h.call(M::POST, "/v1/templates", Some(json!({"name": name, "from_dir": from_dir.map(abs), "from_image": from_image.map(abs), "size": size}))).await?
-                }
+                } => upload_template(&h, &name, from_dir, from_image, size).await?,
                 TemplateCmd::List => h.call(M::GET, "/v1/templates", None).await?,
                 TemplateCmd::Show { name } => {
                     h.call(M::GET, &format!("/v1/templates/{name}"), None)

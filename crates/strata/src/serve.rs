@@ -51,7 +51,7 @@ pub async fn attach(
         }
         None => None,
     };
-    let unix_task = tokio::spawn(server.serve_unix(unix));
+    let unix_task = tokio::spawn(server.clone().serve_unix(unix));
     if g.json {
         println!(
             "{}",
@@ -69,9 +69,11 @@ pub async fn attach(
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
     }
-    unix_task.abort();
+    // Clients finish what they sent, then their connections close; then the final publish.
+    server.shutdown().await;
+    let _ = unix_task.await;
     if let Some(t) = tcp_task {
-        t.abort();
+        let _ = t.await;
     }
     let _ = std::fs::remove_file(&socket);
     vol.flush().await?;
@@ -97,7 +99,7 @@ pub struct ServeArgs {
     /// s3_access_key_id, s3_secret_access_key, s3_session_token, upload_interval,
     /// upload_max_bytes, lease_ttl, cache_capacity, relay_max_bytes, gc_interval,
     /// gc_grace, keep_checkpoints, keep_checkpoint_age, compact_below, segment_size,
-    /// readahead_units).
+    /// readahead_units, metrics_token, run_dir, import_dir, template_max_bytes).
     #[arg(long, env = "STRATA_CONFIG")]
     config: Option<PathBuf>,
     /// Catalog: sqlite:PATH (default DATA/catalog.db) or postgres://user@host:port/db (shared
@@ -147,6 +149,17 @@ pub struct ServeArgs {
     /// Largest file one relay PUT may store (default 256MiB).
     #[arg(long, env = "STRATA_RELAY_MAX_BYTES", value_parser = crate::units::parse_size)]
     relay_max_bytes: Option<u64>,
+    /// Where export sockets live (default DATA/run): short enough for unix socket paths
+    /// (about 70 bytes at most), and free to be off the data disk.
+    #[arg(long, env = "STRATA_RUN_DIR")]
+    run_dir: Option<PathBuf>,
+    /// Operator import directory: a tenant may build templates from what is under
+    /// IMPORT/TENANT/ (off by default; tenants otherwise upload the content).
+    #[arg(long, env = "STRATA_IMPORT_DIR")]
+    import_dir: Option<PathBuf>,
+    /// Largest template upload (default 16GiB).
+    #[arg(long, env = "STRATA_TEMPLATE_MAX_BYTES", value_parser = crate::units::parse_size)]
+    template_max_bytes: Option<u64>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -174,6 +187,11 @@ struct FileConfig {
     keep_checkpoint_age: Option<String>,
     compact_below: Option<f64>,
     segment_size: Option<String>,
+    /// A token that may read /metrics only (also STRATA_METRICS_TOKEN).
+    metrics_token: Option<String>,
+    run_dir: Option<PathBuf>,
+    import_dir: Option<PathBuf>,
+    template_max_bytes: Option<String>,
 }
 
 pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
@@ -274,8 +292,20 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
     if admin.is_none() {
         tracing::warn!("no admin token (STRATA_ADMIN_TOKEN or admin_token in the config): tenants cannot be created over the API");
     }
-    let daemon = strata_daemon::Daemon::new(engine, admin.as_deref())
-        .context("opening the relay directory")?;
+    let metrics_token = std::env::var("STRATA_METRICS_TOKEN")
+        .ok()
+        .or(file.metrics_token.clone());
+    let daemon = strata_daemon::Daemon::new(
+        engine,
+        strata_daemon::DaemonConfig {
+            admin_token: admin.clone(),
+            metrics_token,
+            run_dir: a.run_dir.or(file.run_dir.clone()),
+            import_dir: a.import_dir.or(file.import_dir.clone()),
+            template_max_bytes: size(a.template_max_bytes, &file.template_max_bytes)?,
+        },
+    )
+    .context("starting the daemon")?;
     if let Some(n) = size(a.relay_max_bytes, &file.relay_max_bytes)? {
         daemon.set_relay_max_bytes(n);
     }

@@ -34,12 +34,7 @@ async fn lifecycle_isolation_and_bad_input() {
     let src = d.path().join("src");
     std::fs::create_dir_all(&src).unwrap();
     std::fs::write(src.join("hello.txt"), "hello from the template\n").unwrap();
-    let (s, v) = a
-        .post(
-            "/v1/templates",
-            json!({"name": "base", "from_dir": src.to_str().unwrap(), "size": 32 << 20}),
-        )
-        .await;
+    let (s, v) = a.template_from_dir("base", &src, 32 << 20).await;
     assert_eq!(s, StatusCode::CREATED, "{v}");
     let (s, v) = a
         .post(
@@ -89,12 +84,20 @@ async fn lifecycle_isolation_and_bad_input() {
     assert_eq!(s, StatusCode::OK);
     let (s, _) = a.post("/v1/workspaces/w1/thaw", json!({})).await;
     assert_eq!(s, StatusCode::OK);
-    let metrics = reqwest::get(format!("{}/metrics", daemon.url))
-        .await
-        .unwrap()
-        .text()
+    // /metrics names every tenant's workspaces: not for anonymous callers or tenants.
+    let anon = reqwest::get(format!("{}/metrics", daemon.url))
         .await
         .unwrap();
+    assert_eq!(anon.status(), StatusCode::UNAUTHORIZED);
+    let (s, _) = a.get("/metrics").await;
+    assert_eq!(
+        s,
+        StatusCode::FORBIDDEN,
+        "a tenant token does not read metrics"
+    );
+    let (s, metrics) = Api::new(&daemon.url, ADMIN).get("/metrics").await;
+    assert_eq!(s, StatusCode::OK);
+    let metrics = metrics.as_str().unwrap().to_string();
     assert!(
         metrics.contains("strata_volume_remote_window_bytes{tenant=\"alpha\",workspace=\"w1\"}"),
         "{metrics}"

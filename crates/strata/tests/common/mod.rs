@@ -135,6 +135,41 @@ impl Api {
     pub async fn delete(&self, p: &str) -> (StatusCode, Value) {
         self.call(reqwest::Method::DELETE, p, None).await
     }
+    /// A PUT whose body is `bytes` (template uploads).
+    pub async fn put_bytes(&self, p: &str, bytes: Vec<u8>) -> (StatusCode, Value) {
+        let resp = self
+            .http
+            .put(format!("{}{p}", self.url))
+            .bearer_auth(&self.token)
+            .body(bytes)
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+    /// Builds template `name` from the directory `dir` the way the CLI does: a tar archive of
+    /// it sent as the request body.
+    pub async fn template_from_dir(
+        &self,
+        name: &str,
+        dir: &Path,
+        size: u64,
+    ) -> (StatusCode, Value) {
+        let mut b = tar::Builder::new(Vec::new());
+        b.follow_symlinks(false);
+        b.append_dir_all(".", dir).unwrap();
+        let bytes = b.into_inner().unwrap();
+        self.put_bytes(
+            &format!("/v1/templates/{name}?format=tar&size={size}"),
+            bytes,
+        )
+        .await
+    }
 }
 
 /// Creates a tenant through `url`'s admin API and returns an API handle with its token.

@@ -1,0 +1,262 @@
+//! NBD exports of attached workspaces, and the per-workspace operations that change them.
+//!
+//! ```text
+//! attach ─▶ workspace op lock ─▶ engine.attach (lease, replay) ─▶ bind RUN/{h}.sock ─▶ serve
+//!           (an export that cannot be made undoes the attach it made: all or nothing)
+//! detach ─▶ workspace op lock ─▶ stop the export: no new connections, every connection
+//!           finishes what it accepted, then closes ─▶ engine.detach (seal, final cut, publish)
+//!           (a failed publish re-exports: the workspace stays as it was)
+//! delete ─▶ workspace op lock ─▶ stop the export ─▶ engine.delete_workspace
+//! ```
+//! Each operation runs in a task of its own: an HTTP client that disconnects cannot stop one
+//! halfway. Only operations on the same workspace wait for each other.
+//!
+//! Socket names never come from user names: `RUN/{h}.sock` with `h` a hash of (tenant,
+//! workspace), so every legal name fits a unix socket path (108 bytes) and nothing a tenant
+//! names becomes a host path. The run directory is 0700, each socket 0600.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use strata_engine::{Published, Volume};
+use strata_nbd::{Export, Exports, Server, ServerConfig};
+use tokio::task::JoinHandle;
+
+use crate::error::ApiError;
+use crate::{Attached, Daemon};
+
+pub(crate) type Key = (String, String);
+
+/// A running export of one workspace.
+pub(crate) struct ExportHandle {
+    pub uri: String,
+    pub socket: PathBuf,
+    server: Arc<Server>,
+    task: JoinHandle<()>,
+}
+
+/// Longest unix socket path (`sun_path` holds 108 bytes with its terminating NUL).
+const SUN_PATH_MAX: usize = 107;
+const SOCKET_NAME_LEN: usize = 32 + ".sock".len();
+
+/// Checks that sockets under `run_dir` fit a unix socket path.
+pub(crate) fn check_run_dir(run_dir: &Path) -> std::io::Result<()> {
+    let len = run_dir.as_os_str().len() + 1 + SOCKET_NAME_LEN;
+    if len > SUN_PATH_MAX {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "run directory {} is too long for unix socket paths ({len} > {SUN_PATH_MAX} bytes); choose a shorter --run-dir",
+                run_dir.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn key(t: &str, w: &str) -> Key {
+    (t.to_string(), w.to_string())
+}
+
+impl Daemon {
+    /// The socket of a workspace's export: a hash of the names, never the names.
+    pub(crate) fn socket_path(&self, tenant: &str, ws: &str) -> PathBuf {
+        let mut h = blake3::Hasher::new();
+        h.update(tenant.as_bytes());
+        h.update(&[0]);
+        h.update(ws.as_bytes());
+        self.run_dir
+            .join(format!("{}.sock", &h.finalize().to_hex()[..32]))
+    }
+
+    fn lock_exports(&self) -> std::sync::MutexGuard<'_, HashMap<Key, ExportHandle>> {
+        self.exports.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The export address of a workspace, if it is exported here.
+    pub(crate) fn export_uri(&self, tenant: &str, ws: &str) -> Option<String> {
+        self.lock_exports()
+            .get(&key(tenant, ws))
+            .map(|h| h.uri.clone())
+    }
+
+    fn op_lock(&self, k: &Key) -> Arc<tokio::sync::Mutex<()>> {
+        let mut m = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        // Forget idle entries now and then so the map follows the attached set, not history.
+        if m.len() > 1024 {
+            m.retain(|_, l| Arc::strong_count(l) > 1);
+        }
+        m.entry(k.clone()).or_default().clone()
+    }
+
+    /// Attaches (idempotently) and serves the workspace over NBD on its unix socket.
+    pub(crate) async fn attach_and_export(
+        self: &Arc<Self>,
+        t: &str,
+        ws: &str,
+    ) -> Result<Attached, ApiError> {
+        let (d, t, ws) = (self.clone(), t.to_string(), ws.to_string());
+        own_task(async move {
+            let k = key(&t, &ws);
+            let lock = d.op_lock(&k);
+            let _op = lock.lock().await;
+            if let Some(h) = d.lock_exports().get(&k) {
+                return Ok(attached(&ws, h));
+            }
+            let was_attached = d.engine.volume(&t, &ws).is_some();
+            let vol = d.engine.attach(&t, &ws).await?;
+            match d.export(&t, &ws, vol) {
+                Ok(a) => Ok(a),
+                Err(e) => {
+                    if !was_attached {
+                        if let Err(de) = d.engine.detach(&t, &ws).await {
+                            tracing::error!(tenant = t, workspace = ws, error = %de, "undoing an attach whose export failed");
+                        }
+                    }
+                    Err(e)
+                }
+            }
+        })
+        .await
+    }
+
+    fn export(&self, t: &str, ws: &str, vol: Arc<Volume>) -> Result<Attached, ApiError> {
+        let io = |e: std::io::Error| ApiError::internal(format!("export socket: {e}"));
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&self.run_dir)
+                .map_err(io)?;
+            std::fs::set_permissions(&self.run_dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(io)?;
+        }
+        let socket = self.socket_path(t, ws);
+        let exports = Exports::new();
+        exports.insert(
+            ws,
+            Export {
+                description: format!("strata workspace {ws} ({})", vol.mode()),
+                device: vol,
+                multi_conn: true,
+            },
+        );
+        let listener = Server::bind_unix(&socket).map_err(io)?;
+        let server = Server::new(
+            exports,
+            ServerConfig {
+                metrics: Some(self.nbd_metrics.clone()),
+                ..ServerConfig::default()
+            },
+        );
+        let task = {
+            let (server, t, ws) = (server.clone(), t.to_string(), ws.to_string());
+            tokio::spawn(async move {
+                if let Err(e) = server.serve_unix(listener).await {
+                    tracing::error!(tenant = t, workspace = ws, error = %e, "nbd listener failed");
+                }
+            })
+        };
+        let h = ExportHandle {
+            uri: format!("nbd+unix:///{ws}?socket={}", socket.display()),
+            socket,
+            server,
+            task,
+        };
+        let a = attached(ws, &h);
+        self.lock_exports().insert(key(t, ws), h);
+        Ok(a)
+    }
+
+    /// Stops a workspace's export: no new connections; every open one finishes the requests it
+    /// accepted (replies sent) and is closed; then the socket goes. Returns once it is done.
+    pub(crate) async fn stop_export(&self, t: &str, ws: &str) {
+        let h = self.lock_exports().remove(&key(t, ws));
+        if let Some(h) = h {
+            drain(h).await;
+        }
+    }
+
+    /// Detaches: the export is drained and closed first, so the final cut covers every write a
+    /// client was ever acknowledged. If the final publish fails, the export comes back.
+    pub(crate) async fn detach_workspace(
+        self: &Arc<Self>,
+        t: &str,
+        ws: &str,
+    ) -> Result<Option<Published>, ApiError> {
+        let (d, t, ws) = (self.clone(), t.to_string(), ws.to_string());
+        own_task(async move {
+            let k = key(&t, &ws);
+            let lock = d.op_lock(&k);
+            let _op = lock.lock().await;
+            let exported = d.lock_exports().contains_key(&k);
+            d.stop_export(&t, &ws).await;
+            match d.engine.detach(&t, &ws).await {
+                Ok(p) => Ok(p),
+                Err(e) => {
+                    if let (true, Some(v)) = (exported, d.engine.volume(&t, &ws)) {
+                        if let Err(xe) = d.export(&t, &ws, v) {
+                            tracing::error!(tenant = t, workspace = ws, error = %xe.message, "re-exporting after a failed detach");
+                        }
+                    }
+                    Err(e.into())
+                }
+            }
+        })
+        .await
+    }
+
+    /// Deletes a workspace; if it is attached here its export is drained and closed first.
+    pub(crate) async fn delete_workspace(
+        self: &Arc<Self>,
+        t: &str,
+        ws: &str,
+    ) -> Result<(), ApiError> {
+        let (d, t, ws) = (self.clone(), t.to_string(), ws.to_string());
+        own_task(async move {
+            let lock = d.op_lock(&key(&t, &ws));
+            let _op = lock.lock().await;
+            d.stop_export(&t, &ws).await;
+            Ok(d.engine.delete_workspace(&t, &ws).await?)
+        })
+        .await
+    }
+
+    /// Drains and closes every export (orderly shutdown), returning the workspaces.
+    pub(crate) async fn stop_all_exports(&self) -> Vec<Key> {
+        let all: Vec<(Key, ExportHandle)> = self.lock_exports().drain().collect();
+        let mut keys = vec![];
+        for (k, h) in all {
+            drain(h).await;
+            keys.push(k);
+        }
+        keys
+    }
+}
+
+async fn drain(h: ExportHandle) {
+    h.server.shutdown().await;
+    let _ = h.task.await;
+    let _ = std::fs::remove_file(&h.socket);
+}
+
+fn attached(ws: &str, h: &ExportHandle) -> Attached {
+    Attached {
+        workspace: ws.into(),
+        export: h.uri.clone(),
+        socket: h.socket.display().to_string(),
+    }
+}
+
+/// Runs `f` in a task of its own and waits for it: the operation completes (or fails) as a
+/// whole even when the HTTP client that asked for it goes away.
+pub(crate) async fn own_task<T: Send + 'static>(
+    f: impl std::future::Future<Output = Result<T, ApiError>> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::spawn(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("operation task failed: {e}")))?
+}
