@@ -46,6 +46,9 @@ pub struct EngineConfig {
     pub keep_checkpoint_age: Duration,
     /// GC compacts attached volumes whose head objects are less live than this fraction.
     pub compact_below: f64,
+    /// Guest writes get ENOSPC while the data directory's file system has less than this
+    /// available, so the node's own metadata always has room (0: no floor).
+    pub min_free_bytes: u64,
 }
 
 impl EngineConfig {
@@ -66,6 +69,7 @@ impl EngineConfig {
             keep_checkpoints: 16,
             keep_checkpoint_age: Duration::from_secs(7 * 24 * 3600),
             compact_below: 0.5,
+            min_free_bytes: 64 << 20,
         }
     }
 }

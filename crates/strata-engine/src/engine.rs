@@ -52,6 +52,7 @@ pub struct Engine {
     catalog: Arc<dyn Catalog>,
     reader: Arc<ObjectReader>,
     slots: std::sync::Mutex<HashMap<Key, Slot>>,
+    space: Arc<crate::space::SpaceGuard>,
     /// Attached volumes, for lookups: changed only by the holder of the workspace's slot.
     live: std::sync::RwLock<HashMap<Key, Arc<Volume>>>,
 }
@@ -105,6 +106,11 @@ impl Engine {
             .map_err(Error::io("opening node cache"))?;
         let reader = Arc::new(ObjectReader::new(store, cache, cfg.fetch_unit));
         reader.set_readahead(cfg.readahead_units);
+        let space = Arc::new(crate::space::SpaceGuard::new(
+            fs.clone(),
+            cfg.data_dir.clone(),
+            cfg.min_free_bytes,
+        ));
         Ok(Arc::new(Engine {
             cfg,
             node,
@@ -113,6 +119,7 @@ impl Engine {
             reader,
             slots: Default::default(),
             live: Default::default(),
+            space,
         }))
     }
 
@@ -499,6 +506,7 @@ impl Engine {
             catalog: self.catalog.clone(),
             lease: lease.clone(),
             opts: self.opts(),
+            space: self.space.clone(),
         })
         .await;
         let vol = match opened {

@@ -30,6 +30,11 @@ pub trait Fs: Send + Sync {
     fn sync_dir(&self, dir: &Path) -> io::Result<()>;
     fn exists(&self, path: &Path) -> bool;
     fn remove_dir_all(&self, dir: &Path) -> io::Result<()>;
+    /// Bytes an unprivileged writer may still allocate on the file system holding `dir`
+    /// (None where the layer cannot tell: simulated file systems).
+    fn available(&self, _dir: &Path) -> io::Result<Option<u64>> {
+        Ok(None)
+    }
 
     /// Reads a whole file.
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
@@ -111,5 +116,9 @@ impl Fs for RealFs {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             r => r,
         }
+    }
+    fn available(&self, dir: &Path) -> io::Result<Option<u64>> {
+        let st = rustix::fs::statvfs(dir)?;
+        Ok(Some(st.f_bavail.saturating_mul(st.f_frsize)))
     }
 }

@@ -16,6 +16,7 @@ mod local;
 mod overlay;
 mod pack;
 pub mod simfs;
+mod space;
 pub mod template;
 mod volume;
 

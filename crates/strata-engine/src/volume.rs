@@ -153,6 +153,7 @@ pub struct Volume {
     fs: Arc<dyn Fs>,
     reader: Arc<ObjectReader>,
     catalog: Arc<dyn Catalog>,
+    space: Arc<crate::space::SpaceGuard>,
     lease: Mutex<LeaseGrant>,
     /// Local, monotonic end of the lease: measured from *before* the acquire or renewal that
     /// granted it and shortened by a safety margin, so it always falls before the catalog's
@@ -211,6 +212,7 @@ pub(crate) struct VolumeParts {
     /// When the request that obtained `lease` was sent (see [`lease_deadline`]).
     pub lease_asked: Instant,
     pub opts: VolumeOptions,
+    pub space: Arc<crate::space::SpaceGuard>,
 }
 
 /// The local end of a lease of `ttl` requested at `asked`: 80% of the TTL, leaving a margin for
@@ -517,6 +519,7 @@ impl Volume {
             let _gate = self.gate.read().await;
             let mut j = self.writer.lock().await;
             self.writable()?;
+            self.space.admit(data.len() as u64)?;
             let lba = offset / BLOCK_SIZE;
             let end = (offset + data.len() as u64).div_ceil(BLOCK_SIZE);
             let n = end - lba;

@@ -99,7 +99,7 @@ pub struct ServeArgs {
     /// s3_access_key_id, s3_secret_access_key, s3_session_token, upload_interval,
     /// upload_max_bytes, lease_ttl, cache_capacity, relay_max_bytes, gc_interval,
     /// gc_grace, keep_checkpoints, keep_checkpoint_age, compact_below, segment_size,
-    /// readahead_units, metrics_token, run_dir, import_dir, template_max_bytes).
+    /// readahead_units, metrics_token, min_free, run_dir, import_dir, template_max_bytes).
     #[arg(long, env = "STRATA_CONFIG")]
     config: Option<PathBuf>,
     /// Catalog: sqlite:PATH (default DATA/catalog.db) or postgres://user@host:port/db (shared
@@ -157,6 +157,10 @@ pub struct ServeArgs {
     /// IMPORT/TENANT/ (off by default; tenants otherwise upload the content).
     #[arg(long, env = "STRATA_IMPORT_DIR")]
     import_dir: Option<PathBuf>,
+    /// Guest writes get ENOSPC while the data disk has less than this free, so the node's own
+    /// metadata (catalog, leases, local state) always has room (default 64MiB; 0: no floor).
+    #[arg(long, env = "STRATA_MIN_FREE", value_parser = crate::units::parse_size)]
+    min_free: Option<u64>,
     /// Largest template upload (default 16GiB).
     #[arg(long, env = "STRATA_TEMPLATE_MAX_BYTES", value_parser = crate::units::parse_size)]
     template_max_bytes: Option<u64>,
@@ -189,6 +193,7 @@ struct FileConfig {
     segment_size: Option<String>,
     /// A token that may read /metrics only (also STRATA_METRICS_TOKEN).
     metrics_token: Option<String>,
+    min_free: Option<String>,
     run_dir: Option<PathBuf>,
     import_dir: Option<PathBuf>,
     template_max_bytes: Option<String>,
@@ -244,6 +249,9 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(d) = dur(a.keep_checkpoint_age, &file.keep_checkpoint_age)? {
         cfg.keep_checkpoint_age = d;
+    }
+    if let Some(n) = size(a.min_free, &file.min_free)? {
+        cfg.min_free_bytes = n;
     }
     if let Some(n) = size(a.segment_size, &file.segment_size)? {
         anyhow::ensure!(n >= 1 << 20, "--segment-size must be at least 1MiB");

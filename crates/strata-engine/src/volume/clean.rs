@@ -87,6 +87,8 @@ impl Volume {
             j.dir().to_path_buf()
         };
         let (fs, size) = (self.fs.clone(), self.opts.segment_max_bytes);
+        // A spare segment is an optimisation: never into the space kept for metadata.
+        self.space.admit(size)?;
         let path =
             tokio::task::spawn_blocking(move || crate::journal::prepare_file(&*fs, &dir, size))
                 .await

@@ -139,6 +139,7 @@ impl Volume {
             fs: p.fs,
             reader: p.reader,
             catalog: p.catalog,
+            space: p.space,
             lease: Mutex::new(p.lease),
             lease_deadline: Mutex::new(super::lease_deadline(p.lease_asked, p.opts.lease_ttl)),
             journal_id,
