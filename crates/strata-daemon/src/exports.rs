@@ -101,8 +101,14 @@ impl Daemon {
             let k = key(&t, &ws);
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
-            if let Some(h) = d.lock_exports().get(&k) {
-                return Ok(attached(&ws, h));
+            let current = d.engine.volume(&t, &ws).filter(|v| v.failure().is_none());
+            if current.is_some() {
+                if let Some(h) = d.lock_exports().get(&k) {
+                    return Ok(attached(&ws, h));
+                }
+            } else {
+                // An export of a fenced or failed volume serves nothing: replace it.
+                d.stop_export(&t, &ws).await;
             }
             let was_attached = d.engine.volume(&t, &ws).is_some();
             let vol = d.engine.attach(&t, &ws).await?;

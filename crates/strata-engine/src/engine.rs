@@ -488,7 +488,17 @@ impl Engine {
         let slot = self.slot(&key);
         let mut s = slot.lock().await;
         if let Some(a) = &*s {
-            return Ok(a.vol.clone());
+            if a.vol.failure().is_none() {
+                return Ok(a.vol.clone());
+            }
+            // Fenced (another node took the lease) or failed for good: attaching again starts
+            // over from the head rather than handing out a volume that refuses everything.
+            if let Some(old) = s.take() {
+                tracing::info!(tenant, workspace = ws, why = ?old.vol.failure(), "replacing a failed volume");
+                old.task.abort();
+                old.vol.close();
+            }
+            self.set_live(&key, None);
         }
         let ttl = self.cfg.lease_ttl.as_millis() as u64;
         let lease_asked = Instant::now();

@@ -1,0 +1,942 @@
+//! The nemesis campaign: operations and faults race the data path of the real daemon, and a
+//! checker judges the history after every step.
+//!
+//! Two workspaces on node A, each written by three NBD connections (write, FUA write, trim,
+//! write-zeroes, flush, on disjoint block ranges): `d` in durable mode and `s` in sync mode.
+//! Node B shares A's catalog and object store. While the clients run, the nemesis does one of:
+//! checkpoint; checkpoint whose client gives up at a random moment; fork of the live workspace;
+//! rollback to an earlier checkpoint; detach and attach; freeze and thaw; a GC pass with a short
+//! grace (which also compacts); kill -9 and restart of A; object-store faults for the round (on
+//! an S3 store through the fault proxy); SIGSTOP of A past its lease while B takes `s` over,
+//! then SIGCONT (and later `s` moves back).
+//!
+//! The checker, after every step: every write acknowledged before a successful FLUSH (or with
+//! FUA) reads back, on a fresh connection, unless a rollback replaced it on purpose; nothing
+//! reads as bytes no one wrote; every checkpoint and every fork reads exactly what was flushed
+//! before it was requested (or something written after that, before it completed); a node whose
+//! lease was taken acknowledges nothing after.
+//!
+//! `STRATA_NEMESIS_OPS` (default 40; the long run is 2000), `STRATA_NEMESIS_SEED`,
+//! `STRATA_NEMESIS_BIN` (another `strata` binary: the mutation check).
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use strata_nbd::client::Client;
+use strata_nbd::proto::{CMD_FLAG_FUA, CMD_WRITE};
+
+const CLIENTS: u64 = 3;
+const PER_CLIENT: u64 = 256;
+const BLOCKS: u64 = CLIENTS * PER_CLIENT;
+const DISK: u64 = 16 << 20;
+/// Codes of zero-writes (trim, write-zeroes, the initial disk) have this bit set: every one
+/// reads back as zeros, each is a distinct event in a block's history.
+const ZERO: u64 = 1 << 63;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What each block of one workspace may hold.
+struct Model {
+    /// Per block: values in the order their writes were issued (codes, unique).
+    hist: Vec<Vec<u64>>,
+    /// Per block: the newest value a completed FLUSH (or FUA) covered.
+    durable: Vec<u64>,
+    next_zero: u64,
+    /// Bumped by every rollback: a write acknowledged, or a flush issued, before a rollback
+    /// completed may have been rolled away, so it proves nothing afterwards.
+    gen: u64,
+}
+
+impl Model {
+    fn new() -> Model {
+        Model {
+            hist: (0..BLOCKS).map(|b| vec![ZERO | b]).collect(),
+            durable: (0..BLOCKS).map(|b| ZERO | b).collect(),
+            next_zero: BLOCKS,
+            gen: 0,
+        }
+    }
+    fn zero_code(&mut self) -> u64 {
+        self.next_zero += 1;
+        ZERO | self.next_zero
+    }
+    fn pos(&self, b: usize, v: u64) -> Option<usize> {
+        self.hist[b].iter().rposition(|&x| x == v)
+    }
+    /// A FLUSH covered `v` at block `b` (ignored if a rollback replaced it since, or if a
+    /// newer value is already durable).
+    fn mark(&mut self, b: usize, v: u64) {
+        if let (Some(p), Some(d)) = (self.pos(b, v), self.pos(b, self.durable[b])) {
+            if p > d {
+                self.durable[b] = v;
+            }
+        }
+    }
+    /// Values block `b` may read as now: the durable one or anything issued after it.
+    fn allowed(&self, b: usize) -> &[u64] {
+        let d = self.pos(b, self.durable[b]).unwrap_or(0);
+        &self.hist[b][d..]
+    }
+    /// Where each block's allowed values begin (at a checkpoint's request).
+    fn starts(&self) -> Vec<usize> {
+        (0..BLOCKS as usize)
+            .map(|b| self.pos(b, self.durable[b]).unwrap_or(0))
+            .collect()
+    }
+    /// What a checkpoint requested at `starts` may hold, now that it completed.
+    fn window(&self, starts: &[usize]) -> Vec<Vec<u64>> {
+        (0..BLOCKS as usize)
+            .map(|b| self.hist[b][starts[b].min(self.hist[b].len())..].to_vec())
+            .collect()
+    }
+    /// A rollback to a checkpoint holding `content`, requested when the histories had
+    /// `lens` entries, completed: each block holds the checkpoint's value or a later write.
+    fn rebase(&mut self, content: &[u64], lens: &[usize]) {
+        self.gen += 1;
+        for b in 0..BLOCKS as usize {
+            let base = if content[b] & ZERO != 0 {
+                self.zero_code()
+            } else {
+                content[b]
+            };
+            let mut h = vec![base];
+            h.extend_from_slice(&self.hist[b][lens[b]..]);
+            self.hist[b] = h;
+            self.durable[b] = base;
+        }
+    }
+    /// After a check that flushed and read everything: the history collapses to what is there.
+    fn settle(&mut self, seen: &[u64]) {
+        for b in 0..BLOCKS as usize {
+            self.hist[b] = vec![seen[b]];
+            self.durable[b] = seen[b];
+        }
+    }
+}
+
+/// Whether `got` (a block's tag; 0 for zeros) is one of `allowed`.
+fn matches(got: u64, allowed: &[u64]) -> Option<u64> {
+    if got == 0 {
+        allowed.iter().find(|&&v| v & ZERO != 0).copied()
+    } else {
+        allowed.contains(&got).then_some(got)
+    }
+}
+
+#[derive(Default)]
+struct Tally {
+    ops: Mutex<HashMap<&'static str, u64>>,
+    writes_acked: AtomicU64,
+    flushes: AtomicU64,
+    verified: AtomicU64,
+    lost: AtomicU64,
+    wrong: AtomicU64,
+    failures: Mutex<Vec<String>>,
+}
+
+/// One workspace under test: its model, where it is served, and its clients.
+struct Ws {
+    name: &'static str,
+    model: Mutex<Model>,
+    /// The socket it is exported on now (None while moving).
+    socket: Mutex<Option<String>>,
+    /// Bumped whenever the volume behind the socket changes (detach, restart, takeover):
+    /// clients drop what they had not flushed when they reconnect across it.
+    epoch: AtomicU64,
+}
+
+/// A client: random writes, FUA writes, trims, zeroing and flushes on its own block range,
+/// until `stop`. Returns how many writes and flushes succeeded.
+async fn client(ws: Arc<Ws>, id: u64, seed: u64, stop: Arc<AtomicBool>, tally: Arc<Tally>) {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut tag = (id + 1) << 40 | seed & 0xffff_ffff;
+    let mut conn: Option<(Client<tokio::net::UnixStream>, u64)> = None;
+    // (block, value, model generation at its acknowledgement) acknowledged on this connection
+    // since its last flush.
+    let mut pending: Vec<(usize, u64, u64)> = vec![];
+    while !stop.load(SeqCst) {
+        let epoch = ws.epoch.load(SeqCst);
+        if conn.as_ref().is_none_or(|(_, e)| *e != epoch) {
+            pending.clear();
+            conn = None;
+            let sock = lock(&ws.socket).clone();
+            if let Some(sock) = sock {
+                if let Ok(Ok(c)) = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    Client::connect_unix(Path::new(&sock), ws.name),
+                )
+                .await
+                {
+                    conn = Some((c, epoch));
+                }
+            }
+            if conn.is_none() {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                continue;
+            }
+        }
+        let Some((c, _)) = conn.as_mut() else { continue };
+        let base = id * PER_CLIENT;
+        let roll = rng.random_range(0..100);
+        let timeout = Duration::from_secs(30);
+        let ok = if roll < 70 {
+            let b = base + rng.random_range(0..PER_CLIENT);
+            tag += 1;
+            let fua = rng.random_bool(0.1);
+            let gen = {
+                let mut m = lock(&ws.model);
+                m.hist[b as usize].push(tag);
+                m.gen
+            };
+            let r = tokio::time::timeout(
+                timeout,
+                c.request(
+                    if fua { CMD_FLAG_FUA } else { 0 },
+                    CMD_WRITE,
+                    b * 4096,
+                    4096,
+                    &block(tag, b),
+                ),
+            )
+            .await;
+            let ok = matches!(r, Ok(Ok(_)));
+            if ok {
+                tally.writes_acked.fetch_add(1, SeqCst);
+                let mut m = lock(&ws.model);
+                if fua && m.gen == gen {
+                    m.mark(b as usize, tag);
+                } else if !fua {
+                    pending.push((b as usize, tag, m.gen));
+                }
+            }
+            ok
+        } else if roll < 85 {
+            let b = base + rng.random_range(0..PER_CLIENT - 8);
+            let n = rng.random_range(1..=8u64);
+            let codes: Vec<u64> = {
+                let mut m = lock(&ws.model);
+                (b..b + n)
+                    .map(|x| {
+                        let z = m.zero_code();
+                        m.hist[x as usize].push(z);
+                        z
+                    })
+                    .collect()
+            };
+            let r = if rng.random_bool(0.5) {
+                tokio::time::timeout(timeout, c.trim(b * 4096, (n * 4096) as u32)).await
+            } else {
+                tokio::time::timeout(timeout, c.write_zeroes(b * 4096, (n * 4096) as u32)).await
+            };
+            let ok = matches!(r, Ok(Ok(_)));
+            if ok {
+                let gen = lock(&ws.model).gen;
+                pending.extend((b..b + n).zip(codes).map(|(x, z)| (x as usize, z, gen)));
+            }
+            ok
+        } else {
+            let covered = std::mem::take(&mut pending);
+            let gen = lock(&ws.model).gen;
+            let r = tokio::time::timeout(timeout, c.flush()).await;
+            let ok = matches!(r, Ok(Ok(_)));
+            if ok {
+                tally.flushes.fetch_add(1, SeqCst);
+                let mut m = lock(&ws.model);
+                if m.gen == gen {
+                    for (b, v, g) in covered {
+                        if g == gen {
+                            m.mark(b, v);
+                        }
+                    }
+                }
+            }
+            ok
+        };
+        if !ok {
+            // Refused or cut off: reconnect (the workspace may be moving); unflushed writes stay
+            // possible, never promised.
+            pending.clear();
+            conn = None;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    if let Some((c, _)) = conn {
+        let _ = c.disconnect().await;
+    }
+}
+
+/// A node: its daemon (None while killed) and how to start it again.
+struct Node {
+    daemon: Option<Daemon>,
+    data: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    url: String,
+}
+
+impl Node {
+    fn start(data: &Path, args: Vec<String>, env: Vec<(String, String)>) -> Node {
+        let mut n = Node {
+            daemon: None,
+            data: data.to_path_buf(),
+            args,
+            env,
+            url: String::new(),
+        };
+        n.restart();
+        n
+    }
+    fn restart(&mut self) {
+        let args: Vec<&str> = self.args.iter().map(|s| s.as_str()).collect();
+        let env: Vec<(&str, &str)> = self
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let d = serve_bin(&self.data, &args, &env);
+        self.url = d.url.clone();
+        self.daemon = Some(d);
+    }
+    fn api(&self, token: &str) -> Api {
+        Api::new(&self.url, token)
+    }
+}
+
+/// `serve_env` with the binary chosen by `STRATA_NEMESIS_BIN` (the mutation check).
+fn serve_bin(data: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
+    match std::env::var("STRATA_NEMESIS_BIN") {
+        Ok(bin) if !bin.is_empty() => serve_with(Path::new(&bin), data, extra, env),
+        _ => serve_env(data, extra, env),
+    }
+}
+
+/// Attaches `ws` through `api` until it works (a lease may still be held elsewhere) and returns
+/// its socket.
+async fn attach(api: &Api, ws: &str, within: Duration) -> Option<String> {
+    let until = Instant::now() + within;
+    while Instant::now() < until {
+        let (s, v) = api
+            .post(&format!("/v1/workspaces/{ws}/attach"), json!({}))
+            .await;
+        if s == StatusCode::OK {
+            return v["socket"].as_str().map(String::from);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    None
+}
+
+/// Reads every block of `ws` at `sock` (after a FLUSH on that connection, so whatever is read
+/// is also durable); None if the workspace cannot be reached.
+async fn read_all(sock: &str, ws: &str, flush: bool) -> Option<Vec<u64>> {
+    let mut c = tokio::time::timeout(
+        Duration::from_secs(10),
+        Client::connect_unix(Path::new(sock), ws),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    if flush {
+        c.flush().await.ok()?;
+    }
+    let mut out = Vec::with_capacity(BLOCKS as usize);
+    for b in 0..BLOCKS {
+        let data = c.read(b * 4096, 4096).await.ok()?;
+        out.push(tag_of(&data, b).unwrap_or(u64::MAX));
+    }
+    let _ = c.disconnect().await;
+    Some(out)
+}
+
+/// A checkpoint waiting to be verified: its version (or label, if its reply was lost) and what
+/// each block may hold.
+struct Pending {
+    ws: &'static str,
+    version: Option<u64>,
+    label: String,
+    allowed: Vec<Vec<u64>>,
+    /// A fork made of it, to read instead of forking again.
+    fork: Option<String>,
+}
+
+struct Campaign {
+    rng: SmallRng,
+    a: Node,
+    b: Node,
+    token: String,
+    tally: Arc<Tally>,
+    ws: HashMap<&'static str, Arc<Ws>>,
+    /// Which node serves `s` now.
+    s_on_b: bool,
+    /// Verified checkpoints per workspace: (version, exact content as codes).
+    verified: HashMap<&'static str, Vec<(u64, Vec<u64>)>>,
+    pending: Vec<Pending>,
+    proxy: Option<faultproxy::Proxy>,
+    n: u64,
+    step: u64,
+}
+
+impl Campaign {
+    fn api_for(&self, ws: &str) -> Api {
+        if ws == "s" && self.s_on_b {
+            self.b.api(&self.token)
+        } else {
+            self.a.api(&self.token)
+        }
+    }
+
+    fn fail(&mut self, msg: String) {
+        eprintln!("NEMESIS FAILURE: {msg}");
+        lock(&self.tally.failures).push(msg);
+    }
+
+    fn count(&mut self, op: &'static str) {
+        *lock(&self.tally.ops).entry(op).or_default() += 1;
+        eprintln!("nemesis: step {}: {op}", self.step);
+    }
+
+    /// The checker: flush and read each workspace on a fresh connection and judge it against
+    /// its model; then the verification of pending checkpoints and forks.
+    async fn check(&mut self) {
+        for name in ["d", "s"] {
+            let w = self.ws[name].clone();
+            let sock = lock(&w.socket).clone();
+            let Some(sock) = sock else {
+                self.fail(format!("{name}: not served after the step"));
+                continue;
+            };
+            let Some(seen) = read_all(&sock, name, true).await else {
+                self.fail(format!("{name}: unreadable after the step"));
+                continue;
+            };
+            let mut codes = Vec::with_capacity(BLOCKS as usize);
+            let mut bad = vec![];
+            {
+                let m = lock(&w.model);
+                for b in 0..BLOCKS as usize {
+                    match matches(seen[b], m.allowed(b)) {
+                        Some(c) => codes.push(c),
+                        None => {
+                            bad.push((b, seen[b], m.durable[b]));
+                            codes.push(m.durable[b]);
+                        }
+                    }
+                }
+            }
+            let t = &self.tally;
+            t.verified.fetch_add(BLOCKS, SeqCst);
+            for &(_, got, _) in &bad {
+                if got == u64::MAX {
+                    t.wrong.fetch_add(1, SeqCst);
+                } else {
+                    t.lost.fetch_add(1, SeqCst);
+                }
+            }
+            if !bad.is_empty() {
+                self.fail(format!(
+                    "{name}: {} blocks read back older or foreign data, e.g. (block, read, flushed) {:?}",
+                    bad.len(),
+                    &bad[..bad.len().min(4)]
+                ));
+            }
+            lock(&w.model).settle(&codes);
+        }
+        let pending = std::mem::take(&mut self.pending);
+        for p in pending {
+            self.verify_checkpoint(p).await;
+        }
+    }
+
+    /// Reads a checkpoint through a fork of it (made on A) and judges every block.
+    async fn verify_checkpoint(&mut self, p: Pending) {
+        let api = self.api_for(p.ws);
+        let version = match p.version {
+            Some(v) => Some(v),
+            None => {
+                let (_, log) = api.get(&format!("/v1/workspaces/{}/log", p.ws)).await;
+                log.as_array()
+                    .into_iter()
+                    .flatten()
+                    .find(|c| c["label"] == p.label.as_str())
+                    .and_then(|c| c["version"].as_u64())
+            }
+        };
+        let Some(version) = version else {
+            return; // the cut-off checkpoint never happened: nothing promised
+        };
+        self.n += 1;
+        let a = self.a.api(&self.token);
+        let fork = match p.fork {
+            Some(f) => f,
+            None => {
+                let f = format!("v{}", self.n);
+                let (s, v) = api
+                    .post(
+                        &format!("/v1/workspaces/{}/fork", p.ws),
+                        json!({"name": f, "version": version}),
+                    )
+                    .await;
+                if s != StatusCode::CREATED {
+                    self.fail(format!("{}@{version}: fork for checking failed: {s} {v}", p.ws));
+                    return;
+                }
+                f
+            }
+        };
+        let Some(sock) = attach(&a, &fork, Duration::from_secs(10)).await else {
+            self.fail(format!("{fork}: a fork of {}@{version} does not attach", p.ws));
+            return;
+        };
+        let seen = read_all(&sock, &fork, false).await;
+        let _ = a.post(&format!("/v1/workspaces/{fork}/detach"), json!({})).await;
+        let _ = a.delete(&format!("/v1/workspaces/{fork}")).await;
+        let Some(seen) = seen else {
+            self.fail(format!("{fork}: unreadable"));
+            return;
+        };
+        let mut codes = vec![];
+        let mut bad = vec![];
+        for b in 0..BLOCKS as usize {
+            match matches(seen[b], &p.allowed[b]) {
+                Some(c) => codes.push(c),
+                None => {
+                    bad.push((b, seen[b], p.allowed[b].first().copied()));
+                    codes.push(0);
+                }
+            }
+        }
+        self.tally.verified.fetch_add(BLOCKS, SeqCst);
+        self.tally.lost.fetch_add(bad.len() as u64, SeqCst);
+        if bad.is_empty() {
+            self.verified
+                .entry(p.ws)
+                .or_default()
+                .push((version, codes));
+        } else {
+            self.fail(format!(
+                "{}@{version} (fork {fork}): {} blocks do not hold what was flushed before it was requested, e.g. {:?}",
+                p.ws,
+                bad.len(),
+                &bad[..bad.len().min(4)]
+            ));
+        }
+    }
+
+    /// One nemesis operation on `name`, while its clients write.
+    async fn nemesis(&mut self, step: u64) {
+        let name: &'static str = if self.rng.random_bool(0.5) { "d" } else { "s" };
+        self.step = step;
+        eprintln!("nemesis: step {step} on {name}");
+        let w = self.ws[name].clone();
+        let api = self.api_for(name);
+        let roll = self.rng.random_range(0..100);
+        let can_fault = self.proxy.is_some();
+        if roll < 16 {
+            self.count("checkpoint");
+            let starts = lock(&w.model).starts();
+            let label = format!("n{step}");
+            let body = if self.rng.random_bool(0.5) {
+                json!({"label": label})
+            } else {
+                json!({})
+            };
+            let (s, v) = api
+                .post(&format!("/v1/workspaces/{name}/checkpoint"), body)
+                .await;
+            let allowed = lock(&w.model).window(&starts);
+            if s == StatusCode::OK {
+                self.pending.push(Pending {
+                    ws: name,
+                    version: v["version"].as_u64(),
+                    label,
+                    allowed,
+                    fork: None,
+                });
+            }
+        } else if roll < 26 {
+            self.count("checkpoint (client cut off)");
+            let starts = lock(&w.model).starts();
+            let label = format!("n{step}");
+            let quick = reqwest::Client::builder()
+                .timeout(Duration::from_millis(self.rng.random_range(1..120)))
+                .build()
+                .unwrap();
+            let _ = quick
+                .post(format!("{}/v1/workspaces/{name}/checkpoint", api.url))
+                .bearer_auth(&self.token)
+                .json(&json!({"label": label}))
+                .send()
+                .await;
+            // It may still complete: judged at the end of the round, by its label.
+            tokio::time::sleep(Duration::from_millis(self.rng.random_range(0..300))).await;
+            let allowed = lock(&w.model).window(&starts);
+            self.pending.push(Pending {
+                ws: name,
+                version: None,
+                label,
+                allowed,
+                fork: None,
+            });
+        } else if roll < 36 {
+            self.count("fork of the live workspace");
+            self.n += 1;
+            let fork = format!("f{}", self.n);
+            let starts = lock(&w.model).starts();
+            let (s, v) = api
+                .post(&format!("/v1/workspaces/{name}/fork"), json!({"name": fork}))
+                .await;
+            let allowed = lock(&w.model).window(&starts);
+            if s == StatusCode::CREATED {
+                // The fork names the checkpoint it was taken at.
+                let version = v["source"]
+                    .as_str()
+                    .and_then(|s| s.rsplit('@').next())
+                    .and_then(|v| v.parse().ok());
+                self.pending.push(Pending {
+                    ws: name,
+                    version,
+                    label: String::new(),
+                    allowed,
+                    fork: Some(fork),
+                });
+            } else {
+                self.fail(format!("fork of {name}: {s} {v}"));
+            }
+        } else if roll < 44 {
+            let Some((version, content)) = self
+                .verified
+                .get(name)
+                .and_then(|v| (!v.is_empty()).then(|| v[self.rng.random_range(0..v.len())].clone()))
+            else {
+                return;
+            };
+            self.count("rollback");
+            let lens: Vec<usize> = lock(&w.model).hist.iter().map(|h| h.len()).collect();
+            let (s, v) = api
+                .post(
+                    &format!("/v1/workspaces/{name}/rollback"),
+                    json!({"version": version}),
+                )
+                .await;
+            if s == StatusCode::OK {
+                lock(&w.model).rebase(&content, &lens);
+            } else if s != StatusCode::NOT_FOUND {
+                // (A checkpoint retention expired is not found: nothing rolled back.)
+                self.fail(format!("rollback of {name} to v{version}: {s} {v}"));
+            }
+        } else if roll < 54 {
+            self.count("detach and attach");
+            let (s, v) = api
+                .post(&format!("/v1/workspaces/{name}/detach"), json!({}))
+                .await;
+            if s != StatusCode::OK {
+                self.fail(format!("detach of {name}: {s} {v}"));
+            }
+            w.epoch.fetch_add(1, SeqCst);
+            *lock(&w.socket) = attach(&api, name, Duration::from_secs(20)).await;
+            w.epoch.fetch_add(1, SeqCst);
+        } else if roll < 62 {
+            self.count("freeze and thaw");
+            let (s, _) = api
+                .post(&format!("/v1/workspaces/{name}/freeze"), json!({}))
+                .await;
+            tokio::time::sleep(Duration::from_millis(self.rng.random_range(20..300))).await;
+            let (t, _) = api
+                .post(&format!("/v1/workspaces/{name}/thaw"), json!({}))
+                .await;
+            if s != StatusCode::OK || t != StatusCode::OK {
+                self.fail(format!("freeze/thaw of {name}: {s} {t}"));
+            }
+        } else if roll < 72 {
+            self.count("gc pass (grace 2s, compaction)");
+            let (s, v) = self.a.api(ADMIN).post("/v1/gc", json!({})).await;
+            if s != StatusCode::OK {
+                self.fail(format!("gc: {s} {v}"));
+            }
+        } else if roll < 80 {
+            self.count("kill -9 and restart");
+            tokio::time::sleep(Duration::from_millis(self.rng.random_range(0..200))).await;
+            drop(self.a.daemon.take()); // SIGKILL
+            for w in self.ws.values() {
+                if w.name == "d" || !self.s_on_b {
+                    w.epoch.fetch_add(1, SeqCst);
+                }
+            }
+            self.a.restart();
+            let a = self.a.api(&self.token);
+            for (ws, on_a) in [("d", true), ("s", !self.s_on_b)] {
+                if on_a {
+                    let w = self.ws[ws].clone();
+                    *lock(&w.socket) = attach(&a, ws, Duration::from_secs(20)).await;
+                    w.epoch.fetch_add(1, SeqCst);
+                }
+            }
+        } else if roll < 86 && can_fault {
+            self.count("object-store faults");
+            if let Some(p) = &self.proxy {
+                p.set(&faultproxy::ALL, 0.2);
+            }
+            tokio::time::sleep(Duration::from_millis(self.rng.random_range(200..800))).await;
+            let _ = api
+                .post(&format!("/v1/workspaces/{name}/checkpoint"), json!({}))
+                .await;
+            if let Some(p) = &self.proxy {
+                p.set(&[], 0.0);
+            }
+        } else if !self.s_on_b {
+            self.count("SIGSTOP past the lease, takeover by B");
+            self.takeover().await;
+        } else {
+            self.count("move back from B");
+            let w = self.ws["s"].clone();
+            let b = self.b.api(&self.token);
+            let (s, v) = b.post("/v1/workspaces/s/detach", json!({})).await;
+            if s != StatusCode::OK {
+                self.fail(format!("detach of s on B: {s} {v}"));
+            }
+            w.epoch.fetch_add(1, SeqCst);
+            self.s_on_b = false;
+            *lock(&w.socket) = attach(&self.a.api(&self.token), "s", Duration::from_secs(20)).await;
+            w.epoch.fetch_add(1, SeqCst);
+        }
+    }
+
+    /// Node A stops past its lease (2 s); B takes `s` over; A resumes and must acknowledge
+    /// nothing more for `s`.
+    async fn takeover(&mut self) {
+        let w = self.ws["s"].clone();
+        let old = lock(&w.socket).clone();
+        let a = self.a.daemon.as_ref().expect("A runs");
+        a.signal("STOP");
+        let b = self.b.api(&self.token);
+        let sock = attach(&b, "s", Duration::from_secs(20)).await;
+        a.signal("CONT");
+        if sock.is_none() {
+            self.fail("B could not take s over".into());
+            return;
+        }
+        w.epoch.fetch_add(1, SeqCst);
+        self.s_on_b = true;
+        *lock(&w.socket) = sock;
+        w.epoch.fetch_add(1, SeqCst);
+        // The fenced node acknowledges nothing: a write and flush through its old export fail.
+        if let Some(old) = old {
+            if let Ok(Ok(mut c)) = tokio::time::timeout(
+                Duration::from_secs(5),
+                Client::connect_unix(Path::new(&old), "s"),
+            )
+            .await
+            {
+                let tag = 1 << 62;
+                let w_ok = c.write(0, &block(tag, 0), false).await.is_ok();
+                let f_ok = c.flush().await.is_ok();
+                if w_ok && f_ok {
+                    self.fail("A acknowledged a flushed write to s after B took it over".into());
+                }
+            }
+        }
+    }
+}
+
+/// Starts `strata serve` from `bin` (see [`serve_env`]).
+fn serve_with(bin: &Path, data: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let mut child = Command::new(bin)
+        .arg("--data")
+        .arg(data)
+        .args(["--json", "serve", "--listen", "127.0.0.1:0", "--lease-ttl", "2s"])
+        .args(extra)
+        .env("STRATA_ADMIN_TOKEN", ADMIN)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    Daemon {
+        child,
+        url: format!("http://{}", v["listening"].as_str().unwrap()),
+        node: v["node"].as_str().unwrap_or("").to_string(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nemesis() {
+    let ops: u64 = std::env::var("STRATA_NEMESIS_OPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(40);
+    let seed: u64 = std::env::var("STRATA_NEMESIS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| rand::rng().random());
+    eprintln!("nemesis: seed {seed} (STRATA_NEMESIS_SEED={seed} reproduces), {ops} operations");
+    let d = tempfile::tempdir().unwrap();
+    let (data_a, data_b) = (d.path().join("a"), d.path().join("b"));
+    std::fs::create_dir_all(&data_a).unwrap();
+    // The store: S3 through the fault proxy when there is an S3 server, else A's directory.
+    let s3 = std::env::var("STRATA_TEST_S3_ENDPOINT")
+        .ok()
+        .filter(|s| !s.is_empty());
+    if s3.is_none() {
+        assert!(
+            std::env::var("STRATA_REQUIRE_S3").as_deref() != Ok("1"),
+            "STRATA_REQUIRE_S3=1 but no endpoint"
+        );
+        eprintln!("NEMESIS: no S3 server (STRATA_TEST_S3_ENDPOINT): object-store faults are NOT exercised");
+    }
+    let (store, proxy, env) = match &s3 {
+        Some(ep) => {
+            let bucket = format!("nemesis-{}-{seed}", std::process::id());
+            let out = Command::new("curl")
+                .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT"])
+                .arg(format!("{ep}/{bucket}"))
+                .output()
+                .unwrap();
+            assert!(String::from_utf8_lossy(&out.stdout).starts_with('2'));
+            let proxy = faultproxy::start(ep, seed).await;
+            let url = format!(
+                "s3://{bucket}/strata?endpoint={}&region=us-east-1&allow_http=true&timeout_ms=5000&retries=3",
+                proxy.url
+            );
+            let env: Vec<(String, String)> = S3_ENV
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            (url, Some(proxy), env)
+        }
+        None => (format!("file:{}", data_a.join("objects").display()), None, vec![]),
+    };
+    let catalog = format!("sqlite:{}", data_a.join("catalog.db").display());
+    let common: Vec<String> = [
+        "--catalog",
+        &catalog,
+        "--store",
+        &store,
+        "--gc-grace",
+        "2s",
+        "--gc-interval",
+        "off",
+        "--keep-checkpoints",
+        "6",
+        "--compact-below",
+        "0.9",
+        "--upload-interval",
+        "500ms",
+        "--segment-size",
+        "1MiB",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut a_args = common.clone();
+    a_args.extend(["--node-id".into(), "node-a".into()]);
+    let mut b_args = common;
+    b_args.extend(["--node-id".into(), "node-b".into()]);
+    let a = Node::start(&data_a, a_args, env.clone());
+    let b = Node::start(&data_b, b_args, env);
+    let t = tenant(&a.url, "nem").await;
+    let mut ws = HashMap::new();
+    for (name, mode) in [("d", "durable"), ("s", "sync")] {
+        let (s, v) = t
+            .post(
+                "/v1/workspaces",
+                json!({"name": name, "size": DISK, "mode": mode}),
+            )
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        let sock = attach(&t, name, Duration::from_secs(10)).await;
+        assert!(sock.is_some());
+        ws.insert(
+            name,
+            Arc::new(Ws {
+                name,
+                model: Mutex::new(Model::new()),
+                socket: Mutex::new(sock),
+                epoch: AtomicU64::new(1),
+            }),
+        );
+    }
+    let mut c = Campaign {
+        rng: SmallRng::seed_from_u64(seed),
+        a,
+        b,
+        token: t.token.clone(),
+        tally: Arc::new(Tally::default()),
+        ws,
+        s_on_b: false,
+        verified: HashMap::new(),
+        pending: vec![],
+        proxy,
+        n: 0,
+        step: 0,
+    };
+    let started = Instant::now();
+    for step in 0..ops {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut clients = vec![];
+        for w in c.ws.values() {
+            for id in 0..CLIENTS {
+                clients.push(tokio::spawn(client(
+                    w.clone(),
+                    id,
+                    seed ^ (step << 8) ^ (id << 4) ^ (w.name == "s") as u64,
+                    stop.clone(),
+                    c.tally.clone(),
+                )));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(c.rng.random_range(20..200))).await;
+        c.nemesis(step).await;
+        tokio::time::sleep(Duration::from_millis(c.rng.random_range(20..200))).await;
+        stop.store(true, SeqCst);
+        for h in clients {
+            if tokio::time::timeout(Duration::from_secs(60), h).await.is_err() {
+                c.fail("a client hung for 60 s".into());
+            }
+        }
+        c.check().await;
+        if !lock(&c.tally.failures).is_empty() {
+            break;
+        }
+    }
+    let t = &c.tally;
+    let ops = lock(&t.ops).clone();
+    let mut kinds: Vec<_> = ops.iter().collect();
+    kinds.sort();
+    eprintln!(
+        "nemesis: {} operations in {:.0} s (seed {seed}): {kinds:?}; {} writes and {} flushes acknowledged; {} block reads verified; {} flushed writes lost, {} wrong reads",
+        ops.values().sum::<u64>(),
+        started.elapsed().as_secs_f64(),
+        t.writes_acked.load(SeqCst),
+        t.flushes.load(SeqCst),
+        t.verified.load(SeqCst),
+        t.lost.load(SeqCst),
+        t.wrong.load(SeqCst)
+    );
+    if let Some(p) = &c.proxy {
+        eprintln!("nemesis: fault proxy: {}", p.counts.summary());
+    }
+    let failures = lock(&t.failures);
+    assert!(failures.is_empty(), "seed {seed}: {}", failures.join("\n"));
+}
+
+use common::faultproxy;
