@@ -649,11 +649,38 @@ impl Campaign {
             *lock(&w.socket) = attach(&api, name, Duration::from_secs(20)).await;
             w.epoch.fetch_add(1, SeqCst);
         } else if roll < 62 {
-            self.count("freeze and thaw");
+            let target = self
+                .verified
+                .get(name)
+                .filter(|v| !v.is_empty() && self.rng.random_bool(0.4))
+                .map(|v| v[self.rng.random_range(0..v.len())].clone());
+            self.count(if target.is_some() {
+                "freeze, rollback, thaw"
+            } else {
+                "freeze and thaw"
+            });
             let (s, _) = api
                 .post(&format!("/v1/workspaces/{name}/freeze"), json!({}))
                 .await;
             tokio::time::sleep(Duration::from_millis(self.rng.random_range(20..300))).await;
+            if let Some((version, content)) = target {
+                // Restoring a paired memory snapshot: the disk rolls back inside the pause.
+                let lens: Vec<usize> = lock(&w.model).hist.iter().map(|h| h.len()).collect();
+                let rb = tokio::time::timeout(
+                    Duration::from_secs(30),
+                    api.post(
+                        &format!("/v1/workspaces/{name}/rollback"),
+                        json!({"version": version}),
+                    ),
+                )
+                .await;
+                match rb {
+                    Ok((StatusCode::OK, _)) => lock(&w.model).rebase(&content, &lens),
+                    Ok((StatusCode::NOT_FOUND, _)) => {}
+                    Ok((s, v)) => self.fail(format!("rollback of frozen {name}: {s} {v}")),
+                    Err(_) => self.fail(format!("rollback of frozen {name} hung")),
+                }
+            }
             let (t, _) = api
                 .post(&format!("/v1/workspaces/{name}/thaw"), json!({}))
                 .await;
