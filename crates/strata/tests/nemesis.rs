@@ -19,6 +19,9 @@
 //! `STRATA_NEMESIS_OPS` (default 40; the long run is 2000), `STRATA_NEMESIS_SEED`,
 //! `STRATA_NEMESIS_BIN` (another `strata` binary: the mutation check).
 
+// Blocks index several parallel per-block arrays: index loops read clearest.
+#![allow(clippy::needless_range_loop)]
+
 mod common;
 
 use std::collections::HashMap;
@@ -55,9 +58,12 @@ struct Model {
     /// Per block: the newest value a completed FLUSH (or FUA) covered.
     durable: Vec<u64>,
     next_zero: u64,
-    /// Bumped by every rollback: a write acknowledged, or a flush issued, before a rollback
-    /// completed may have been rolled away, so it proves nothing afterwards.
+    /// Bumped by every rollback: a write or flush issued before a rollback completed may have
+    /// been rolled away (or land after it), so it proves nothing afterwards.
     gen: u64,
+    /// Values issued and not (yet) acknowledged: in flight, or failed without saying whether
+    /// they landed. Such a value may land after a rollback.
+    unsettled: std::collections::HashSet<u64>,
 }
 
 impl Model {
@@ -67,6 +73,7 @@ impl Model {
             durable: (0..BLOCKS).map(|b| ZERO | b).collect(),
             next_zero: BLOCKS,
             gen: 0,
+            unsettled: Default::default(),
         }
     }
     fn zero_code(&mut self) -> u64 {
@@ -78,12 +85,14 @@ impl Model {
     }
     /// A FLUSH covered `v` at block `b` (ignored if a rollback replaced it since, or if a
     /// newer value is already durable).
-    fn mark(&mut self, b: usize, v: u64) {
+    fn mark(&mut self, b: usize, v: u64) -> bool {
         if let (Some(p), Some(d)) = (self.pos(b, v), self.pos(b, self.durable[b])) {
             if p > d {
                 self.durable[b] = v;
+                return true;
             }
         }
+        false
     }
     /// Values block `b` may read as now: the durable one or anything issued after it.
     fn allowed(&self, b: usize) -> &[u64] {
@@ -102,9 +111,19 @@ impl Model {
             .map(|b| self.hist[b][starts[b].min(self.hist[b].len())..].to_vec())
             .collect()
     }
-    /// A rollback to a checkpoint holding `content`, requested when the histories had
-    /// `lens` entries, completed: each block holds the checkpoint's value or a later write.
-    fn rebase(&mut self, content: &[u64], lens: &[usize]) {
+    /// What a rollback needs from before it is requested: history lengths and the values
+    /// still unsettled then.
+    fn before_rollback(&self) -> (Vec<usize>, std::collections::HashSet<u64>) {
+        (
+            self.hist.iter().map(|h| h.len()).collect(),
+            self.unsettled.clone(),
+        )
+    }
+    /// A rollback to a checkpoint holding `content`, requested at `before`, completed: each
+    /// block holds the checkpoint's value, or a write that was unsettled at the request or
+    /// issued after it.
+    fn rebase(&mut self, content: &[u64], before: &(Vec<usize>, std::collections::HashSet<u64>)) {
+        let (lens, unsettled) = before;
         self.gen += 1;
         for b in 0..BLOCKS as usize {
             let base = if content[b] & ZERO != 0 {
@@ -113,6 +132,11 @@ impl Model {
                 content[b]
             };
             let mut h = vec![base];
+            h.extend(
+                self.hist[b][..lens[b]]
+                    .iter()
+                    .filter(|v| unsettled.contains(v)),
+            );
             h.extend_from_slice(&self.hist[b][lens[b]..]);
             self.hist[b] = h;
             self.durable[b] = base;
@@ -120,6 +144,7 @@ impl Model {
     }
     /// After a check that flushed and read everything: the history collapses to what is there.
     fn settle(&mut self, seen: &[u64]) {
+        self.unsettled.clear();
         for b in 0..BLOCKS as usize {
             self.hist[b] = vec![seen[b]];
             self.durable[b] = seen[b];
@@ -141,6 +166,8 @@ struct Tally {
     ops: Mutex<HashMap<&'static str, u64>>,
     writes_acked: AtomicU64,
     flushes: AtomicU64,
+    /// Writes a FLUSH (or FUA) made a promise of, each checked at the next step.
+    flushed_writes: AtomicU64,
     verified: AtomicU64,
     lost: AtomicU64,
     wrong: AtomicU64,
@@ -188,7 +215,9 @@ async fn client(ws: Arc<Ws>, id: u64, seed: u64, stop: Arc<AtomicBool>, tally: A
                 continue;
             }
         }
-        let Some((c, _)) = conn.as_mut() else { continue };
+        let Some((c, _)) = conn.as_mut() else {
+            continue;
+        };
         let base = id * PER_CLIENT;
         let roll = rng.random_range(0..100);
         let timeout = Duration::from_secs(30);
@@ -199,6 +228,7 @@ async fn client(ws: Arc<Ws>, id: u64, seed: u64, stop: Arc<AtomicBool>, tally: A
             let gen = {
                 let mut m = lock(&ws.model);
                 m.hist[b as usize].push(tag);
+                m.unsettled.insert(tag);
                 m.gen
             };
             let r = tokio::time::timeout(
@@ -216,25 +246,30 @@ async fn client(ws: Arc<Ws>, id: u64, seed: u64, stop: Arc<AtomicBool>, tally: A
             if ok {
                 tally.writes_acked.fetch_add(1, SeqCst);
                 let mut m = lock(&ws.model);
+                m.unsettled.remove(&tag);
                 if fua && m.gen == gen {
-                    m.mark(b as usize, tag);
+                    if m.mark(b as usize, tag) {
+                        tally.flushed_writes.fetch_add(1, SeqCst);
+                    }
                 } else if !fua {
-                    pending.push((b as usize, tag, m.gen));
+                    pending.push((b as usize, tag, gen));
                 }
             }
             ok
         } else if roll < 85 {
             let b = base + rng.random_range(0..PER_CLIENT - 8);
             let n = rng.random_range(1..=8u64);
-            let codes: Vec<u64> = {
+            let (codes, gen): (Vec<u64>, u64) = {
                 let mut m = lock(&ws.model);
-                (b..b + n)
+                let codes = (b..b + n)
                     .map(|x| {
                         let z = m.zero_code();
                         m.hist[x as usize].push(z);
+                        m.unsettled.insert(z);
                         z
                     })
-                    .collect()
+                    .collect();
+                (codes, m.gen)
             };
             let r = if rng.random_bool(0.5) {
                 tokio::time::timeout(timeout, c.trim(b * 4096, (n * 4096) as u32)).await
@@ -243,7 +278,10 @@ async fn client(ws: Arc<Ws>, id: u64, seed: u64, stop: Arc<AtomicBool>, tally: A
             };
             let ok = matches!(r, Ok(Ok(_)));
             if ok {
-                let gen = lock(&ws.model).gen;
+                let mut m = lock(&ws.model);
+                for z in &codes {
+                    m.unsettled.remove(z);
+                }
                 pending.extend((b..b + n).zip(codes).map(|(x, z)| (x as usize, z, gen)));
             }
             ok
@@ -257,8 +295,8 @@ async fn client(ws: Arc<Ws>, id: u64, seed: u64, stop: Arc<AtomicBool>, tally: A
                 let mut m = lock(&ws.model);
                 if m.gen == gen {
                     for (b, v, g) in covered {
-                        if g == gen {
-                            m.mark(b, v);
+                        if g == gen && m.mark(b, v) {
+                            tally.flushed_writes.fetch_add(1, SeqCst);
                         }
                     }
                 }
@@ -387,6 +425,7 @@ struct Campaign {
     proxy: Option<faultproxy::Proxy>,
     n: u64,
     step: u64,
+    takeover: bool,
 }
 
 impl Campaign {
@@ -418,8 +457,18 @@ impl Campaign {
                 self.fail(format!("{name}: not served after the step"));
                 continue;
             };
-            let Some(seen) = read_all(&sock, name, true).await else {
-                self.fail(format!("{name}: unreadable after the step"));
+            // A node just resumed from SIGSTOP refuses flushes until its lease is renewed
+            // (a fraction of a second): the checker waits for that, no longer.
+            let mut seen = None;
+            for _ in 0..50 {
+                seen = read_all(&sock, name, true).await;
+                if seen.is_some() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let Some(seen) = seen else {
+                self.fail(format!("{name}: unreadable for 10 s after the step"));
                 continue;
             };
             let mut codes = Vec::with_capacity(BLOCKS as usize);
@@ -490,18 +539,26 @@ impl Campaign {
                     )
                     .await;
                 if s != StatusCode::CREATED {
-                    self.fail(format!("{}@{version}: fork for checking failed: {s} {v}", p.ws));
+                    self.fail(format!(
+                        "{}@{version}: fork for checking failed: {s} {v}",
+                        p.ws
+                    ));
                     return;
                 }
                 f
             }
         };
         let Some(sock) = attach(&a, &fork, Duration::from_secs(10)).await else {
-            self.fail(format!("{fork}: a fork of {}@{version} does not attach", p.ws));
+            self.fail(format!(
+                "{fork}: a fork of {}@{version} does not attach",
+                p.ws
+            ));
             return;
         };
         let seen = read_all(&sock, &fork, false).await;
-        let _ = a.post(&format!("/v1/workspaces/{fork}/detach"), json!({})).await;
+        let _ = a
+            .post(&format!("/v1/workspaces/{fork}/detach"), json!({}))
+            .await;
         let _ = a.delete(&format!("/v1/workspaces/{fork}")).await;
         let Some(seen) = seen else {
             self.fail(format!("{fork}: unreadable"));
@@ -596,7 +653,10 @@ impl Campaign {
             let fork = format!("f{}", self.n);
             let starts = lock(&w.model).starts();
             let (s, v) = api
-                .post(&format!("/v1/workspaces/{name}/fork"), json!({"name": fork}))
+                .post(
+                    &format!("/v1/workspaces/{name}/fork"),
+                    json!({"name": fork}),
+                )
                 .await;
             let allowed = lock(&w.model).window(&starts);
             if s == StatusCode::CREATED {
@@ -616,15 +676,13 @@ impl Campaign {
                 self.fail(format!("fork of {name}: {s} {v}"));
             }
         } else if roll < 44 {
-            let Some((version, content)) = self
-                .verified
-                .get(name)
-                .and_then(|v| (!v.is_empty()).then(|| v[self.rng.random_range(0..v.len())].clone()))
-            else {
+            let Some((version, content)) = self.verified.get(name).and_then(|v| {
+                (!v.is_empty()).then(|| v[self.rng.random_range(0..v.len())].clone())
+            }) else {
                 return;
             };
             self.count("rollback");
-            let lens: Vec<usize> = lock(&w.model).hist.iter().map(|h| h.len()).collect();
+            let before = lock(&w.model).before_rollback();
             let (s, v) = api
                 .post(
                     &format!("/v1/workspaces/{name}/rollback"),
@@ -632,7 +690,7 @@ impl Campaign {
                 )
                 .await;
             if s == StatusCode::OK {
-                lock(&w.model).rebase(&content, &lens);
+                lock(&w.model).rebase(&content, &before);
             } else if s != StatusCode::NOT_FOUND {
                 // (A checkpoint retention expired is not found: nothing rolled back.)
                 self.fail(format!("rollback of {name} to v{version}: {s} {v}"));
@@ -665,7 +723,7 @@ impl Campaign {
             tokio::time::sleep(Duration::from_millis(self.rng.random_range(20..300))).await;
             if let Some((version, content)) = target {
                 // Restoring a paired memory snapshot: the disk rolls back inside the pause.
-                let lens: Vec<usize> = lock(&w.model).hist.iter().map(|h| h.len()).collect();
+                let before = lock(&w.model).before_rollback();
                 let rb = tokio::time::timeout(
                     Duration::from_secs(30),
                     api.post(
@@ -675,7 +733,7 @@ impl Campaign {
                 )
                 .await;
                 match rb {
-                    Ok((StatusCode::OK, _)) => lock(&w.model).rebase(&content, &lens),
+                    Ok((StatusCode::OK, _)) => lock(&w.model).rebase(&content, &before),
                     Ok((StatusCode::NOT_FOUND, _)) => {}
                     Ok((s, v)) => self.fail(format!("rollback of frozen {name}: {s} {v}")),
                     Err(_) => self.fail(format!("rollback of frozen {name} hung")),
@@ -723,6 +781,11 @@ impl Campaign {
             if let Some(p) = &self.proxy {
                 p.set(&[], 0.0);
             }
+        } else if !self.takeover {
+            self.count("checkpoint");
+            let _ = api
+                .post(&format!("/v1/workspaces/{name}/checkpoint"), json!({}))
+                .await;
         } else if !self.s_on_b {
             self.count("SIGSTOP past the lease, takeover by B");
             self.takeover().await;
@@ -785,7 +848,14 @@ fn serve_with(bin: &Path, data: &Path, extra: &[&str], env: &[(&str, &str)]) -> 
     let mut child = Command::new(bin)
         .arg("--data")
         .arg(data)
-        .args(["--json", "serve", "--listen", "127.0.0.1:0", "--lease-ttl", "2s"])
+        .args([
+            "--json",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--lease-ttl",
+            "2s",
+        ])
         .args(extra)
         .env("STRATA_ADMIN_TOKEN", ADMIN)
         .envs(env.iter().copied())
@@ -850,9 +920,35 @@ async fn nemesis() {
                 .collect();
             (url, Some(proxy), env)
         }
-        None => (format!("file:{}", data_a.join("objects").display()), None, vec![]),
+        None => (
+            format!("file:{}", data_a.join("objects").display()),
+            None,
+            vec![],
+        ),
     };
-    let catalog = format!("sqlite:{}", data_a.join("catalog.db").display());
+    // The catalog: PostgreSQL when there is a server (two nodes share it as in production);
+    // else A's SQLite file, where a paused node can hold the file's lock, so the takeover is
+    // left out.
+    let pg = std::env::var("STRATA_TEST_PG")
+        .ok()
+        .filter(|s| !s.is_empty());
+    let catalog = match &pg {
+        Some(pg) => {
+            strata_catalog::create_database(pg, &format!("strata_nem{}x{seed}", std::process::id()))
+                .await
+                .unwrap()
+        }
+        None => {
+            assert!(
+                std::env::var("STRATA_REQUIRE_PG").as_deref() != Ok("1"),
+                "STRATA_REQUIRE_PG=1 but STRATA_TEST_PG is unset"
+            );
+            eprintln!(
+                "NEMESIS: no PostgreSQL (STRATA_TEST_PG): the SIGSTOP takeover is NOT exercised"
+            );
+            format!("sqlite:{}", data_a.join("catalog.db").display())
+        }
+    };
     let common: Vec<String> = [
         "--catalog",
         &catalog,
@@ -915,6 +1011,7 @@ async fn nemesis() {
         proxy,
         n: 0,
         step: 0,
+        takeover: pg.is_some(),
     };
     let started = Instant::now();
     for step in 0..ops {
@@ -936,7 +1033,10 @@ async fn nemesis() {
         tokio::time::sleep(Duration::from_millis(c.rng.random_range(20..200))).await;
         stop.store(true, SeqCst);
         for h in clients {
-            if tokio::time::timeout(Duration::from_secs(60), h).await.is_err() {
+            if tokio::time::timeout(Duration::from_secs(60), h)
+                .await
+                .is_err()
+            {
                 c.fail("a client hung for 60 s".into());
             }
         }
@@ -950,11 +1050,12 @@ async fn nemesis() {
     let mut kinds: Vec<_> = ops.iter().collect();
     kinds.sort();
     eprintln!(
-        "nemesis: {} operations in {:.0} s (seed {seed}): {kinds:?}; {} writes and {} flushes acknowledged; {} block reads verified; {} flushed writes lost, {} wrong reads",
+        "nemesis: {} operations in {:.0} s (seed {seed}): {kinds:?}; {} writes and {} flushes acknowledged, {} writes covered by a FLUSH or FUA and checked; {} block reads verified; {} flushed writes lost, {} wrong reads",
         ops.values().sum::<u64>(),
         started.elapsed().as_secs_f64(),
         t.writes_acked.load(SeqCst),
         t.flushes.load(SeqCst),
+        t.flushed_writes.load(SeqCst),
         t.verified.load(SeqCst),
         t.lost.load(SeqCst),
         t.wrong.load(SeqCst)
