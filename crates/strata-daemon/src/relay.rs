@@ -10,7 +10,14 @@
 //! ```
 //! `DIR` = `DATA/relay/{tenant}/{stream}`. A name once written never changes: the same bytes
 //! again are a success (idempotent retry), other bytes a `409` that leaves the original alone.
-//! Store keys: `t/{tenant}/relay/{stream}/data/{name}` and `…/meta/{name}` (JSON, below).
+//! Store keys: `t/{tenant}/relay/{stream}/data/{name}` and `…/meta/{name}` (JSON, below); a
+//! file over [`PART`] bytes is stored as parts `…/data/{name}.p{i}`, each created if absent and
+//! hashed in its meta (format 2), so no transfer ever holds more than one part in memory.
+//!
+//! Memory is bounded whatever the files' sizes: bodies stream to disk, uploads read one part
+//! at a time, reads from the store are spooled to an unlinked temp file and verified before
+//! their first byte is served, local files are streamed; at most [`TRANSFERS`] transfers hold a
+//! part in memory at once.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -44,6 +51,51 @@ struct MetaV1 {
     format: u32,
     #[serde(flatten)]
     file: RelayFile,
+    /// Format 2: the file is stored in parts of [`PART`] bytes, with these BLAKE3 hashes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    parts: Option<Vec<String>>,
+}
+
+/// Files up to this size are one object; larger ones are parts of this size. (A PostgreSQL WAL
+/// segment, 16 MiB by default, is one object.)
+pub const PART: u64 = 16 << 20;
+
+/// Transfers (uploads, reads from the store) that may hold a part in memory at once.
+pub const TRANSFERS: usize = 4;
+
+/// BLAKE3 and size of a local file, read in chunks.
+fn hash_file(path: &Path) -> std::io::Result<(String, u64)> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut h = blake3::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n = 0u64;
+    loop {
+        let k = f.read(&mut buf)?;
+        if k == 0 {
+            break;
+        }
+        h.update(&buf[..k]);
+        n += k as u64;
+    }
+    Ok((h.finalize().to_hex().to_string(), n))
+}
+
+/// Streams a file as a response body, 64 KiB at a time.
+pub(crate) fn file_body(f: tokio::fs::File) -> Body {
+    use tokio::io::AsyncReadExt;
+    let s = futures::stream::unfold(f, |mut f| async move {
+        let mut buf = vec![0u8; 64 << 10];
+        match f.read(&mut buf).await {
+            Ok(0) => None,
+            Ok(n) => {
+                buf.truncate(n);
+                Some((Ok::<_, std::io::Error>(Bytes::from(buf)), f))
+            }
+            Err(e) => Some((Err(e), f)),
+        }
+    });
+    Body::from_stream(s)
 }
 
 /// Per-stream upload backlog.
@@ -66,6 +118,7 @@ pub struct Relay {
     pub uploaded_bytes: AtomicU64,
     pub conflicts: AtomicU64,
     pub failures: AtomicU64,
+    transfers: tokio::sync::Semaphore,
 }
 
 fn now_ms() -> u64 {
@@ -134,9 +187,13 @@ impl Relay {
             uploaded_bytes: AtomicU64::new(0),
             conflicts: AtomicU64::new(0),
             failures: AtomicU64::new(0),
+            transfers: tokio::sync::Semaphore::new(TRANSFERS),
         };
         for t in std::fs::read_dir(&relay.root)?.flatten() {
             let tenant = t.file_name().to_string_lossy().into_owned();
+            if tenant.starts_with('.') {
+                continue; // `.spool`: reads in flight (unlinked files)
+            }
             for s in std::fs::read_dir(t.path())?.flatten() {
                 let stream = s.file_name().to_string_lossy().into_owned();
                 relay.recover_stream(&tenant, &stream)?;
@@ -160,11 +217,11 @@ impl Relay {
                 Some(m) => m,
                 None => {
                     // Linked (complete, fsync'd) but the meta was not written: derive it.
-                    let data = std::fs::read(e.path())?;
+                    let (blake3, size) = hash_file(&e.path())?;
                     let m = RelayFile {
                         name: name.clone(),
-                        size: data.len() as u64,
-                        blake3: blake3::hash(&data).to_hex().to_string(),
+                        size,
+                        blake3,
                         created_ms: now_ms(),
                         uploaded_ms: None,
                     };
@@ -203,6 +260,7 @@ impl Relay {
         let body = serde_json::to_vec(&MetaV1 {
             format: 1,
             file: f.clone(),
+            parts: None,
         })
         .map_err(std::io::Error::other)?;
         {
@@ -229,6 +287,10 @@ impl Relay {
         object_store::path::Path::from(format!("t/{tenant}/relay/{stream}/data/{name}"))
     }
 
+    fn part_key(tenant: &str, stream: &str, name: &str, i: usize) -> object_store::path::Path {
+        object_store::path::Path::from(format!("t/{tenant}/relay/{stream}/data/{name}.p{i}"))
+    }
+
     fn meta_key(tenant: &str, stream: &str, name: &str) -> object_store::path::Path {
         object_store::path::Path::from(format!("t/{tenant}/relay/{stream}/meta/{name}"))
     }
@@ -238,7 +300,7 @@ impl Relay {
         tenant: &str,
         stream: &str,
         name: &str,
-    ) -> Result<Option<RelayFile>, ApiError> {
+    ) -> Result<Option<(RelayFile, Option<Vec<String>>)>, ApiError> {
         match self
             .store
             .inner()
@@ -249,28 +311,37 @@ impl Relay {
                 let b = r.bytes().await.map_err(store_err)?;
                 let m: MetaV1 = serde_json::from_slice(&b)
                     .map_err(|e| store_err(format!("corrupt relay meta for {name:?}: {e}")))?;
-                Ok(Some(m.file))
+                let parts_ok = match (&m.parts, m.format) {
+                    (None, 1) => true,
+                    (Some(p), 2) => p.len() as u64 == m.file.size.div_ceil(PART),
+                    _ => false,
+                };
+                if !parts_ok || m.file.name != name {
+                    return Err(store_err(format!(
+                        "relay meta for {name:?} is inconsistent"
+                    )));
+                }
+                Ok(Some((m.file, m.parts)))
             }
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(store_err(e)),
         }
     }
 
-    /// Creates the object if absent; if present, it must hold the same bytes. Then its meta.
-    async fn upload(
+    /// Creates `key` with `bytes` if absent; if present, it must hold bytes hashing to `hash`.
+    async fn create_or_match(
         &self,
-        tenant: &str,
-        stream: &str,
-        f: &RelayFile,
-        data: Bytes,
+        key: &object_store::path::Path,
+        bytes: Bytes,
+        hash: &str,
+        name: &str,
     ) -> Result<(), ApiError> {
-        let key = Self::data_key(tenant, stream, &f.name);
         let put = self
             .store
             .inner()
             .put_opts(
-                &key,
-                PutPayload::from(data.clone()),
+                key,
+                PutPayload::from(bytes),
                 PutOptions {
                     mode: PutMode::Create,
                     ..Default::default()
@@ -278,26 +349,78 @@ impl Relay {
             )
             .await;
         match put {
-            Ok(_) => {}
+            Ok(_) => Ok(()),
             Err(object_store::Error::AlreadyExists { .. }) => {
                 // An earlier attempt whose reply was lost, or another node's file of that name.
-                let have = self.store.inner().get(&key).await.map_err(store_err)?;
+                let have = self.store.inner().get(key).await.map_err(store_err)?;
                 let have = have.bytes().await.map_err(store_err)?;
                 let h = blake3::hash(&have).to_hex().to_string();
-                if h != f.blake3 {
+                if h != hash {
                     self.conflicts.fetch_add(1, Relaxed);
-                    return Err(conflict(&f.name, &h));
+                    return Err(conflict(name, &h));
                 }
+                Ok(())
             }
-            Err(e) => return Err(store_err(e)),
+            Err(e) => Err(store_err(e)),
+        }
+    }
+
+    /// Uploads the local file at `path` (whose meta is `f`): one object, or parts of [`PART`]
+    /// bytes read one at a time; each created if absent or matched; then its meta. The bytes
+    /// read must hash to the meta's hash, or nothing is recorded.
+    async fn upload(
+        &self,
+        tenant: &str,
+        stream: &str,
+        f: &RelayFile,
+        path: &Path,
+    ) -> Result<(), ApiError> {
+        use tokio::io::AsyncReadExt;
+        let _slot = self
+            .transfers
+            .acquire()
+            .await
+            .map_err(|_| ApiError::internal("relay closed"))?;
+        let mut file = tokio::fs::File::open(path)
+            .await
+            .map_err(io("opening the file to upload"))?;
+        let n = f.size.div_ceil(PART).max(1) as usize;
+        let mut whole = blake3::Hasher::new();
+        let mut parts = vec![];
+        for i in 0..n {
+            let len = (f.size - i as u64 * PART).min(PART) as usize;
+            let mut buf = vec![0u8; len];
+            file.read_exact(&mut buf)
+                .await
+                .map_err(io("reading the file to upload"))?;
+            whole.update(&buf);
+            if n == 1 {
+                if whole.finalize().to_hex().as_str() != f.blake3 {
+                    return Err(corrupt_local(&f.name));
+                }
+                let key = Self::data_key(tenant, stream, &f.name);
+                self.create_or_match(&key, Bytes::from(buf), &f.blake3, &f.name)
+                    .await?;
+                break;
+            }
+            let h = blake3::hash(&buf).to_hex().to_string();
+            let key = Self::part_key(tenant, stream, &f.name, i);
+            if i == n - 1 && whole.finalize().to_hex().as_str() != f.blake3 {
+                return Err(corrupt_local(&f.name));
+            }
+            self.create_or_match(&key, Bytes::from(buf), &h, &f.name)
+                .await?;
+            parts.push(h);
         }
         let meta = RelayFile {
             uploaded_ms: Some(now_ms()),
             ..f.clone()
         };
+        let parted = n > 1;
         let body = serde_json::to_vec(&MetaV1 {
-            format: 1,
+            format: if parted { 2 } else { 1 },
             file: meta,
+            parts: parted.then_some(parts),
         })
         .map_err(store_err)?;
         self.store
@@ -335,7 +458,6 @@ impl Relay {
             .map_err(io("creating a temp file"))?;
         let mut hasher = blake3::Hasher::new();
         let mut size = 0u64;
-        let mut data = Vec::new(); // kept only for a sync stream's upload
         let mut s = body.into_data_stream();
         while let Some(chunk) = s.next().await {
             let chunk = chunk.map_err(|e| {
@@ -346,9 +468,6 @@ impl Relay {
                 return Err(too_large(size, max));
             }
             hasher.update(&chunk);
-            if sync {
-                data.extend_from_slice(&chunk);
-            }
             use tokio::io::AsyncWriteExt;
             file.write_all(&chunk).await.map_err(io("writing"))?;
         }
@@ -376,7 +495,7 @@ impl Relay {
         }
         let mut f = f;
         if sync {
-            self.upload(tenant, stream, &f, Bytes::from(data)).await?;
+            self.upload(tenant, stream, &f, &tmp).await?;
             f.uploaded_ms = Some(now_ms());
         }
         let target = dir.join(name);
@@ -418,11 +537,11 @@ impl Relay {
             return Ok(Some(m));
         }
         let p = self.dir(tenant, stream).join(name);
-        match std::fs::read(&p) {
-            Ok(data) => Ok(Some(RelayFile {
+        match hash_file(&p) {
+            Ok((blake3, size)) => Ok(Some(RelayFile {
                 name: name.into(),
-                size: data.len() as u64,
-                blake3: blake3::hash(&data).to_hex().to_string(),
+                size,
+                blake3,
                 created_ms: now_ms(),
                 uploaded_ms: None,
             })),
@@ -431,44 +550,81 @@ impl Relay {
         }
     }
 
-    /// A file's meta and bytes: from this node's disk, else from the object store (verified).
+    /// A file's meta and a body streaming its bytes: from this node's disk, else from the
+    /// object store, spooled to an unlinked temp file and verified (every part, and the whole)
+    /// before the first byte is served.
     pub async fn get(
         &self,
         tenant: &str,
         stream: &str,
         name: &str,
-    ) -> Result<(RelayFile, Bytes), ApiError> {
+    ) -> Result<(RelayFile, Body), ApiError> {
         if let Some(m) = self.local_meta(tenant, stream, name) {
-            let data = tokio::fs::read(self.dir(tenant, stream).join(name))
+            let f = tokio::fs::File::open(self.dir(tenant, stream).join(name))
                 .await
                 .map_err(io("reading the file"))?;
-            return Ok((m, Bytes::from(data)));
+            return Ok((m, file_body(f)));
         }
-        let Some(m) = self.remote_meta(tenant, stream, name).await? else {
+        let Some((m, parts)) = self.remote_meta(tenant, stream, name).await? else {
             return Err(ApiError::not_found(format!(
                 "no file {name:?} in relay stream {stream:?}"
             )));
         };
-        let data = self
-            .store
-            .inner()
-            .get(&Self::data_key(tenant, stream, name))
+        let _slot = self
+            .transfers
+            .acquire()
             .await
-            .map_err(store_err)?
-            .bytes()
+            .map_err(|_| ApiError::internal("relay closed"))?;
+        let spool_dir = self.root.join(".spool");
+        std::fs::create_dir_all(&spool_dir).map_err(io("creating the spool directory"))?;
+        let spool = spool_dir.join(format!("get-{}", rand_suffix()));
+        let mut out = tokio::fs::File::create_new(&spool)
             .await
-            .map_err(store_err)?;
-        let h = blake3::hash(&data).to_hex().to_string();
-        if h != m.blake3 || data.len() as u64 != m.size {
-            return Err(ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "corrupt",
-                format!(
-                    "{name:?} in the object store does not match its recorded hash; not served"
-                ),
-            ));
+            .map_err(io("creating a spool file"))?;
+        // Unlinked at once: nothing is left behind, whatever happens to this request.
+        let _ = std::fs::remove_file(&spool);
+        let keys: Vec<(object_store::path::Path, Option<&String>)> = match &parts {
+            None => vec![(Self::data_key(tenant, stream, name), None)],
+            Some(p) => p
+                .iter()
+                .enumerate()
+                .map(|(i, h)| (Self::part_key(tenant, stream, name, i), Some(h)))
+                .collect(),
+        };
+        let mut whole = blake3::Hasher::new();
+        let mut size = 0u64;
+        for (key, part_hash) in keys {
+            let mut s = self
+                .store
+                .inner()
+                .get(&key)
+                .await
+                .map_err(store_err)?
+                .into_stream();
+            let mut part = blake3::Hasher::new();
+            while let Some(chunk) = s.next().await {
+                let chunk = chunk.map_err(store_err)?;
+                size += chunk.len() as u64;
+                if size > m.size {
+                    return Err(corrupt_remote(name));
+                }
+                whole.update(&chunk);
+                part.update(&chunk);
+                use tokio::io::AsyncWriteExt;
+                out.write_all(&chunk).await.map_err(io("spooling"))?;
+            }
+            if part_hash.is_some_and(|h| part.finalize().to_hex().as_str() != h) {
+                return Err(corrupt_remote(name));
+            }
         }
-        Ok((m, data))
+        if size != m.size || whole.finalize().to_hex().as_str() != m.blake3 {
+            return Err(corrupt_remote(name));
+        }
+        use tokio::io::AsyncSeekExt;
+        out.seek(std::io::SeekFrom::Start(0))
+            .await
+            .map_err(io("spooling"))?;
+        Ok((m, file_body(out)))
     }
 
     /// Every file of a stream: this node's and the object store's.
@@ -484,7 +640,7 @@ impl Relay {
         for m in metas {
             let m = m.map_err(store_err)?;
             if let Some(name) = m.location.filename() {
-                if let Some(f) = self.remote_meta(tenant, stream, name).await? {
+                if let Some((f, _)) = self.remote_meta(tenant, stream, name).await? {
                     out.insert(f.name.clone(), f);
                 }
             }
@@ -535,24 +691,8 @@ impl Relay {
             let Some(mut f) = self.local_meta(&t, &s, &n) else {
                 continue;
             };
-            let data = match tokio::fs::read(self.dir(&t, &s).join(&n)).await {
-                Ok(d) => Bytes::from(d),
-                Err(e) => {
-                    tracing::warn!(tenant = t, stream = s, name = n, error = %e, "relay: reading a pending file failed");
-                    continue;
-                }
-            };
-            if blake3::hash(&data).to_hex().as_str() != f.blake3 {
-                tracing::error!(
-                    tenant = t,
-                    stream = s,
-                    name = n,
-                    "relay: local file does not match its hash; not uploaded"
-                );
-                self.failures.fetch_add(1, Relaxed);
-                continue;
-            }
-            match self.upload(&t, &s, &f, data).await {
+            let path = self.dir(&t, &s).join(&n);
+            match self.upload(&t, &s, &f, &path).await {
                 Ok(()) => {
                     f.uploaded_ms = Some(now_ms());
                     if let Err(e) = self.write_meta(&t, &s, &f) {
@@ -567,7 +707,7 @@ impl Relay {
                 Err(e) => {
                     self.failures.fetch_add(1, Relaxed);
                     tracing::warn!(tenant = t, stream = s, name = n, error = %e.message, "relay: upload failed; will retry");
-                    if e.status == StatusCode::CONFLICT {
+                    if e.status == StatusCode::CONFLICT || e.kind == "corrupt" {
                         // Another node holds other bytes under this name: keep ours local,
                         // stop retrying, count it.
                         self.pending
@@ -592,6 +732,26 @@ impl Relay {
             }
         })
     }
+}
+
+fn corrupt_local(name: &str) -> ApiError {
+    tracing::error!(
+        name,
+        "relay: local file does not match its hash; not uploaded"
+    );
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "corrupt",
+        format!("relay file {name:?} on this node does not match its hash; not uploaded"),
+    )
+}
+
+fn corrupt_remote(name: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "corrupt",
+        format!("{name:?} in the object store does not match its recorded hash; not served"),
+    )
 }
 
 fn too_large(n: u64, max: u64) -> ApiError {

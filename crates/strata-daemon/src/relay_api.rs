@@ -190,7 +190,7 @@ pub(crate) async fn get_relay_file(
     check_stream_name(&stream)?;
     strata_format::name::validate_file_name(&name).map_err(|e| ApiError::invalid(e.to_string()))?;
     d.engine.catalog().get_stream(t, &stream).await?;
-    let (f, data) = d.relay.get(t, &stream, &name).await?;
+    let (f, body) = d.relay.get(t, &stream, &name).await?;
     Ok((
         [
             (header::CONTENT_TYPE, "application/octet-stream".to_string()),
@@ -199,8 +199,9 @@ pub(crate) async fn get_relay_file(
                 header::HeaderName::from_static("x-strata-blake3"),
                 f.blake3.clone(),
             ),
+            (header::CONTENT_LENGTH, f.size.to_string()),
         ],
-        data,
+        body,
     )
         .into_response())
 }

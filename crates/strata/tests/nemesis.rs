@@ -349,7 +349,7 @@ impl Node {
         self.daemon = Some(d);
     }
     fn api(&self, token: &str) -> Api {
-        Api::new(&self.url, token)
+        Api::with_timeout(&self.url, token, Duration::from_secs(30))
     }
 }
 

@@ -194,9 +194,19 @@ impl PostgresCatalog {
     /// Connects to `postgres://user[:password]@host[:port]/dbname[?options]` (or the key=value
     /// form) and applies any pending migrations. `pool_size` bounds the open connections.
     pub async fn connect(url: &str, pool_size: usize) -> Result<PostgresCatalog> {
-        let cfg: tokio_postgres::Config = url
+        let mut cfg: tokio_postgres::Config = url
             .parse()
             .map_err(|e| CatalogError::Backend(format!("bad PostgreSQL URL: {e}")))?;
+        // A node paused or cut off inside a transaction (SIGSTOP, a partition) must not hold
+        // its row locks until it wakes up: the server ends such a transaction after a few
+        // seconds, so another node can take the workspace over; and no statement waits on a
+        // lock or runs unboundedly. Every transaction here is a handful of short statements.
+        let ours = "-c idle_in_transaction_session_timeout=5000 -c lock_timeout=10000 -c statement_timeout=30000";
+        let opts = match cfg.get_options() {
+            Some(o) if !o.is_empty() => format!("{ours} {o}"),
+            _ => ours.to_string(),
+        };
+        cfg.options(&opts);
         let mgr = Manager::from_config(
             cfg,
             NoTls,

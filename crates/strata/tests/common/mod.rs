@@ -85,15 +85,18 @@ pub struct Api {
 
 impl Api {
     pub fn new(url: &str, token: &str) -> Api {
+        Api::with_timeout(url, token, std::time::Duration::from_secs(120))
+    }
+    /// A client whose every request gives up after `t`.
+    pub fn with_timeout(url: &str, token: &str, t: std::time::Duration) -> Api {
         Api {
-            http: reqwest::Client::builder()
-                .timeout(std::time::Duration::from_secs(120))
-                .build()
-                .unwrap(),
+            http: reqwest::Client::builder().timeout(t).build().unwrap(),
             url: url.into(),
             token: token.into(),
         }
     }
+    /// One request. A request that gets no answer (the daemon is gone, paused, or too slow)
+    /// reads as status 599 with the error as its body, for the caller's assertion to report.
     pub async fn call(
         &self,
         method: reqwest::Method,
@@ -107,9 +110,21 @@ impl Api {
         if let Some(b) = body {
             r = r.json(&b);
         }
-        let resp = r.send().await.unwrap();
+        let no_answer = |e: reqwest::Error| {
+            (
+                StatusCode::from_u16(599).unwrap(),
+                Value::String(e.to_string()),
+            )
+        };
+        let resp = match r.send().await {
+            Ok(r) => r,
+            Err(e) => return no_answer(e),
+        };
         let status = resp.status();
-        let text = resp.text().await.unwrap();
+        let text = match resp.text().await {
+            Ok(t) => t,
+            Err(e) => return no_answer(e),
+        };
         (
             status,
             serde_json::from_str(&text).unwrap_or(Value::String(text)),
