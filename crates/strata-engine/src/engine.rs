@@ -497,6 +497,7 @@ impl Engine {
                 tracing::info!(tenant, workspace = ws, why = ?old.vol.failure(), "replacing a failed volume");
                 old.task.abort();
                 old.vol.close();
+                old.vol.quiesce().await;
             }
             self.set_live(&key, None);
         }

@@ -61,6 +61,8 @@ pub(crate) struct Journal {
     max_segment: u64,
     /// Recyclable segment files.
     free: Vec<PathBuf>,
+    /// Segments `append` rotated into, not yet handed to the volume.
+    rotated: Vec<(u64, Arc<dyn FsFile>)>,
 }
 
 /// Recycled files kept for reuse; more are deleted.
@@ -240,6 +242,7 @@ impl Journal {
             dir_dirty: false,
             max_segment,
             free,
+            rotated: vec![],
         };
         j.rotate()?;
         Ok((j, discarded))
@@ -339,18 +342,19 @@ impl Journal {
     }
 
     /// Appends one record; returns (seq, segment, offset of its payload). Rotates first when
-    /// the active segment is full (the new segment is returned as well).
-    #[allow(clippy::type_complexity)]
+    /// the active segment is full: the new segment is then in [`Journal::take_rotated`], even
+    /// when the record itself could not be written (a full disk), so readers can find every
+    /// segment later records land in.
     pub fn append(
         &mut self,
         kind: Kind,
         lba: u64,
         nblocks: u32,
         payload: &[u8],
-    ) -> io::Result<(u64, u64, u64, Option<(u64, Arc<dyn FsFile>)>)> {
-        let mut rotated = None;
+    ) -> io::Result<(u64, u64, u64)> {
         if self.segments[&self.active].len >= self.max_segment {
-            rotated = Some(self.rotate()?);
+            let r = self.rotate()?;
+            self.rotated.push(r);
         }
         let seq = self.next_seq;
         let seg = self
@@ -364,7 +368,12 @@ impl Journal {
         seg.last_seq = seq;
         self.dirty.insert(self.active, seg.file.clone());
         self.next_seq += 1;
-        Ok((seq, self.active, data_off, rotated))
+        Ok((seq, self.active, data_off))
+    }
+
+    /// Segments [`Journal::append`] rotated into since the last call.
+    pub fn take_rotated(&mut self) -> Vec<(u64, Arc<dyn FsFile>)> {
+        std::mem::take(&mut self.rotated)
     }
 
     /// Puts back what a failed sync of `batch` was meant to make durable, so a later flush
@@ -463,8 +472,13 @@ impl Journal {
         r
     }
 
-    /// Returns files renamed by [`Retired::apply`] to the recycling pool.
-    pub fn add_free(&mut self, paths: Vec<PathBuf>) {
+    /// Takes back what [`Retired::apply`] finished: recycled paths join the pool, and the
+    /// retired segments leave the dirty set (their renames are durable now, so no later flush
+    /// needs to sync them, and their files can close and free their space).
+    pub fn retired(&mut self, ids: &[u64], paths: Vec<PathBuf>) {
+        for id in ids {
+            self.dirty.remove(id);
+        }
         self.free.extend(paths);
     }
 }
@@ -545,7 +559,7 @@ mod tests {
     fn append(j: &mut Journal, n: u64) -> Vec<(u64, u64, u64)> {
         (0..n)
             .map(|i| {
-                let (seq, seg, off, _) = j.append(Kind::Write, i, 1, &[i as u8; 4096]).unwrap();
+                let (seq, seg, off) = j.append(Kind::Write, i, 1, &[i as u8; 4096]).unwrap();
                 (seq, seg, off)
             })
             .collect()

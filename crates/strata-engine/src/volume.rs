@@ -468,7 +468,15 @@ impl Volume {
                 }
                 Kind::Zero => &[][..],
             };
-            let (seq, seg, off, rotated) = match j.append(kind, lba + done, k as u32, payload) {
+            let appended = j.append(kind, lba + done, k as u32, payload);
+            let rotated = j.take_rotated();
+            if !rotated.is_empty() {
+                let mut st = self.st_mut();
+                for (id, f) in rotated {
+                    st.files.insert(id, SegFile::new(f));
+                }
+            }
+            let (seq, seg, off) = match appended {
                 Ok(r) => r,
                 // A full disk refuses this request only: the failed record was never counted
                 // (the next append overwrites it), so the journal stays a clean prefix.
@@ -484,13 +492,7 @@ impl Volume {
                 Kind::Write => Loc::Journal { seg, off },
                 Kind::Zero => Loc::Zero,
             };
-            {
-                let mut st = self.st_mut();
-                if let Some((id, f)) = rotated {
-                    st.files.insert(id, SegFile::new(f));
-                }
-                st.active.insert(lba + done, k, seq, loc);
-            }
+            self.st_mut().active.insert(lba + done, k, seq, loc);
             self.acked_seq.store(seq, SeqCst);
             done += k;
         }
@@ -715,6 +717,12 @@ impl Volume {
     pub(crate) async fn seal(&self) {
         self.exclusive(async || self.sealed.store(true, SeqCst))
             .await
+    }
+
+    /// Waits for a publish, rollback or compaction running in its own task to finish (a volume
+    /// being replaced must not retire segments in a directory its successor opened).
+    pub(crate) async fn quiesce(&self) {
+        drop(self.publish_lock.lock().await);
     }
 
     /// Undoes [`Volume::seal`] (a detach whose final publish failed keeps the volume).

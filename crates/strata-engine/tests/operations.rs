@@ -181,6 +181,33 @@ async fn a_lost_cas_reply_does_not_wedge_the_volume() {
     check_flushed(&v, &expect).await;
 }
 
+/// A rollback whose CAS reply is lost settles before writes resume: it reports the version it
+/// made, and later publishes do not silently switch the disk under the guest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_whose_reply_is_lost_settles_before_writes_resume() {
+    let c = Cluster::new().await;
+    let lossy = LossyCatalog::new(c.catalog.clone());
+    let a = Engine::open_with(
+        c.config("a"),
+        lossy.clone(),
+        c.store.clone(),
+        Arc::new(strata_engine::fs::RealFs),
+    )
+    .unwrap();
+    let v = empty_volume(&a, "rb", DISK, Mode::Durable).await;
+    v.write(0, &tagged(1, 0), false).await.unwrap();
+    let p1 = v.checkpoint(None).await.unwrap();
+    v.write(0, &tagged(2, 0), false).await.unwrap();
+    lossy.lose_next_cas_reply.store(true, SeqCst);
+    let r = a.rollback(TENANT, "rb", p1.version).await.unwrap();
+    assert_eq!(tag_of(&v.read(0, 4096).await.unwrap(), 0), Some(1));
+    v.write(4096, &tagged(3, 1), false).await.unwrap();
+    let p = v.checkpoint(None).await.unwrap();
+    assert_eq!(p.version, r.version + 1);
+    assert_eq!(tag_of(&v.read(0, 4096).await.unwrap(), 0), Some(1));
+    assert_eq!(tag_of(&v.read(4096, 4096).await.unwrap(), 1), Some(3));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rollback_works_inside_a_freeze() {
     let c = Cluster::new().await;
@@ -243,6 +270,33 @@ async fn a_full_disk_refuses_writes_and_recovers() {
     v.flush().await.unwrap();
     assert_eq!(tag_of(&v.read(0, 4096).await.unwrap(), 0), Some(3));
     a.detach(TENANT, "full").await.unwrap();
+}
+
+/// The disk fills exactly when a segment rotates: the new segment's header fits, its first
+/// record does not. Later writes land in that segment and must still read back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_at_a_segment_rotation_loses_no_segment() {
+    let c = Cluster::new().await;
+    let (a, sw) = fault_node(&c, "a");
+    let v = empty_volume(&a, "rot", DISK, Mode::Durable).await;
+    for i in 0..160u64 {
+        v.write(i * 4096, &tagged(1, i), false).await.unwrap();
+        sw.full_after_header.store(true, SeqCst);
+        assert!(v
+            .write((1000 + i) * 4096, &tagged(9, 1000 + i), false)
+            .await
+            .is_err());
+        sw.full_after_header.store(false, SeqCst);
+    }
+    v.flush().await.unwrap();
+    for i in 0..160u64 {
+        let b = v
+            .read(i * 4096, 4096)
+            .await
+            .expect("every acknowledged write reads");
+        assert_eq!(tag_of(&b, i), Some(1));
+    }
+    v.checkpoint(None).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -248,6 +248,7 @@ impl Volume {
             .filter(|(_, f)| f.in_use())
             .map(|(id, _)| *id)
             .collect();
+        let ids = retired.ids.clone();
         let free = tokio::task::spawn_blocking(move || {
             let free = retired.apply(&busy);
             drop(handles);
@@ -257,7 +258,7 @@ impl Volume {
         .map_err(std::io::Error::other)
         .and_then(|r| r)
         .map_err(Error::io("retiring published segments"))?;
-        self.writer.lock().await.add_free(free);
+        self.writer.lock().await.retired(&ids, free);
         Ok(())
     }
 
@@ -280,6 +281,17 @@ impl Volume {
                 .await?;
             if cp.journal_id.as_deref() != Some(self.journal_id.as_str()) {
                 return Ok(()); // Moved by someone else: the next CAS reports it.
+            }
+            if cp.kind == CheckpointKind::Rollback {
+                // A rollback changes what blocks read: adopting one now would
+                // change data under a running guest. They settle themselves (see `rollback`);
+                // one that did not is a volume that must be re-attached.
+                self.fail(format!(
+                    "version {} ({}) committed with its reply lost; re-attach the workspace",
+                    ws.head_version,
+                    cp.kind.as_str()
+                ));
+                return Ok(());
             }
             let m = self
                 .reader
@@ -366,11 +378,12 @@ impl Volume {
         Ok((version, id, m, packed.bytes_uploaded))
     }
 
-    /// The head CAS of a publish (step 4). When it fails, the head is read back: naming this
-    /// publish's manifest (salted, so never anyone else's) it committed and only the reply was
-    /// lost. When that cannot be told now (the head is unreadable, or a conflict that an earlier
-    /// lost reply may explain), the next publish settles it first
-    /// ([`Volume::resolve_ambiguous`]), so the volume never keeps conflicting with itself.
+    /// The head CAS of a publish (step 4). When it fails, the head is read back: if it moved
+    /// one version on to this very receipt (this publish's manifest, our journal, our cut),
+    /// it committed and only the reply was lost. When that cannot be told now (the head is
+    /// unreadable, or a conflict that an earlier lost reply may explain), `ambiguous` is set and
+    /// the next publish settles it first ([`Volume::resolve_ambiguous`]), so the volume never
+    /// keeps conflicting with itself.
     pub(super) async fn advance_head(&self, base_version: u64, cp: &NewCheckpoint) -> Result<u64> {
         let lease = self.lease();
         let err = match self
@@ -381,10 +394,10 @@ impl Volume {
             Ok(v) => return Ok(v),
             Err(e) => e,
         };
-        match self.catalog.get_workspace(&self.tenant, &self.name).await {
-            Ok(ws) if ws.head_manifest == cp.manifest => {
-                tracing::info!(tenant = %self.tenant, workspace = %self.name, version = ws.head_version, error = %err, "head CAS reported an error but had committed");
-                return Ok(ws.head_version);
+        match self.committed(base_version, cp).await {
+            Ok(Some(v)) => {
+                tracing::info!(tenant = %self.tenant, workspace = %self.name, version = v, error = %err, "head CAS reported an error but had committed");
+                return Ok(v);
             }
             _ if matches!(
                 err,
@@ -398,6 +411,21 @@ impl Volume {
         Err(err.into())
     }
 
+    /// Whether the head moved past `base_version` to exactly the receipt `cp` (its manifest,
+    /// kind, this journal and cut): Some(version) if so.
+    async fn committed(&self, base_version: u64, cp: &NewCheckpoint) -> Result<Option<u64>> {
+        let ws = self.catalog.get_workspace(&self.tenant, &self.name).await?;
+        if ws.head_version <= base_version || ws.head_manifest != cp.manifest {
+            return Ok(None);
+        }
+        let r = self
+            .catalog
+            .get_checkpoint(&self.tenant, &self.name, ws.head_version)
+            .await?;
+        let ours = r.journal_id == cp.journal_id && r.cut_seq == cp.cut_seq && r.kind == cp.kind;
+        Ok(ours.then_some(ws.head_version))
+    }
+
     /// Rolls the head back to `version`'s manifest as a new version, after publishing the
     /// current state (so history keeps every acknowledged write). No write is in flight while it
     /// runs; on a frozen volume it runs inside the freeze (an orchestrator restoring a paired
@@ -408,6 +436,32 @@ impl Volume {
                 .await
         })
         .await
+    }
+
+    /// Reads the head back until it says whether `cp` committed (Some(version)) or not (Err:
+    /// the caller's error stands). If the catalog stays unreadable, the volume fails: it must
+    /// not go on writing on a base that may no longer be the head.
+    async fn settle(&self, base_version: u64, cp: &NewCheckpoint) -> Result<u64> {
+        for _ in 0..40 {
+            match self.committed(base_version, cp).await {
+                Ok(Some(v)) => return Ok(v),
+                Ok(None) => {
+                    return Err(Error::Unavailable(
+                        self.name.clone(),
+                        "did not commit".into(),
+                    ))
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+            }
+        }
+        self.fail(format!(
+            "the outcome of a {} could not be read back from the catalog; re-attach the workspace",
+            cp.kind.as_str()
+        ));
+        Err(Error::Unavailable(
+            self.name.clone(),
+            "outcome unknown".into(),
+        ))
     }
 
     async fn rollback_exclusive(&self, version: u64) -> Result<Published> {
@@ -431,20 +485,24 @@ impl Volume {
             .await?;
         let base_version = self.st().base_version;
         let cut = self.acked_seq.load(SeqCst);
-        let new_version = self
-            .advance_head(
-                base_version,
-                &NewCheckpoint {
-                    manifest: target.manifest,
-                    label: Some(format!("rollback to v{version}")),
-                    kind: CheckpointKind::Rollback,
-                    bytes: 0,
-                    cut_seq: cut,
-                    journal_id: Some(self.journal_id.clone()),
-                    keep_until_ms: None,
-                },
-            )
-            .await?;
+        let cp = NewCheckpoint {
+            manifest: target.manifest,
+            label: Some(format!("rollback to v{version}")),
+            kind: CheckpointKind::Rollback,
+            bytes: 0,
+            cut_seq: cut,
+            journal_id: Some(self.journal_id.clone()),
+            keep_until_ms: None,
+        };
+        let new_version = match self.advance_head(base_version, &cp).await {
+            Ok(v) => v,
+            Err(e) if self.ambiguous.swap(false, SeqCst) => {
+                // Its outcome is unknown: settle it before writes resume, since adopting it
+                // later would change what blocks read under a running guest.
+                self.settle(base_version, &cp).await.map_err(|_| e)?
+            }
+            Err(e) => return Err(e),
+        };
         {
             let mut st = self.st_mut();
             st.base = Arc::new(m);
@@ -452,8 +510,14 @@ impl Volume {
             st.base_version = new_version;
         }
         self.published_seq.fetch_max(cut, SeqCst);
-        self.local_state(new_version, target.manifest, cut)
-            .store(&*self.fs, &self.dir)?;
+        // The head and its receipt (journal, cut) are committed: a failed local record only
+        // costs a replay that the receipt resolves (see `open.rs`).
+        if let Err(e) = self
+            .local_state(new_version, target.manifest, cut)
+            .store(&*self.fs, &self.dir)
+        {
+            tracing::warn!(tenant = %self.tenant, workspace = %self.name, error = %e, "recording the rollback locally failed");
+        }
         Ok(Published {
             version: new_version,
             manifest: target.manifest,

@@ -18,6 +18,9 @@ use strata_format::Hash;
 pub struct Switches {
     /// Every write and every file creation fails with ENOSPC.
     pub full: AtomicBool,
+    /// Writes past a file's first block (records, not segment headers) fail with ENOSPC: the
+    /// last free block went to a new segment's header.
+    pub full_after_header: AtomicBool,
     /// The next directory fsync fails with EIO.
     pub fail_sync_dir: AtomicBool,
     pub sync_dirs: AtomicU64,
@@ -64,7 +67,7 @@ struct FaultFile {
 
 impl FsFile for FaultFile {
     fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
-        if self.sw.full.load(SeqCst) {
+        if self.sw.full.load(SeqCst) || (off > 0 && self.sw.full_after_header.load(SeqCst)) {
             return Err(enospc());
         }
         self.inner.write_at(buf, off)
