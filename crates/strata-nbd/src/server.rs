@@ -97,6 +97,10 @@ pub struct ServerConfig {
     pub idle_timeout: Option<Duration>,
     /// Where request latencies are recorded (shared across servers if wanted).
     pub metrics: Option<Arc<crate::NbdMetrics>>,
+    /// How long [`Server::shutdown`] lets connections finish what they accepted before it
+    /// closes them anyway (a client paused mid-payload, one that reads no replies, a request
+    /// waiting on a frozen device). Requests cut off so were never answered.
+    pub drain_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -107,6 +111,7 @@ impl Default for ServerConfig {
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: None,
             metrics: None,
+            drain_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -118,6 +123,17 @@ pub struct Server {
     /// Cloned by every live connection; [`Server::shutdown`] waits for all clones to drop.
     alive: std::sync::Mutex<Option<mpsc::Sender<()>>>,
     drained: tokio::sync::Mutex<mpsc::Receiver<()>>,
+    /// Live connection tasks, to close those that outlast the drain.
+    conns: std::sync::Mutex<Vec<tokio::task::AbortHandle>>,
+}
+
+/// Aborts a task when dropped (a connection's reply writer goes with its connection).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The least a request is charged against the in-flight budget, so that a client cannot hold
@@ -157,16 +173,36 @@ impl Server {
             stop: watch::Sender::new(false),
             alive: std::sync::Mutex::new(Some(alive)),
             drained: tokio::sync::Mutex::new(drained),
+            conns: Default::default(),
         })
     }
 
     /// Stops accepting connections, lets every open connection finish what it accepted (their
-    /// replies are written), closes them, and returns once none is left. Idempotent.
+    /// replies are written), closes them, and returns once none is left. Connections still
+    /// busy after the drain timeout are closed anyway. Idempotent.
     pub async fn shutdown(&self) {
         self.stop.send_replace(true);
         self.alive.lock().unwrap_or_else(|p| p.into_inner()).take();
         let mut rx = self.drained.lock().await;
-        while rx.recv().await.is_some() {}
+        let all = async { while rx.recv().await.is_some() {} };
+        if tokio::time::timeout(self.cfg.drain_timeout, all)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                timeout = ?self.cfg.drain_timeout,
+                "nbd connections still busy at shutdown; closing them (what they had not answered was never acknowledged)"
+            );
+            for h in self
+                .conns
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .drain(..)
+            {
+                h.abort();
+            }
+            while rx.recv().await.is_some() {}
+        }
     }
 
     fn stopped(&self) -> watch::Receiver<bool> {
@@ -221,10 +257,14 @@ impl Server {
     {
         let Some(token) = self.join() else { return };
         let me = self.clone();
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
+            // Dropped with the task, also when it is aborted.
+            let _token = token;
             me.handle(s).await;
-            drop(token);
         });
+        let mut conns = self.conns.lock().unwrap_or_else(|p| p.into_inner());
+        conns.retain(|h| !h.is_finished());
+        conns.push(task.abort_handle());
     }
 
     /// Serves one connection to completion. Errors are logged here, where they are handled.
@@ -470,7 +510,7 @@ impl Server {
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let (tx, mut rx) = mpsc::channel::<Reply>(128);
-        let writer = tokio::spawn(async move {
+        let mut writer = AbortOnDrop(tokio::spawn(async move {
             while let Some(r) = rx.recv().await {
                 wr.write_all(&r.head).await?;
                 if !r.data.is_empty() {
@@ -484,7 +524,7 @@ impl Server {
             }
             wr.flush().await?;
             Ok::<_, io::Error>(())
-        });
+        }));
         let budget = Arc::new(Semaphore::new(self.cfg.max_inflight_bytes as usize));
         let mut tasks = JoinSet::new();
         let dev = neg.export.device.clone();
@@ -553,6 +593,8 @@ impl Server {
             }
             let reserve = match req.kind {
                 CMD_READ | CMD_WRITE => len.min(self.cfg.max_request),
+                // Its plan and reply grow with the span it covers (clamped to max_request).
+                CMD_BLOCK_STATUS => self.cfg.max_request / 16,
                 _ => 0,
             };
             let permit = match budget
@@ -580,9 +622,10 @@ impl Server {
             }
             let (dev, tx) = (dev.clone(), tx.clone());
             let metrics = self.cfg.metrics.clone();
+            let max_span = self.cfg.max_request;
             tasks.spawn(async move {
                 let started = std::time::Instant::now();
-                let mut reply = execute(&*dev, &req, payload, structured).await;
+                let mut reply = execute(&*dev, &req, payload, structured, max_span).await;
                 if let Some(h) = metrics.as_ref().and_then(|m| m.for_command(req.kind)) {
                     let ok = reply_ok(&reply.head);
                     let bytes = if matches!(req.kind, CMD_READ | CMD_WRITE) && ok {
@@ -599,7 +642,7 @@ impl Server {
         // Finish what was accepted, then close: acknowledged work is never abandoned.
         while tasks.join_next().await.is_some() {}
         drop(tx);
-        match writer.await {
+        match (&mut writer.0).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(e.into()),
             Err(e) => return Err(io::Error::other(e.to_string()).into()),
@@ -703,6 +746,7 @@ async fn execute(
     req: &Request,
     payload: Vec<u8>,
     structured: bool,
+    max_span: u32,
 ) -> Reply {
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let done = |r: Result<(), DevError>| match r {
@@ -749,7 +793,8 @@ async fn execute(
         // real zeros would only fill its journal, so both forms record the range as zeros:
         // metadata only, and fast.
         CMD_WRITE_ZEROES => done(dev.write_zeroes(req.offset, req.length, fua).await),
-        CMD_BLOCK_STATUS => match dev.allocation(req.offset, req.length).await {
+        // A prefix of the range at most `max_span` long: the spec lets the client ask again.
+        CMD_BLOCK_STATUS => match dev.allocation(req.offset, req.length.min(max_span)).await {
             Ok(runs) => {
                 let mut p = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
                 let most = if req.flags & CMD_FLAG_REQ_ONE != 0 {

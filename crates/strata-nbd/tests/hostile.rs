@@ -45,6 +45,7 @@ async fn feed(dev: Arc<MemDevice>, prefix: Vec<u8>, noise: Vec<u8>) {
             max_request: 1 << 16,
             max_inflight_bytes: 1 << 17,
             metrics: Some(Arc::new(strata_nbd::NbdMetrics::default())),
+            ..ServerConfig::default()
         },
     );
     let (mut client, conn) = tokio::io::duplex(1 << 20);

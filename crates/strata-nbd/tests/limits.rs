@@ -184,3 +184,38 @@ async fn shutdown_finishes_accepted_requests_then_closes() {
         "no connection is served after a shutdown"
     );
 }
+
+/// A client paused in the middle of a write's payload cannot hold a shutdown (and with it a
+/// detach) forever: after the drain timeout its connection is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_client_cannot_hold_a_shutdown() {
+    let (srv, probe) = probe_server(
+        0,
+        ServerConfig {
+            drain_timeout: Duration::from_millis(300),
+            ..ServerConfig::default()
+        },
+    );
+    let (client, conn) = tokio::io::duplex(1 << 20);
+    srv.spawn_connection(conn);
+    let mut c = Client::handshake(client, "x").await.unwrap();
+    let mut w = request(CMD_WRITE, 1, 0, 8192);
+    w.extend_from_slice(&[0x77; 4096]); // half the payload, then nothing
+    c.stream().write_all(&w).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let t = std::time::Instant::now();
+    tokio::time::timeout(Duration::from_secs(5), srv.shutdown())
+        .await
+        .expect("shutdown gives up on a stalled client");
+    assert!(t.elapsed() >= Duration::from_millis(250));
+    assert!(
+        probe
+            .mem
+            .read(0, 4096)
+            .await
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0),
+        "the torn write was never applied"
+    );
+}
