@@ -48,6 +48,9 @@ pub struct DaemonConfig {
     pub template_max_bytes: Option<u64>,
 }
 
+/// Template builds that may run at once on a node (each is disk- and CPU-heavy).
+pub const TEMPLATE_BUILDS: usize = 2;
+
 /// Default size limit of a template upload.
 pub const TEMPLATE_MAX_BYTES: u64 = 16 << 30;
 
@@ -62,6 +65,8 @@ pub struct Daemon {
     pub(crate) run_dir: PathBuf,
     pub(crate) import_dir: Option<PathBuf>,
     pub(crate) template_max_bytes: u64,
+    /// Template builds (upload, unpack, mkfs, import) running at once on this node.
+    pub(crate) builds: Arc<tokio::sync::Semaphore>,
     /// Live exports; locked only briefly (never across an await).
     pub(crate) exports: std::sync::Mutex<HashMap<Key, ExportHandle>>,
     /// One lock per workspace: its attach, detach and delete never interleave.
@@ -132,6 +137,7 @@ impl Daemon {
             run_dir,
             import_dir: cfg.import_dir,
             template_max_bytes: cfg.template_max_bytes.unwrap_or(TEMPLATE_MAX_BYTES),
+            builds: Arc::new(tokio::sync::Semaphore::new(TEMPLATE_BUILDS)),
             exports: Default::default(),
             ops: Default::default(),
             url: std::sync::Mutex::new(None),

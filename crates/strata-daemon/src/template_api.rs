@@ -47,7 +47,7 @@ struct TempDir(PathBuf);
 
 impl Drop for TempDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        strata_engine::template::remove_tree(&self.0);
     }
 }
 
@@ -94,13 +94,15 @@ pub(crate) async fn upload_template(
         ));
     }
     check_new(&d, &t, &name).await?;
+    let permit = build_slot(&d).await?;
     let tmp = TempDir(strata_engine::tempdir_in(&d.engine.config().data_dir)?);
     let file = tmp.0.join("upload");
-    spool(content, &file, d.template_max_bytes).await?;
+    spool(&d, content, &file, d.template_max_bytes).await?;
     let (size, limits) = (q.size, limits(&d));
     let format = q.format.clone();
     let tpl = own_task(async move {
         let _tmp = tmp; // removed once the build is done, whatever happens to the request
+        let _permit = permit;
         let e = &d.engine;
         let r = match format.as_str() {
             "tar" => {
@@ -119,8 +121,18 @@ pub(crate) async fn upload_template(
     Ok((StatusCode::CREATED, Json(tpl)))
 }
 
-/// Streams a request body into `file`, refusing it past `max` bytes.
-async fn spool(content: Body, file: &FsPath, max: u64) -> Result<(), ApiError> {
+/// A place among the node's concurrent template builds (waits for one).
+async fn build_slot(d: &Daemon) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+    d.builds
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| ApiError::internal("template builds are closed"))
+}
+
+/// Streams a request body into `file`, refusing it past `max` bytes, and refusing bytes the
+/// node's free-space floor keeps for its own metadata.
+async fn spool(d: &Daemon, content: Body, file: &FsPath, max: u64) -> Result<(), ApiError> {
     let io = |e: std::io::Error| ApiError::internal(format!("spooling the upload: {e}"));
     let mut out = tokio::fs::File::create(file).await.map_err(io)?;
     let mut stream = content.into_data_stream();
@@ -128,6 +140,7 @@ async fn spool(content: Body, file: &FsPath, max: u64) -> Result<(), ApiError> {
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| ApiError::invalid(format!("reading the upload: {e}")))?;
         n += chunk.len() as u64;
+        d.engine.admit_local(chunk.len() as u64)?;
         if n > max {
             return Err(ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -164,7 +177,9 @@ pub(crate) async fn import_template(
     check_new(&d, &t, &b.name).await?;
     let src = import_path(&d, &t, &rel)?;
     let limits = limits(&d);
+    let permit = build_slot(&d).await?;
     let tpl = own_task(async move {
+        let _permit = permit;
         let e = &d.engine;
         let r = if src.is_dir() {
             e.build_template_from_dir(&t, &b.name, &src, b.size, &|_, _| {})

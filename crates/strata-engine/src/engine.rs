@@ -161,6 +161,12 @@ impl Engine {
         ))
     }
 
+    /// Admits `bytes` of new local data against the node's free-space floor (see `space.rs`):
+    /// for callers that write to the data disk on a tenant's behalf (template uploads).
+    pub fn admit_local(&self, bytes: u64) -> Result<()> {
+        self.space.admit(bytes)
+    }
+
     /// Creates the tenant if it does not exist.
     pub async fn ensure_tenant(&self, tenant: &str) -> Result<()> {
         name::validate("tenant name", tenant)?;
@@ -228,7 +234,8 @@ impl Engine {
         image: &Path,
         progress: template::Progress<'_>,
     ) -> Result<Template> {
-        let format = template::detect_format(image)?;
+        let img = image.to_path_buf();
+        let format = blocking(move || template::detect_format(&img)).await?;
         let limits = template::ImportLimits::operator();
         self.build_template_from_image_as(tenant, name, image, format, limits, progress)
             .await
@@ -263,7 +270,8 @@ impl Engine {
                 }
                 template::ImageFormat::Qcow2 => {
                     let raw = tmp.join("image.raw");
-                    template::qcow2_to_raw(image, &raw, limits.max_disk)?;
+                    let (img, out) = (image.to_path_buf(), raw.clone());
+                    blocking(move || template::qcow2_to_raw(&img, &out, limits.max_disk)).await?;
                     raw
                 }
             };
@@ -272,7 +280,7 @@ impl Engine {
             Ok::<_, Error>((m, stored, began))
         }
         .await;
-        let _ = std::fs::remove_dir_all(&tmp);
+        template::remove_tree(&tmp);
         let (m, stored, began) = res?;
         self.publish_template(tenant, name, m, stored, began).await
     }
@@ -299,7 +307,7 @@ impl Engine {
         let res = self
             .mkfs_and_import(tenant, dir, &tmp, size, progress)
             .await;
-        let _ = std::fs::remove_dir_all(&tmp);
+        template::remove_tree(&tmp);
         let (m, stored, began) = res?;
         self.publish_template(tenant, name, m, stored, began).await
     }
@@ -322,12 +330,13 @@ impl Engine {
             let tree = tmp.join("tree");
             std::fs::create_dir(&tree).map_err(Error::io("creating unpack directory"))?;
             let (a, t) = (archive.to_path_buf(), tree.clone());
-            tokio::task::spawn_blocking(move || template::unpack_archive(&a, &t, limits))
-                .await
-                .map_err(|e| Error::Invalid(format!("unpack task failed: {e}")))??;
+            blocking(move || template::unpack_archive(&a, &t, limits)).await?;
             let size = match size {
                 Some(s) => s,
-                None => template::derive_size(&tree)?,
+                None => {
+                    let t = tree.clone();
+                    blocking(move || template::derive_size(&t)).await?
+                }
             };
             if size > limits.max_disk {
                 return Err(Error::Invalid(format!(
@@ -339,7 +348,7 @@ impl Engine {
                 .await
         }
         .await;
-        let _ = std::fs::remove_dir_all(&tmp);
+        template::remove_tree(&tmp);
         let (m, stored, began) = res?;
         self.publish_template(tenant, name, m, stored, began).await
     }
@@ -355,10 +364,14 @@ impl Engine {
     ) -> Result<(Manifest, u64, Instant)> {
         let size = match size {
             Some(s) => s.div_ceil(strata_format::BLOCK_SIZE) * strata_format::BLOCK_SIZE,
-            None => template::derive_size(dir)?,
+            None => {
+                let d = dir.to_path_buf();
+                blocking(move || template::derive_size(&d)).await?
+            }
         };
         let img = tmp.join("image.raw");
-        template::mkfs_from_dir(dir, &img, size)?;
+        let (d, i) = (dir.to_path_buf(), img.clone());
+        blocking(move || template::mkfs_from_dir(&d, &i, size)).await?;
         let began = Instant::now();
         let (m, stored) = template::import_raw(&self.reader, tenant, &img, progress).await?;
         Ok((m, stored, began))
@@ -862,6 +875,13 @@ async fn work(vol: Weak<Volume>, interval: Duration, segment_max: u64) {
             }
         }
     }
+}
+
+/// Runs blocking work (tools, file-tree walks) off the runtime's workers.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Invalid(format!("blocking task failed: {e}")))?
 }
 
 /// A fresh private (0700) directory under `DATA/tmp`.

@@ -29,9 +29,12 @@ pub async fn import_raw(
     path: &Path,
     progress: Progress<'_>,
 ) -> Result<(Manifest, u64)> {
-    let mut f =
-        std::fs::File::open(path).map_err(Error::io(format!("opening {}", path.display())))?;
-    let len = f.metadata().map_err(Error::io("stat image"))?.len();
+    use tokio::io::AsyncReadExt;
+    // Async reads: a long scan of a (sparse) image never holds a runtime worker.
+    let mut f = tokio::fs::File::open(path)
+        .await
+        .map_err(Error::io(format!("opening {}", path.display())))?;
+    let len = f.metadata().await.map_err(Error::io("stat image"))?.len();
     if len == 0 {
         return Err(Error::Invalid(format!("{} is empty", path.display())));
     }
@@ -52,6 +55,7 @@ pub async fn import_raw(
         let want = (len - pos).min(CHUNK_BYTES) as usize;
         let b = &mut buf[..want];
         f.read_exact(b)
+            .await
             .map_err(Error::io(format!("reading {}", path.display())))?;
         let padded = want.div_ceil(BLOCK_SIZE as usize) * BLOCK_SIZE as usize;
         let mut data = Vec::new();
@@ -220,16 +224,44 @@ pub fn detect_format(image: &Path) -> Result<ImageFormat> {
     })
 }
 
+/// Reads a qcow2 header as hostile input before any tool opens the image: no backing file,
+/// no external data file (incompatible feature bit 2), a version qemu knows. A tool that
+/// opened such an image could read a file its author named (or hang on a FIFO).
+pub fn check_qcow2_header(image: &Path) -> Result<()> {
+    let mut h = [0u8; 104];
+    let mut f =
+        std::fs::File::open(image).map_err(Error::io(format!("opening {}", image.display())))?;
+    let n = f.read(&mut h).map_err(Error::io("reading image"))?;
+    let bad = |why: &str| Error::Invalid(format!("qcow2 image: {why}"));
+    if n < 72 || &h[..4] != QCOW2_MAGIC {
+        return Err(bad("not a qcow2 image"));
+    }
+    let be64 = |at: usize| u64::from_be_bytes(h[at..at + 8].try_into().unwrap_or([0; 8]));
+    let version = u32::from_be_bytes([h[4], h[5], h[6], h[7]]);
+    if !(2..=3).contains(&version) {
+        return Err(bad(&format!("version {version} is not 2 or 3")));
+    }
+    if be64(8) != 0 {
+        return Err(bad(
+            "it names a backing file; flatten it first (qemu-img convert -O qcow2)",
+        ));
+    }
+    if version == 3 {
+        if n < 104 {
+            return Err(bad("truncated header"));
+        }
+        if be64(72) & (1 << 2) != 0 {
+            return Err(bad("it names an external data file; it is not imported"));
+        }
+    }
+    Ok(())
+}
+
 /// Converts a qcow2 `image` to raw at `out`, opened as qcow2 and nothing else: an image that
 /// names a backing file or an external data file is refused, so an import never reads a file
 /// the image's author chose.
 pub fn qcow2_to_raw(image: &Path, out: &Path, max_disk: u64) -> Result<()> {
-    let mut magic = [0u8; 4];
-    let mut f =
-        std::fs::File::open(image).map_err(Error::io(format!("opening {}", image.display())))?;
-    if f.read(&mut magic).map_err(Error::io("reading image"))? != 4 || &magic != QCOW2_MAGIC {
-        return Err(Error::Invalid("the image is not qcow2".into()));
-    }
+    check_qcow2_header(image)?;
     let info = run(
         Command::new("qemu-img")
             .args(["info", "-f", "qcow2", "--output=json"])
@@ -287,6 +319,23 @@ impl ImportLimits {
             max_disk: strata_format::manifest::MAX_DISK_SIZE,
         }
     }
+}
+
+/// Removes a tree that may hold directories without owner permissions (an archive can ask for
+/// mode 000): their permissions are opened first, so a daemon that is not root can still
+/// clean up. Errors are ignored: this is cleanup.
+pub fn remove_tree(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let _ = std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700));
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(e.path());
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// Unpacks a tar archive (a directory tree sent by a tenant) into `dst`, as hostile input:

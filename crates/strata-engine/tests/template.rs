@@ -398,6 +398,20 @@ async fn a_qcow2_image_naming_a_backing_file_is_refused() {
         t.disk_size,
         std::fs::metadata(&q).unwrap().len().div_ceil(4096) * 4096
     );
+    // An external data file (the image's clusters in a file its author names) is refused
+    // from the header alone, before qemu-img opens anything.
+    let df = c.path("df.qcow2");
+    run(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-o"])
+        .arg(format!("data_file={}", secret.display()))
+        .arg(&df)
+        .arg("1M"));
+    let err = a
+        .build_template_from_image(TENANT, "datafile", &df, &|_, _| {})
+        .await
+        .expect_err("an image with an external data file is refused")
+        .to_string();
+    assert!(err.contains("external data file"), "{err}");
     // A tiny file describing an enormous disk is refused before anything is converted.
     let huge = c.path("huge.qcow2");
     run(Command::new("qemu-img")
