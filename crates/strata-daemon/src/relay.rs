@@ -189,6 +189,14 @@ impl Relay {
             failures: AtomicU64::new(0),
             transfers: tokio::sync::Semaphore::new(TRANSFERS),
         };
+        // A crash between creating and unlinking a spool file is all that can leave one.
+        for e in std::fs::read_dir(relay.root.join(".spool"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let _ = std::fs::remove_file(e.path());
+        }
         for t in std::fs::read_dir(&relay.root)?.flatten() {
             let tenant = t.file_name().to_string_lossy().into_owned();
             if tenant.starts_with('.') {

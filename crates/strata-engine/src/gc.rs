@@ -181,14 +181,21 @@ impl Engine {
             left: opts.stop_after,
         };
         if let (Some(t), false) = (opts.compact_below, opts.dry_run) {
-            for v in self.attached() {
+            // A fenced or failed volume publishes nothing more (its node lost it).
+            for v in self
+                .attached()
+                .into_iter()
+                .filter(|v| v.failure().is_none())
+            {
                 match v.compact(t).await {
                     Ok(Some(p)) => {
                         report.compactions += 1;
                         report.compacted_bytes += p.bytes_uploaded;
                     }
                     Ok(None) => {}
-                    Err(e) => tracing::warn!(workspace = v.name(), error = %e, "compaction failed"),
+                    Err(e) => {
+                        tracing::warn!(tenant = v.tenant(), workspace = v.name(), error = %e, "compaction failed")
+                    }
                 }
             }
         }
