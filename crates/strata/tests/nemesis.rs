@@ -26,7 +26,6 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -35,7 +34,7 @@ use common::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use reqwest::StatusCode;
-use serde_json::{json, Value};
+use serde_json::json;
 use strata_nbd::client::Client;
 use strata_nbd::proto::{CMD_FLAG_FUA, CMD_WRITE};
 
@@ -344,7 +343,7 @@ impl Node {
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
-        let d = serve_bin(&self.data, &args, &env);
+        let d = serve_node(&self.data, &args, &env);
         self.url = d.url.clone();
         self.daemon = Some(d);
     }
@@ -354,9 +353,9 @@ impl Node {
 }
 
 /// `serve_env` with the binary chosen by `STRATA_NEMESIS_BIN` (the mutation check).
-fn serve_bin(data: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
+fn serve_node(data: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
     match std::env::var("STRATA_NEMESIS_BIN") {
-        Ok(bin) if !bin.is_empty() => serve_with(Path::new(&bin), data, extra, env),
+        Ok(bin) if !bin.is_empty() => serve_bin(Path::new(&bin), data, extra, env),
         _ => serve_env(data, extra, env),
     }
 }
@@ -841,40 +840,6 @@ impl Campaign {
     }
 }
 
-/// Starts `strata serve` from `bin` (see [`serve_env`]).
-fn serve_with(bin: &Path, data: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
-    let mut child = Command::new(bin)
-        .arg("--data")
-        .arg(data)
-        .args([
-            "--json",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--lease-ttl",
-            "2s",
-        ])
-        .args(extra)
-        .env("STRATA_ADMIN_TOKEN", ADMIN)
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
-    Daemon {
-        child,
-        url: format!("http://{}", v["listening"].as_str().unwrap()),
-        node: v["node"].as_str().unwrap_or("").to_string(),
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nemesis() {
     let ops: u64 = std::env::var("STRATA_NEMESIS_OPS")
@@ -903,12 +868,7 @@ async fn nemesis() {
     let (store, proxy, env) = match &s3 {
         Some(ep) => {
             let bucket = format!("nemesis-{}-{seed}", std::process::id());
-            let out = Command::new("curl")
-                .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT"])
-                .arg(format!("{ep}/{bucket}"))
-                .output()
-                .unwrap();
-            assert!(String::from_utf8_lossy(&out.stdout).starts_with('2'));
+            create_bucket(ep, &bucket);
             let proxy = faultproxy::start(ep, seed).await;
             let url = format!(
                 "s3://{bucket}/strata?endpoint={}&region=us-east-1&allow_http=true&timeout_ms=5000&retries=3",

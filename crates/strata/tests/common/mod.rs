@@ -47,7 +47,12 @@ pub fn serve(data: &Path, extra: &[&str]) -> Daemon {
 
 /// Starts a daemon on a free port with a 2 s lease TTL; `extra` flags and `env` are added.
 pub fn serve_env(data: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+    serve_bin(Path::new(env!("CARGO_BIN_EXE_strata")), data, extra, env)
+}
+
+/// [`serve_env`] with another `strata` binary (a mutation check runs an altered build).
+pub fn serve_bin(bin: &Path, data: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
+    let mut child = Command::new(bin)
         .arg("--data")
         .arg(data)
         .args([
@@ -282,6 +287,19 @@ pub const S3_ENV: &[(&str, &str)] = &[
     ("AWS_SECRET_ACCESS_KEY", "test"),
 ];
 
+/// Creates `bucket` on the S3-protocol server at `endpoint`.
+pub fn create_bucket(endpoint: &str, bucket: &str) {
+    let out = Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT"])
+        .arg(format!("{endpoint}/{bucket}"))
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with('2'),
+        "cannot create bucket {bucket}"
+    );
+}
+
 pub async fn shared(tag: &str) -> Option<Shared> {
     let pg = std::env::var("STRATA_TEST_PG")
         .ok()
@@ -307,15 +325,7 @@ pub async fn shared(tag: &str) -> Option<Shared> {
         .await
         .unwrap();
     let bucket = format!("scale-{name}").replace('_', "-");
-    let out = Command::new("curl")
-        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT"])
-        .arg(format!("{s3}/{bucket}"))
-        .output()
-        .unwrap();
-    assert!(
-        String::from_utf8_lossy(&out.stdout).starts_with('2'),
-        "cannot create bucket {bucket}"
-    );
+    create_bucket(&s3, &bucket);
     Some(Shared {
         catalog,
         store: format!("s3://{bucket}/strata?endpoint={s3}&region=us-east-1&allow_http=true"),
