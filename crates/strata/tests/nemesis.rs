@@ -746,9 +746,14 @@ impl Campaign {
             }
         } else if roll < 72 {
             self.count("gc pass (grace 2s, compaction)");
-            let (s, v) = self.a.api(ADMIN).post("/v1/gc", json!({})).await;
+            // A pass lists and deletes through the store: give it longer than other calls.
+            let t0 = Instant::now();
+            let admin = Api::with_timeout(&self.a.url, ADMIN, Duration::from_secs(300));
+            let (s, v) = admin.post("/v1/gc", json!({})).await;
             if s != StatusCode::OK {
-                self.fail(format!("gc: {s} {v}"));
+                self.fail(format!("gc: {s} {v} after {:?}", t0.elapsed()));
+            } else if t0.elapsed() > Duration::from_secs(10) {
+                eprintln!("nemesis: a gc pass took {:?}: {v}", t0.elapsed());
             }
         } else if roll < 80 {
             self.count("kill -9 and restart");
