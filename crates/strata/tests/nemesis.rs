@@ -405,6 +405,9 @@ struct Pending {
     version: Option<u64>,
     label: String,
     allowed: Vec<Vec<u64>>,
+    /// A checkpoint whose client gave up may complete any time before the step ends: its
+    /// window is taken then, from these starts.
+    open_window: Option<Vec<usize>>,
     /// A fork made of it, to read instead of forking again.
     fork: Option<String>,
 }
@@ -449,6 +452,11 @@ impl Campaign {
     /// The checker: flush and read each workspace on a fresh connection and judge it against
     /// its model; then the verification of pending checkpoints and forks.
     async fn check(&mut self) {
+        for p in self.pending.iter_mut() {
+            if let Some(starts) = p.open_window.take() {
+                p.allowed = lock(&self.ws[p.ws].model).window(&starts);
+            }
+        }
         for name in ["d", "s"] {
             let w = self.ws[name].clone();
             let sock = lock(&w.socket).clone();
@@ -619,6 +627,7 @@ impl Campaign {
                     version: v["version"].as_u64(),
                     label,
                     allowed,
+                    open_window: None,
                     fork: None,
                 });
             }
@@ -636,14 +645,14 @@ impl Campaign {
                 .json(&json!({"label": label}))
                 .send()
                 .await;
-            // It may still complete: judged at the end of the round, by its label.
+            // It may still complete: judged at the end of the step, by its label.
             tokio::time::sleep(Duration::from_millis(self.rng.random_range(0..300))).await;
-            let allowed = lock(&w.model).window(&starts);
             self.pending.push(Pending {
                 ws: name,
                 version: None,
                 label,
-                allowed,
+                allowed: vec![],
+                open_window: Some(starts),
                 fork: None,
             });
         } else if roll < 36 {
@@ -669,6 +678,7 @@ impl Campaign {
                     version,
                     label: String::new(),
                     allowed,
+                    open_window: None,
                     fork: Some(fork),
                 });
             } else {
