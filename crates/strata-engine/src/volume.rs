@@ -37,6 +37,7 @@ use crate::{Error, Result};
 
 mod clean;
 mod compact;
+mod gate;
 mod open;
 mod publish;
 
@@ -678,62 +679,6 @@ impl Volume {
             }
             Err(e) => Err(e.into()),
         }
-    }
-
-    /// Stops acknowledging new writes after draining those in flight (reads continue). Pair
-    /// with a checkpoint and a VM memory snapshot, then [`Volume::thaw`]. Idempotent.
-    pub async fn freeze(&self) {
-        let mut f = self.freeze.lock().await;
-        if f.is_none() {
-            *f = Some(self.gate.clone().write_owned().await);
-            self.frozen_flag.store(true, SeqCst);
-        }
-    }
-
-    pub async fn thaw(&self) {
-        let mut f = self.freeze.lock().await;
-        self.frozen_flag.store(false, SeqCst);
-        f.take();
-    }
-
-    pub fn is_frozen(&self) -> bool {
-        self.frozen_flag.load(SeqCst)
-    }
-
-    /// Runs `f` with no write in flight and none starting: under the freeze if the volume is
-    /// frozen (its gate is already held), otherwise under the gate taken exclusively. Thaw and
-    /// freeze wait until `f` returns.
-    pub(crate) async fn exclusive<T>(&self, f: impl AsyncFnOnce() -> T) -> T {
-        let frozen = self.freeze.lock().await;
-        let _gate = match &*frozen {
-            Some(_) => None,
-            None => Some(self.gate.write().await),
-        };
-        f().await
-    }
-
-    /// Refuses every later write, after draining those in flight (detach: the final cut then
-    /// covers every write ever acknowledged). Reads, flushes and publishes go on.
-    pub(crate) async fn seal(&self) {
-        self.exclusive(async || self.sealed.store(true, SeqCst))
-            .await
-    }
-
-    /// Waits for a publish, rollback or compaction running in its own task to finish (a volume
-    /// being replaced must not retire segments in a directory its successor opened).
-    pub(crate) async fn quiesce(&self) {
-        drop(self.publish_lock.lock().await);
-    }
-
-    /// Undoes [`Volume::seal`] (a detach whose final publish failed keeps the volume).
-    pub(crate) fn unseal(&self) {
-        self.sealed.store(false, SeqCst);
-    }
-
-    /// Marks the volume closed: later I/O fails. Used by detach after the final publish.
-    pub(crate) fn close(&self) {
-        self.sealed.store(true, SeqCst);
-        self.closed.store(true, SeqCst);
     }
 
     pub(crate) fn dir(&self) -> &PathBuf {
