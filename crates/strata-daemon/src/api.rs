@@ -94,6 +94,10 @@ pub struct CheckpointRequest {
     /// kept until deleted; with it, it expires after).
     #[serde(default)]
     pub keep_secs: Option<u64>,
+    /// Of a mounted workspace: skip freezing its filesystem around the cut (the checkpoint
+    /// is then crash-consistent, not application-consistent).
+    #[serde(default)]
+    pub no_freeze: bool,
 }
 
 /// `POST /v1/gc`: one garbage-collection pass now.

@@ -81,7 +81,7 @@ impl Daemon {
             .map(|h| h.uri.clone())
     }
 
-    fn op_lock(&self, k: &Key) -> Arc<tokio::sync::Mutex<()>> {
+    pub(crate) fn op_lock(&self, k: &Key) -> Arc<tokio::sync::Mutex<()>> {
         let mut m = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         // Forget idle entries now and then so the map follows the attached set, not history.
         if m.len() > 1024 {
@@ -101,6 +101,7 @@ impl Daemon {
             let k = key(&t, &ws);
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
+            d.refuse_if_mounted(&t, &ws, "attaching it over NBD")?;
             let current = d.engine.volume(&t, &ws).filter(|v| v.failure().is_none());
             if current.is_some() {
                 if let Some(h) = d.lock_exports().get(&k) {
@@ -198,6 +199,7 @@ impl Daemon {
             let k = key(&t, &ws);
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
+            d.refuse_if_mounted(&t, &ws, "detaching it")?;
             let exported = d.lock_exports().contains_key(&k);
             d.stop_export(&t, &ws).await;
             match d.engine.detach(&t, &ws).await {
@@ -225,6 +227,7 @@ impl Daemon {
         own_task(async move {
             let lock = d.op_lock(&key(&t, &ws));
             let _op = lock.lock().await;
+            d.refuse_if_mounted(&t, &ws, "deleting it")?;
             d.stop_export(&t, &ws).await;
             Ok(d.engine.delete_workspace(&t, &ws).await?)
         })

@@ -15,6 +15,7 @@
 mod api;
 mod error;
 mod exports;
+pub mod mount;
 pub mod relay;
 mod relay_api;
 mod routes;
@@ -46,6 +47,9 @@ pub struct DaemonConfig {
     pub import_dir: Option<PathBuf>,
     /// Largest template upload, in bytes of the request body (default 16 GiB).
     pub template_max_bytes: Option<u64>,
+    /// Where a tenant may have a mounted workspace bound (`ws mount --target`): targets must
+    /// be directories under it. Off when `None`: mounts stay in the daemon's own directory.
+    pub mount_root: Option<PathBuf>,
 }
 
 /// Template builds that may run at once on a node (each is disk- and CPU-heavy).
@@ -64,11 +68,14 @@ pub struct Daemon {
     pub(crate) metrics_hash: Option<String>,
     pub(crate) run_dir: PathBuf,
     pub(crate) import_dir: Option<PathBuf>,
+    pub(crate) mount_root: Option<PathBuf>,
     pub(crate) template_max_bytes: u64,
     /// Template builds (upload, unpack, mkfs, import) running at once on this node.
     pub(crate) builds: Arc<tokio::sync::Semaphore>,
     /// Live exports; locked only briefly (never across an await).
     pub(crate) exports: std::sync::Mutex<HashMap<Key, ExportHandle>>,
+    /// Workspaces mounted on this host (`mount.rs`); locked only briefly.
+    pub(crate) mounts: std::sync::Mutex<HashMap<Key, mount::Mounted>>,
     /// One lock per workspace: its attach, detach and delete never interleave.
     pub(crate) ops: std::sync::Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
     /// This node's API address, as reported to the `nodes` view.
@@ -136,9 +143,11 @@ impl Daemon {
             metrics_hash: hash(&cfg.metrics_token),
             run_dir,
             import_dir: cfg.import_dir,
+            mount_root: cfg.mount_root,
             template_max_bytes: cfg.template_max_bytes.unwrap_or(TEMPLATE_MAX_BYTES),
             builds: Arc::new(tokio::sync::Semaphore::new(TEMPLATE_BUILDS)),
             exports: Default::default(),
+            mounts: Default::default(),
             ops: Default::default(),
             url: std::sync::Mutex::new(None),
             relay,
@@ -249,7 +258,8 @@ impl Daemon {
     /// Re-attaches and re-exports every workspace this node has local state for (after a clean
     /// restart or a kill -9), unless its lease is now held by another node.
     pub async fn resume(self: &Arc<Self>) -> Vec<(String, String)> {
-        let mut resumed = vec![];
+        // Mounted workspaces first: they are mounted again, not exported.
+        let mut resumed = self.resume_mounts().await;
         let root = self.engine.config().data_dir.join("volumes");
         let Ok(tenants) = std::fs::read_dir(&root) else {
             return resumed;
@@ -261,7 +271,10 @@ impl Daemon {
             };
             for w in wss.flatten() {
                 let ws = w.file_name().to_string_lossy().into_owned();
-                if !w.path().join("state.json").exists() {
+                if !w.path().join("state.json").exists()
+                    || resumed.contains(&(tenant.clone(), ws.clone()))
+                    || self.is_mounted(&tenant, &ws)
+                {
                     continue;
                 }
                 match self.attach_and_export(&tenant, &ws).await {
@@ -352,7 +365,9 @@ impl Daemon {
     /// Orderly stop: make every attached volume's acknowledged writes durable, stop exports,
     /// keep leases and local state so that a restart resumes at the same addresses.
     pub async fn shutdown(&self) {
-        // Connections finish what they accepted before the flush that covers it.
+        // Mounted filesystems are synced and unmounted (their records stay: the next start
+        // mounts them again); connections finish what they accepted before the final flush.
+        self.stop_all_mounts().await;
         self.stop_all_exports().await;
         for v in self.engine.attached() {
             if let Err(e) = v.flush().await {

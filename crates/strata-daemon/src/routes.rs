@@ -74,6 +74,8 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/workspaces/{name}/rollback", post(rollback))
         .route("/v1/workspaces/{name}/log", get(log))
         .route("/v1/workspaces/{name}/freeze", post(freeze))
+        .route("/v1/workspaces/{name}/mount", post(mount).delete(umount))
+        .route("/v1/mounts", get(list_mounts))
         .route("/v1/workspaces/{name}/thaw", post(thaw))
         .fallback(|| async { ApiError::not_found("no such endpoint (see /v1/openapi.json)") })
         .layer(DefaultBodyLimit::max(64 * 1024))
@@ -341,15 +343,9 @@ async fn checkpoint(
         None => None,
     };
     let started = std::time::Instant::now();
-    let r = own_task({
-        let d = d.clone();
-        async move {
-            Ok(d.engine
-                .checkpoint_with(&t, &name, b.label, keep_until)
-                .await?)
-        }
-    })
-    .await;
+    let r = d
+        .checkpoint_workspace(&t, &name, b.label, keep_until, !b.no_freeze)
+        .await;
     d.checkpoint_seconds.record(started.elapsed(), 0, r.is_ok());
     Ok(Json(r?))
 }
@@ -364,7 +360,19 @@ async fn fork(
     let started = std::time::Instant::now();
     let r = own_task({
         let d = d.clone();
-        async move { Ok(d.engine.fork(&t, &name, b.version, &b.name, b.mode).await?) }
+        async move {
+            // A fork of a mounted workspace's current state is cut with its filesystem frozen,
+            // as a checkpoint is: the fork mounts clean.
+            let version = match b.version {
+                None if d.is_mounted(&t, &name) => Some(
+                    d.checkpoint_workspace(&t, &name, None, None, true)
+                        .await?
+                        .version,
+                ),
+                v => v,
+            };
+            Ok(d.engine.fork(&t, &name, version, &b.name, b.mode).await?)
+        }
     })
     .await;
     d.fork_seconds.record(started.elapsed(), 0, r.is_ok());
@@ -380,8 +388,38 @@ async fn rollback(
 ) -> R<Published> {
     let b = body(b)?;
     d.engine.workspace(&t, &name).await?;
-    let r = own_task(async move { Ok(d.engine.rollback(&t, &name, b.version).await?) }).await;
+    let r = own_task(async move {
+        // Under the workspace's op lock: a mount cannot start while the disk is replaced.
+        let lock = d.op_lock(&(t.clone(), name.clone()));
+        let _op = lock.lock().await;
+        d.refuse_if_mounted(&t, &name, "rolling it back")?;
+        Ok(d.engine.rollback(&t, &name, b.version).await?)
+    })
+    .await;
     Ok(Json(r?))
+}
+
+async fn mount(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+    b: Result<Json<crate::mount::MountRequest>, JsonRejection>,
+) -> R<crate::mount::MountInfo> {
+    let b = match b {
+        Err(JsonRejection::MissingJsonContentType(_)) => Default::default(),
+        b => body(b)?,
+    };
+    d.engine.workspace(&t, &name).await?;
+    Ok(Json(d.mount_workspace(&t, &name, b).await?))
+}
+
+async fn umount(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Option<Published>> {
+    d.engine.workspace(&t, &name).await?;
+    Ok(Json(d.umount_workspace(&t, &name).await?))
+}
+
+async fn list_mounts(Tenant(t): Tenant, State(d): D) -> R<Vec<crate::mount::MountInfo>> {
+    Ok(Json(d.mounts_of(&t)))
 }
 
 async fn log(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Vec<Checkpoint>> {

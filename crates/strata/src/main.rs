@@ -142,7 +142,32 @@ enum WsCmd {
         /// Keep it at least this long (e.g. 30d); otherwise retention decides.
         #[arg(long, value_parser = units::parse_duration)]
         keep: Option<std::time::Duration>,
+        /// Of a mounted workspace: do not freeze its filesystem around the cut
+        /// (crash-consistent instead of application-consistent).
+        #[arg(long)]
+        no_freeze: bool,
     },
+    /// Mounts the workspace's filesystem on this host (daemon only): attaches it, makes the
+    /// filesystem if asked and the volume is blank, mounts it, and binds it onto DIR if given
+    /// (DIR must be under the daemon's --mount-root). The daemon remounts it after a restart.
+    Mount {
+        ws: String,
+        dir: Option<PathBuf>,
+        /// fuse: the native FUSE export under a loop device; nbd: the kernel NBD client.
+        #[arg(long, default_value = "fuse")]
+        backend: String,
+        /// Make this filesystem on a blank volume (ext4).
+        #[arg(long)]
+        mkfs: Option<String>,
+        #[arg(long)]
+        read_only: bool,
+    },
+    /// Unmounts a mounted workspace (by its directory or name) and detaches it (daemon only).
+    Umount {
+        dir_or_ws: String,
+    },
+    /// Workspaces mounted on the daemon's host.
+    Mounts,
     /// Releases the workspace on this node: publishes unpublished writes, stops the export.
     Detach {
         ws: String,
@@ -484,7 +509,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                             .join("\n")
                     });
                 }
-                WsCmd::Checkpoint { ws, label, keep } => {
+                WsCmd::Checkpoint { ws, label, keep, .. } => {
                     let ticker = {
                         let (e, t, ws) = (e.clone(), t.to_string(), ws.clone());
                         upload_progress(move || {
@@ -570,6 +595,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
                 WsCmd::Freeze { .. } | WsCmd::Thaw { .. } => {
                     anyhow::bail!("freeze and thaw act on a workspace attached in a daemon: set STRATA_URL")
+                }
+                WsCmd::Mount { .. } | WsCmd::Umount { .. } | WsCmd::Mounts => {
+                    anyhow::bail!("mounts are held by a daemon (`strata serve`, as root): set STRATA_URL")
                 }
                 WsCmd::Export { ws, out } => {
                     let (w, v) = split_at_version(&ws)?;

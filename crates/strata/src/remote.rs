@@ -249,9 +249,9 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                     crate::end_progress(ticker);
                     r?
                 }
-                WsCmd::Checkpoint { ws, label, keep } => {
+                WsCmd::Checkpoint { ws, label, keep, no_freeze } => {
                     let ticker = poll_remote(&h, &ws);
-                    let r = h.call(M::POST, &ws_path(&ws, "/checkpoint"), Some(json!({"label": label, "keep_secs": keep.map(|k| k.as_secs())}))).await;
+                    let r = h.call(M::POST, &ws_path(&ws, "/checkpoint"), Some(json!({"label": label, "keep_secs": keep.map(|k| k.as_secs()), "no_freeze": no_freeze}))).await;
                     crate::end_progress(ticker);
                     r?
                 }
@@ -262,6 +262,34 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                 WsCmd::Rollback { ws, version } => h.call(M::POST, &ws_path(&ws, "/rollback"), Some(json!({"version": version}))).await?,
                 WsCmd::Freeze { ws } => h.call(M::POST, &ws_path(&ws, "/freeze"), Some(json!({}))).await?,
                 WsCmd::Thaw { ws } => h.call(M::POST, &ws_path(&ws, "/thaw"), Some(json!({}))).await?,
+                WsCmd::Mount { ws, dir, backend, mkfs, read_only } => {
+                    let target = match dir {
+                        Some(d) => Some(std::path::absolute(&d)?.display().to_string()),
+                        None => None,
+                    };
+                    let body = json!({"backend": backend, "mkfs": mkfs, "target": target, "read_only": read_only});
+                    h.call(M::POST, &ws_path(&ws, "/mount"), Some(body)).await?
+                }
+                WsCmd::Umount { dir_or_ws } => {
+                    // A directory names the mount whose target (or own directory) it is.
+                    let mounts = h.call(M::GET, "/v1/mounts", None).await?;
+                    let abs = std::path::absolute(&dir_or_ws).ok().map(|p| p.display().to_string());
+                    let ws = mounts
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .find(|m| {
+                            abs.is_some()
+                                && (m["target"].as_str() == abs.as_deref() || m["dir"].as_str() == abs.as_deref())
+                        })
+                        .and_then(|m| m["workspace"].as_str().map(str::to_string))
+                        .unwrap_or(dir_or_ws);
+                    let ticker = poll_remote(&h, &ws);
+                    let r = h.call(M::DELETE, &ws_path(&ws, "/mount"), None).await;
+                    crate::end_progress(ticker);
+                    r?
+                }
+                WsCmd::Mounts => h.call(M::GET, "/v1/mounts", None).await?,
                 WsCmd::Delete { ws } => {
                     h.call(M::DELETE, &ws_path(&ws, ""), None).await?;
                     json!({"deleted": ws})

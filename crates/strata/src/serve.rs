@@ -99,7 +99,8 @@ pub struct ServeArgs {
     /// s3_access_key_id, s3_secret_access_key, s3_session_token, upload_interval,
     /// upload_max_bytes, lease_ttl, cache_capacity, relay_max_bytes, gc_interval,
     /// gc_grace, keep_checkpoints, keep_checkpoint_age, compact_below, segment_size,
-    /// readahead_units, metrics_token, min_free, run_dir, import_dir, template_max_bytes).
+    /// readahead_units, metrics_token, min_free, run_dir, import_dir, mount_root,
+    /// template_max_bytes).
     #[arg(long, env = "STRATA_CONFIG")]
     config: Option<PathBuf>,
     /// Catalog: sqlite:PATH (default DATA/catalog.db) or postgres://user@host:port/db (shared
@@ -157,6 +158,10 @@ pub struct ServeArgs {
     /// IMPORT/TENANT/ (off by default; tenants otherwise upload the content).
     #[arg(long, env = "STRATA_IMPORT_DIR")]
     import_dir: Option<PathBuf>,
+    /// Mounted workspaces may be bound onto directories under this one (`ws mount WS DIR`);
+    /// off by default: mounts then stay under DATA/mounts.
+    #[arg(long, env = "STRATA_MOUNT_ROOT")]
+    mount_root: Option<PathBuf>,
     /// Guest writes get ENOSPC while the data disk has less than this free, so the node's own
     /// metadata (catalog, leases, local state) always has room (default 64MiB; 0: no floor).
     #[arg(long, env = "STRATA_MIN_FREE", value_parser = crate::units::parse_size)]
@@ -196,6 +201,7 @@ struct FileConfig {
     min_free: Option<String>,
     run_dir: Option<PathBuf>,
     import_dir: Option<PathBuf>,
+    mount_root: Option<PathBuf>,
     template_max_bytes: Option<String>,
 }
 
@@ -310,6 +316,7 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
             metrics_token,
             run_dir: a.run_dir.or(file.run_dir.clone()),
             import_dir: a.import_dir.or(file.import_dir.clone()),
+            mount_root: a.mount_root.or(file.mount_root.clone()),
             template_max_bytes: size(a.template_max_bytes, &file.template_max_bytes)?,
         },
     )

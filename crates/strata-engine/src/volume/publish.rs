@@ -32,6 +32,24 @@ impl Volume {
             .await
     }
 
+    /// A checkpoint that reports its cut: `on_cut` receives the cut's sequence number as soon
+    /// as the checkpoint's content is fixed (writes after that belong to the next version), long
+    /// before the upload ends; it is dropped unsent if the checkpoint fails before its cut. A
+    /// caller that paused its writers (a frozen filesystem) resumes them there.
+    pub async fn checkpoint_reporting_cut(
+        &self,
+        label: Option<String>,
+        keep_until_ms: Option<u64>,
+        on_cut: tokio::sync::oneshot::Sender<u64>,
+    ) -> Result<Published> {
+        let meta = (label, keep_until_ms);
+        self.in_own_task(move |v| async move {
+            v.publish_run(CheckpointKind::Checkpoint, meta, None, Some(on_cut))
+                .await
+        })
+        .await
+    }
+
     /// Background upload: publishes if the remote window exceeds its bounds.
     pub async fn maybe_upload(&self) -> Result<Option<Published>> {
         let due = {
@@ -81,7 +99,7 @@ impl Volume {
         meta: (Option<String>, Option<u64>),
         upto: Option<u64>,
     ) -> Result<Published> {
-        self.in_own_task(move |v| async move { v.publish_run(kind, meta, upto).await })
+        self.in_own_task(move |v| async move { v.publish_run(kind, meta, upto, None).await })
             .await
     }
 
@@ -90,6 +108,7 @@ impl Volume {
         kind: CheckpointKind,
         (label, keep_until_ms): (Option<String>, Option<u64>),
         upto: Option<u64>,
+        on_cut: Option<tokio::sync::oneshot::Sender<u64>>,
     ) -> Result<Published> {
         let started = Instant::now();
         let _p = self.publish_lock.lock().await;
@@ -146,6 +165,9 @@ impl Volume {
             (cut, frozen, st.base.clone(), st.base_version)
         };
         let stall = stall_start.elapsed();
+        if let Some(tx) = on_cut {
+            let _ = tx.send(cut);
+        }
         let res = self
             .publish_cut(
                 &frozen,
@@ -473,6 +495,7 @@ impl Volume {
             CheckpointKind::Auto,
             (None, None),
             Some(self.acked_seq.load(SeqCst)),
+            None,
         )
         .await?;
         let _p = self.publish_lock.lock().await;

@@ -1,0 +1,502 @@
+//! `ws mount` with the native FUSE backend, against the real daemon, a real loop device, ext4,
+//! e2fsck and stress-ng: a mounted workspace's files survive checkpoint, fork, kill -9 and
+//! restart; a checkpoint of a busy filesystem is frozen (it mounts clean, no journal replay);
+//! and a tenant names nothing on the host outside the operator's mount root.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use reqwest::StatusCode;
+use serde_json::json;
+
+const SIZE: u64 = 256 << 20;
+
+/// Whether host mounts can be tested here (root, loop devices, FUSE, e2fsprogs, qemu-img);
+/// on CI they must.
+fn can_host_mount() -> bool {
+    let tools = [
+        "losetup",
+        "mkfs.ext4",
+        "e2fsck",
+        "dumpe2fs",
+        "fsfreeze",
+        "fusermount3",
+        "qemu-img",
+    ];
+    let ok = is_root() && tools.iter().all(|t| have(t)) && Path::new("/dev/fuse").exists();
+    if !ok {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI runs as root with fuse, loop devices, e2fsprogs and qemu-img"
+        );
+        eprintln!("SKIPPED: host mount tests need root, /dev/fuse, loop devices and {tools:?}");
+    }
+    ok
+}
+
+/// Writes `n` files of assorted sizes under `dir`, each fsync'd (and the directory), and
+/// returns their contents' hashes.
+fn write_files(dir: &Path, n: usize, seed: u64) -> BTreeMap<String, String> {
+    use std::io::Write;
+    std::fs::create_dir_all(dir).unwrap();
+    let mut out = BTreeMap::new();
+    let mut x = seed | 1;
+    for i in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let len = (x % (2 << 20)) as usize + 1;
+        let mut data = vec![0u8; len];
+        for (j, b) in data.iter_mut().enumerate() {
+            *b = (x.wrapping_add(j as u64 * 0x9E37_79B9)).to_le_bytes()[j % 8];
+        }
+        let name = format!("f{seed}-{i}");
+        let mut f = std::fs::File::create(dir.join(&name)).unwrap();
+        f.write_all(&data).unwrap();
+        f.sync_all().unwrap();
+        out.insert(name, blake3::hash(&data).to_hex().to_string());
+    }
+    std::fs::File::open(dir).unwrap().sync_all().unwrap();
+    out
+}
+
+fn hashes(dir: &Path, names: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    names
+        .keys()
+        .map(|n| {
+            let h = std::fs::read(dir.join(n))
+                .map(|d| blake3::hash(&d).to_hex().to_string())
+                .unwrap_or_else(|e| format!("unreadable: {e}"));
+            (n.clone(), h)
+        })
+        .collect()
+}
+
+fn is_mount_point(p: &Path) -> bool {
+    let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let p = p.to_string_lossy();
+    mi.lines().any(|l| l.split(' ').nth(4) == Some(p.as_ref()))
+}
+
+/// Mount points and loop devices anything under `data` still holds.
+fn leftovers(data: &Path) -> Vec<String> {
+    let d = data.to_string_lossy().into_owned();
+    let mut v: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(&d))
+        .map(|l| format!("mount: {l}"))
+        .collect();
+    for e in std::fs::read_dir("/sys/block").unwrap().flatten() {
+        let f = e.path().join("loop/backing_file");
+        if let Ok(b) = std::fs::read_to_string(&f) {
+            if b.contains(&d) {
+                v.push(format!("{}: {}", e.file_name().to_string_lossy(), b.trim()));
+            }
+        }
+    }
+    v
+}
+
+/// e2fsck -fn of a workspace's checkpoint `version` (head if None), read through a fork
+/// attached over NBD: (fsck exit code, its output, whether the journal needs recovery).
+async fn fsck(api: &Api, ws: &str, version: Option<u64>, tmp: &Path) -> (i32, String, bool) {
+    let name = format!("fsck-{}", rand::random::<u32>());
+    let (s, v) = api
+        .post(
+            &format!("/v1/workspaces/{ws}/fork"),
+            json!({"name": name, "version": version}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (s, v) = api
+        .post(&format!("/v1/workspaces/{name}/attach"), json!({}))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let uri = v["export"].as_str().unwrap().to_string();
+    let img = tmp.join(format!("{name}.img"));
+    let script = format!(
+        "set -e; qemu-img convert -f raw -O raw '{uri}' {img}; dumpe2fs -h {img} 2>/dev/null | grep -i '^Filesystem features'; e2fsck -fn {img}",
+        img = img.display()
+    );
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("bash")
+            .arg("-c")
+            .arg(script)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let _ = std::fs::remove_file(&img);
+    let (s, v) = api.delete(&format!("/v1/workspaces/{name}")).await;
+    assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let recovery = text
+        .lines()
+        .any(|l| l.starts_with("Filesystem features") && l.contains("needs_recovery"));
+    (out.status.code().unwrap_or(-1), text, recovery)
+}
+
+async fn mount(api: &Api, ws: &str, target: &Path, mkfs: bool) {
+    let (s, v) = api
+        .post(
+            &format!("/v1/workspaces/{ws}/mount"),
+            json!({"target": target, "mkfs": mkfs.then_some("ext4")}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["target"].as_str(), Some(&*target.to_string_lossy()));
+    assert!(
+        is_mount_point(target),
+        "{} is not mounted",
+        target.display()
+    );
+}
+
+async fn umount(api: &Api, ws: &str) {
+    let (s, v) = api.delete(&format!("/v1/workspaces/{ws}/mount")).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+}
+
+/// mount (mkfs) → files, fsync → checkpoint while a writer keeps writing (frozen: the image
+/// is clean without journal recovery) → fork → mount the fork → identical files → umount
+/// both, nothing left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mount_checkpoint_fork() {
+    if !can_host_mount() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, root) = (tmp.path().join("data"), tmp.path().join("root"));
+    let (a, b) = (root.join("a"), root.join("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let d = serve(&data, &["--mount-root", root.to_str().unwrap()]);
+    let api = tenant(&d.url, "t").await;
+    let (s, v) = api
+        .post("/v1/workspaces", json!({"name": "w", "size": SIZE}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    mount(&api, "w", &a, true).await;
+    let files = {
+        let a = a.clone();
+        tokio::task::spawn_blocking(move || write_files(&a.join("files"), 40, 7))
+            .await
+            .unwrap()
+    };
+    // A writer that never stops while the checkpoint runs: without the freeze, the cut
+    // lands mid-transaction and the image needs journal recovery.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (stop, dir) = (stop.clone(), a.join("busy"));
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(SeqCst) {
+                write_files(&dir, 4, 1000 + n);
+                n += 1;
+            }
+            n
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut frozen = vec![];
+    for _ in 0..3 {
+        let (s, v) = api
+            .post("/v1/workspaces/w/checkpoint", json!({"label": null}))
+            .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        frozen.push(v["version"].as_u64().unwrap());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop.store(true, SeqCst);
+    let rounds = writer.join().unwrap();
+    assert!(rounds > 0, "the writer made no progress");
+    for v in &frozen {
+        let (code, out, recovery) = fsck(&api, "w", Some(*v), tmp.path()).await;
+        assert_eq!(code, 0, "frozen checkpoint v{v} is not clean:\n{out}");
+        assert!(
+            !recovery,
+            "frozen checkpoint v{v} needs journal recovery:\n{out}"
+        );
+    }
+    // The fork of the first frozen checkpoint holds every fsync'd file, byte for byte.
+    let (s, v) = api
+        .post(
+            "/v1/workspaces/w/fork",
+            json!({"name": "w2", "version": frozen[0]}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    mount(&api, "w2", &b, false).await;
+    assert_eq!(hashes(&b.join("files"), &files), files);
+    assert_eq!(hashes(&a.join("files"), &files), files);
+    // A fork of the mounted workspace's live state is frozen too.
+    let (s, v) = api
+        .post("/v1/workspaces/w/fork", json!({"name": "w3"}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (code, out, recovery) = fsck(&api, "w3", None, tmp.path()).await;
+    assert!(
+        code == 0 && !recovery,
+        "live fork of a mounted workspace:\n{out}"
+    );
+    let (s, v) = api.get("/v1/mounts").await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v.as_array().map(|a| a.len()), Some(2), "{v}");
+    umount(&api, "w2").await;
+    umount(&api, "w").await;
+    assert!(!is_mount_point(&a) && !is_mount_point(&b));
+    assert_eq!(leftovers(&data), Vec::<String>::new());
+    let (code, out, _) = fsck(&api, "w", None, tmp.path()).await;
+    assert_eq!(code, 0, "unmounted workspace is not clean:\n{out}");
+}
+
+/// Refusals: a tenant names no host path outside the mount root, and nothing changes the disk
+/// under a mounted filesystem.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mount_refusals() {
+    if !can_host_mount() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, root) = (tmp.path().join("data"), tmp.path().join("root"));
+    let outside = tmp.path().join("outside");
+    for d in [root.join("ok"), root.join("full"), outside.clone()] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    std::fs::write(root.join("full/x"), b"x").unwrap();
+    std::os::unix::fs::symlink(&outside, root.join("link")).unwrap();
+    // Without a mount root, no target at all.
+    {
+        let d = serve(&tmp.path().join("data0"), &[]);
+        let api = tenant(&d.url, "t").await;
+        api.post("/v1/workspaces", json!({"name": "w", "size": SIZE}))
+            .await;
+        let (s, v) = api
+            .post(
+                "/v1/workspaces/w/mount",
+                json!({"target": root.join("ok"), "mkfs": "ext4"}),
+            )
+            .await;
+        assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
+    }
+    let d = serve(&data, &["--mount-root", root.to_str().unwrap()]);
+    let api = tenant(&d.url, "t").await;
+    let other = tenant(&d.url, "u").await;
+    let (s, _) = api
+        .post("/v1/workspaces", json!({"name": "w", "size": SIZE}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED);
+    let mnt = |t: PathBuf| json!({"target": t, "mkfs": "ext4"});
+    for (target, why) in [
+        (outside.clone(), "outside the root"),
+        (root.join("ok/../../outside"), "dot-dot out of the root"),
+        (root.join("link"), "a symlink out of the root"),
+        (root.join("missing"), "missing"),
+        (root.join("full"), "not empty"),
+        (root.clone(), "the root itself"),
+        (PathBuf::from("relative/dir"), "relative"),
+    ] {
+        let (s, v) = api.post("/v1/workspaces/w/mount", mnt(target)).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{why}: {v}");
+    }
+    let (s, v) = api
+        .post(
+            "/v1/workspaces/w/mount",
+            json!({"target": root.join("ok"), "mkfs": "xfs"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    // A blank volume is formatted only when asked.
+    let (s, v) = api
+        .post("/v1/workspaces/w/mount", json!({"target": root.join("ok")}))
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    let (s, v) = api
+        .post(
+            "/v1/workspaces/w/mount",
+            json!({"backend": "nbd", "mkfs": "ext4"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_IMPLEMENTED, "{v}");
+    assert_eq!(
+        leftovers(&data),
+        Vec::<String>::new(),
+        "failed mounts left state"
+    );
+    // Another tenant's workspace is not there.
+    let (s, _) = other
+        .post("/v1/workspaces/w/mount", mnt(root.join("ok")))
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    mount(&api, "w", &root.join("ok"), true).await;
+    let (s, _) = other.delete("/v1/workspaces/w/mount").await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    // Idempotent for the same request; another target is a conflict.
+    let (s, v) = api
+        .post("/v1/workspaces/w/mount", mnt(root.join("ok")))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, v) = api
+        .post("/v1/workspaces/w/checkpoint", json!({"label": "base"}))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let version = v["version"].as_u64().unwrap();
+    for (path, body) in [
+        ("/v1/workspaces/w/attach", json!({})),
+        ("/v1/workspaces/w/detach", json!({})),
+        ("/v1/workspaces/w/rollback", json!({"version": version})),
+        ("/v1/workspaces/w/mount", mnt(outside.clone())),
+    ] {
+        let (s, v) = api.post(path, body).await;
+        assert!(
+            s == StatusCode::CONFLICT || (s == StatusCode::BAD_REQUEST && path.ends_with("mount")),
+            "{path}: {s} {v}"
+        );
+    }
+    let (s, v) = api.delete("/v1/workspaces/w").await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    // A busy filesystem stays mounted, and says so.
+    let busy = std::fs::File::open(root.join("ok")).unwrap();
+    let cwd = std::process::Command::new("sleep")
+        .arg("30")
+        .current_dir(root.join("ok"))
+        .spawn();
+    let (s, v) = api.delete("/v1/workspaces/w/mount").await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert!(is_mount_point(&root.join("ok")));
+    if let Ok(mut c) = cwd {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    drop(busy);
+    umount(&api, "w").await;
+    let (s, v) = api.delete("/v1/workspaces/w/mount").await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert_eq!(leftovers(&data), Vec::<String>::new());
+    let (s, v) = api.delete("/v1/workspaces/w").await;
+    assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
+}
+
+/// kill -9 of the daemon while mounted and writing: after a restart the daemon mounts the
+/// workspace again at its target, every fsync'd file is intact; a clean restart does the
+/// same; stress-ng on the mount, then e2fsck -f clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mount_survives_kill_and_stress() {
+    if !can_host_mount() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, root) = (tmp.path().join("data"), tmp.path().join("root"));
+    let a = root.join("a");
+    std::fs::create_dir_all(&a).unwrap();
+    let args = ["--mount-root", root.to_str().unwrap()];
+    let d = serve(&data, &args);
+    let token = tenant(&d.url, "t").await.token;
+    let api = d.api(&token);
+    let (s, v) = api
+        .post(
+            "/v1/workspaces",
+            json!({"name": "w", "size": SIZE, "mode": "durable"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    mount(&api, "w", &a, true).await;
+    let mut files = BTreeMap::new();
+    for round in 0..2u64 {
+        let dir = a.join(format!("r{round}"));
+        let synced = tokio::task::spawn_blocking(move || write_files(&dir, 20, round + 1))
+            .await
+            .unwrap();
+        files.extend(
+            synced
+                .into_iter()
+                .map(|(k, h)| (format!("r{round}/{k}"), h)),
+        );
+    }
+    // Writes in flight, never fsync'd, when the daemon dies.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (stop, dir) = (stop.clone(), a.join("unsynced"));
+        std::thread::spawn(move || {
+            let _ = std::fs::create_dir_all(&dir);
+            let mut i = 0;
+            while !stop.load(SeqCst) && i < 10_000 {
+                let _ = std::fs::write(dir.join(format!("u{i}")), vec![7u8; 64 << 10]);
+                i += 1;
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    d.signal("KILL");
+    drop(d);
+    stop.store(true, SeqCst);
+    let _ = writer.join();
+    let d = serve(&data, &args);
+    let api = d.api(&token);
+    assert!(is_mount_point(&a), "not mounted again after kill -9");
+    let (s, v) = api.get("/v1/mounts").await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v[0]["workspace"], "w", "{v}");
+    assert_eq!(hashes(&a, &files), files, "fsync'd files after kill -9");
+    // A clean stop unmounts; the next start mounts again.
+    d.signal("TERM");
+    let mut d = d;
+    let _ = d.child.wait();
+    assert!(
+        !is_mount_point(&a),
+        "a clean stop left the filesystem mounted"
+    );
+    let d = serve(&data, &args);
+    let api = d.api(&token);
+    assert!(
+        is_mount_point(&a),
+        "not mounted again after a clean restart"
+    );
+    assert_eq!(
+        hashes(&a, &files),
+        files,
+        "fsync'd files after a clean restart"
+    );
+    if have("stress-ng") {
+        let dir = a.join("stress");
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = format!(
+            "cd {d} && stress-ng --temp-path {d} --timeout 15s --hdd 1 --hdd-bytes 8m --hdd-opts wr-rnd,fsync \
+             --dir 1 --dir-dirs 256 --rename 1 --link 1 --symlink 1 --fallocate 1 --fallocate-bytes 8m \
+             --verify --metrics-brief 2>&1",
+            d = dir.display()
+        );
+        let (ok, out, err) = bash(script).await;
+        assert!(ok, "stress-ng failed:\n{out}{err}");
+        eprintln!(
+            "stress-ng: {}",
+            out.lines()
+                .filter(|l| l.contains("passed") || l.contains("failed"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+    } else {
+        assert!(std::env::var("CI").is_err(), "CI installs stress-ng");
+        eprintln!("SKIPPED: stress-ng is not installed: the file-system stress part did not run");
+    }
+    assert_eq!(hashes(&a, &files), files, "fsync'd files after stress");
+    umount(&api, "w").await;
+    assert_eq!(leftovers(&data), Vec::<String>::new());
+    let (code, out, _) = fsck(&api, "w", None, tmp.path()).await;
+    assert_eq!(
+        code, 0,
+        "after kill -9, restarts and stress, e2fsck -f:\n{out}"
+    );
+}
