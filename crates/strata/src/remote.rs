@@ -108,6 +108,40 @@ fn poll_remote(h: &Http, ws: &str) -> Option<tokio::task::JoinHandle<()>> {
     })
 }
 
+/// On a terminal, shows how much of the disk a mount has read so far (a cold template's
+/// blocks come from the object store on first read: mkfs, journal replay and the mount itself
+/// wait on them).
+fn poll_mount(h: &Http, ws: &str) -> Option<tokio::task::JoinHandle<()>> {
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        return None;
+    }
+    let (c, url, token, ws) = (h.c.clone(), h.url.clone(), h.token.clone(), ws.to_string());
+    let started = std::time::Instant::now();
+    Some(tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            let v: Option<Value> = async {
+                c.get(format!("{}/v1/workspaces/{ws}", url.trim_end_matches('/')))
+                    .bearer_auth(&token)
+                    .send()
+                    .await
+                    .ok()?
+                    .json()
+                    .await
+                    .ok()
+            }
+            .await;
+            if let Some(read) = v.as_ref().and_then(|v| v["stats"]["bytes_read"].as_u64()) {
+                eprint!(
+                    "\r\x1b[Kmounting {ws}: {} read, {:.1} s",
+                    crate::units::fmt_size(read),
+                    started.elapsed().as_secs_f64()
+                );
+            }
+        }
+    }))
+}
+
 fn out(json_out: bool, v: &Value, human: impl FnOnce(&Value) -> String) {
     if json_out {
         println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
@@ -268,7 +302,10 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                         None => None,
                     };
                     let body = json!({"backend": backend, "mkfs": mkfs, "target": target, "read_only": read_only});
-                    h.call(M::POST, &ws_path(&ws, "/mount"), Some(body)).await?
+                    let ticker = poll_mount(&h, &ws);
+                    let r = h.call(M::POST, &ws_path(&ws, "/mount"), Some(body)).await;
+                    crate::end_progress(ticker);
+                    r?
                 }
                 WsCmd::Umount { dir_or_ws } => {
                     // A directory names the mount whose target (or own directory) it is.

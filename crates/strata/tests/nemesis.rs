@@ -745,6 +745,20 @@ async fn nemesis() {
         if !lock(&c.tally.failures).is_empty() {
             break;
         }
+        // Running figures, so that a long run cut short still reports what it checked.
+        if (step + 1) % 100 == 0 {
+            let t = &c.tally;
+            eprintln!(
+                "nemesis: after {} steps ({:.0} s): {} operations, {} writes covered by a FLUSH or FUA checked, {} block reads verified, {} lost, {} wrong",
+                step + 1,
+                started.elapsed().as_secs_f64(),
+                lock(&t.ops).values().sum::<u64>(),
+                t.flushed_writes.load(SeqCst),
+                t.verified.load(SeqCst),
+                t.lost.load(SeqCst),
+                t.wrong.load(SeqCst)
+            );
+        }
     }
     let t = &c.tally;
     let ops = lock(&t.ops).clone();
