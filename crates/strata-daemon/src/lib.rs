@@ -143,7 +143,10 @@ impl Daemon {
             metrics_hash: hash(&cfg.metrics_token),
             run_dir,
             import_dir: cfg.import_dir,
-            mount_root: cfg.mount_root,
+            // The operator's path, resolved once: tenants' targets are compared with it.
+            mount_root: cfg
+                .mount_root
+                .map(|r| std::fs::canonicalize(&r).unwrap_or(r)),
             template_max_bytes: cfg.template_max_bytes.unwrap_or(TEMPLATE_MAX_BYTES),
             builds: Arc::new(tokio::sync::Semaphore::new(TEMPLATE_BUILDS)),
             exports: Default::default(),
@@ -273,7 +276,7 @@ impl Daemon {
                 let ws = w.file_name().to_string_lossy().into_owned();
                 if !w.path().join("state.json").exists()
                     || resumed.contains(&(tenant.clone(), ws.clone()))
-                    || self.is_mounted(&tenant, &ws)
+                    || self.has_mount_record(&tenant, &ws)
                 {
                     continue;
                 }

@@ -12,13 +12,18 @@
 //!          connection, its loop device, the ext4 on it), thaw, then mount again
 //! ```
 //!
-//! The internal directories never come from names (`{h}` hashes tenant and workspace). A
-//! tenant may name only a bind target, which must be an empty directory under the operator's
-//! `--mount-root` once symlinks are resolved; without a mount root, no target is accepted.
+//! Mounts are off unless the operator gives a `--mount-root` (the host kernel then parses
+//! filesystems whose bytes a tenant wrote). The internal directories never come from names
+//! (`{h}` hashes tenant and workspace). A tenant names only a bind target: an empty directory
+//! under its own `ROOT/{tenant}/`, resolved with no symlink, no `..` and no mount crossed, and
+//! bound through the descriptor that was checked (`mount/host.rs`). While a recorded mount is
+//! down (daemon stopped, remount failed) its target is covered by a read-only placeholder, so
+//! a sandbox's writes there fail instead of landing in the host directory underneath.
 //! A mounted workspace is not exported over NBD and cannot be detached, deleted or rolled
 //! back (any of those would change the disk under a mounted filesystem): umount first.
 
 pub(crate) mod fuse;
+pub(crate) mod host;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -82,8 +87,8 @@ pub(crate) struct Mounted {
 }
 
 const FSTYPE: &str = "ext4";
-/// A blank volume reads as zeros over its first MiB (where every filesystem puts its label).
-const BLANK_PROBE: u64 = 1 << 20;
+/// Mounts a node holds at once (each is a loop device, a FUSE session and a kernel filesystem).
+pub const MAX_MOUNTS: usize = 128;
 
 fn conflict(msg: String) -> ApiError {
     ApiError::new(StatusCode::CONFLICT, "conflict", msg)
@@ -111,12 +116,12 @@ async fn run(cmd: &str, args: &[&str]) -> Result<String, ApiError> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
-/// Freezes (`true`) or thaws the filesystem mounted at `dir`.
-async fn fsfreeze(dir: &Path, freeze: bool) -> Result<(), ApiError> {
-    let d = dir.to_string_lossy();
-    run("fsfreeze", &[if freeze { "-f" } else { "-u" }, &d])
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
         .await
-        .map(drop)
+        .map_err(|e| ApiError::internal(format!("blocking task: {e}")))
 }
 
 /// The loop device's backing file as the kernel reports it.
@@ -129,6 +134,13 @@ fn loop_backing(dev: &str) -> Option<PathBuf> {
 }
 
 async fn loop_detach(dev: &str, file: &Path) {
+    loop_detach_within(dev, file, 250).await
+}
+
+/// Detaches, then waits up to `polls` × 20 ms for the kernel to release the file. A device
+/// still held (a dead mount at a target pins it until that target is unmounted) is left to
+/// autoclear.
+async fn loop_detach_within(dev: &str, file: &Path, polls: u32) {
     // Only a device still backed by our file: after a crash the number may be someone else's.
     if loop_backing(dev).as_deref() != Some(file) {
         return;
@@ -137,33 +149,26 @@ async fn loop_detach(dev: &str, file: &Path) {
         tracing::warn!(device = dev, error = %e.message, "detaching loop device failed");
     }
     // The kernel releases the file asynchronously; wait for it (bounded).
-    for _ in 0..250 {
+    for _ in 0..polls {
         if loop_backing(dev).as_deref() != Some(file) {
             return;
         }
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-    tracing::warn!(device = dev, "loop device still bound after detach");
-}
-
-async fn unmount(dir: PathBuf) {
-    let _ = tokio::task::spawn_blocking(move || fuse::unmount_retrying(&dir)).await;
+    tracing::info!(
+        device = dev,
+        "loop device still held after detach: it clears when its last user goes"
+    );
 }
 
 fn unmount_now(dir: &Path) -> std::io::Result<()> {
-    match rustix::mount::unmount(dir, rustix::mount::UnmountFlags::empty()) {
+    match rustix::mount::unmount(dir, rustix::mount::UnmountFlags::NOFOLLOW) {
         Ok(()) | Err(rustix::io::Errno::INVAL) | Err(rustix::io::Errno::NOENT) => Ok(()),
         Err(e) => Err(e.into()),
     }
 }
 
-fn is_mount_point(dir: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    match (std::fs::metadata(dir), dir.parent().map(std::fs::metadata)) {
-        (Ok(a), Some(Ok(b))) => a.dev() != b.dev() || a.ino() == b.ino(),
-        _ => false,
-    }
-}
+use host::is_mount_point;
 
 fn write_record(path: &Path, info: &MountInfo) -> std::io::Result<()> {
     use std::io::Write;
@@ -218,41 +223,32 @@ impl Daemon {
         self.engine.config().data_dir.join("mounts").join(h)
     }
 
-    /// Resolves a tenant-named bind target: an existing, empty, unmounted directory under the
-    /// mount root once symlinks are resolved.
-    fn check_target(&self, target: &str) -> Result<PathBuf, ApiError> {
-        let Some(root) = &self.mount_root else {
-            return Err(ApiError::new(
+    fn mount_root(&self) -> Result<&PathBuf, ApiError> {
+        self.mount_root.as_ref().ok_or_else(|| {
+            ApiError::new(
                 StatusCode::FORBIDDEN,
                 "forbidden",
-                "this node has no --mount-root: mount targets are not accepted",
-            ));
-        };
-        let bad = |why: &str| ApiError::invalid(format!("mount target {target:?} {why}"));
-        let p = Path::new(target);
-        if !p.is_absolute() || target.len() > 4096 {
-            return Err(bad("must be an absolute path"));
-        }
-        let root = std::fs::canonicalize(root).map_err(io_err("mount root"))?;
-        let c = std::fs::canonicalize(p).map_err(|_| bad("does not exist"))?;
-        if c == root || !c.starts_with(&root) {
-            return Err(bad("is not under the node's mount root"));
-        }
-        let md = std::fs::metadata(&c).map_err(|_| bad("does not exist"))?;
-        if !md.is_dir() {
-            return Err(bad("is not a directory"));
-        }
-        if is_mount_point(&c) {
-            return Err(bad("is already a mount point"));
-        }
-        if std::fs::read_dir(&c)
-            .map_err(|_| bad("cannot be read"))?
-            .next()
-            .is_some()
-        {
-            return Err(bad("is not empty"));
-        }
-        Ok(c)
+                "mounts are off on this node: the operator enables them with --mount-root",
+            )
+        })
+    }
+
+    /// Checks a tenant-named bind target (again at bind time, under the bind lock).
+    async fn check_target(&self, t: &str, target: &str) -> Result<String, ApiError> {
+        let root = self.mount_root()?.clone();
+        let (t, target) = (t.to_string(), target.to_string());
+        let troot = host::tenant_root(&root, &t);
+        blocking(move || {
+            host::open_target(&root, &t, &target, false)
+                .map(|_| target.clone())
+                .map_err(|_| {
+                    ApiError::invalid(format!(
+                        "mount target {target:?} is not an empty directory under your mount root {} (no symlinks, no mount points on the way)",
+                        troot.display()
+                    ))
+                })
+        })
+        .await?
     }
 
     /// Mounts a workspace on this node (idempotent for the same request).
@@ -276,18 +272,20 @@ impl Daemon {
                 )));
             }
         }
-        let target = req.target.as_deref().map(|t| self.check_target(t));
+        self.mount_root()?;
+        let target = match req.target.as_deref() {
+            Some(tg) => Some(self.check_target(t, tg).await),
+            None => None,
+        };
         let (d, t, ws) = (self.clone(), t.to_string(), ws.to_string());
         own_task(async move {
             let k = (t.clone(), ws.clone());
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
             if let Some(m) = d.lock_mounts().get(&k) {
-                let same = match &target {
-                    None => true,
-                    Some(Ok(p)) => m.info.target.as_deref() == Some(&*p.to_string_lossy()),
-                    Some(Err(_)) => m.info.target.as_deref() == req.target.as_deref(),
-                };
+                // The same request again (its target is a mount point now, so it no longer
+                // passes the check: compare what was asked).
+                let same = req.target.is_none() || m.info.target.as_deref() == req.target.as_deref();
                 return if same && m.info.read_only == req.read_only {
                     Ok(m.info.clone())
                 } else {
@@ -298,6 +296,13 @@ impl Daemon {
                 };
             }
             let target = target.transpose()?;
+            if d.lock_mounts().len() >= MAX_MOUNTS {
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "busy",
+                    format!("this node holds {MAX_MOUNTS} mounts already"),
+                ));
+            }
             if d.export_uri(&t, &ws).is_some() {
                 return Err(conflict(format!(
                     "workspace {ws:?} is attached over NBD: detach it before mounting"
@@ -308,14 +313,14 @@ impl Daemon {
                 workspace: ws.clone(),
                 backend: req.backend,
                 dir: d.mount_home(&t, &ws).join("fs").display().to_string(),
-                target: target.map(|p| p.display().to_string()),
+                target,
                 device: None,
                 fstype: FSTYPE.into(),
                 read_only: req.read_only,
             };
             let was_attached = d.engine.volume(&t, &ws).is_some();
             let vol = d.engine.attach(&t, &ws).await?;
-            match d.bring_up(info, vol, req.mkfs.is_some()).await {
+            match d.bring_up(info, vol, req.mkfs.is_some(), false).await {
                 Ok(m) => {
                     let info = m.info.clone();
                     d.lock_mounts().insert(k, m);
@@ -335,13 +340,17 @@ impl Daemon {
     }
 
     /// FUSE export, loop device, (mkfs), mount, bind, record; undoes what it did on failure.
+    /// `again`: a remount after a restart (the target may still be covered by a placeholder or
+    /// a dead mount, which the new bind covers in turn).
     async fn bring_up(
         &self,
         mut info: MountInfo,
         vol: Arc<Volume>,
         mkfs: bool,
+        again: bool,
     ) -> Result<Mounted, ApiError> {
         let home = self.mount_home(&info.tenant, &info.workspace);
+        let record = home.join("mount.json");
         let (disk_dir, fs_dir) = (home.join("disk"), PathBuf::from(&info.dir));
         {
             use std::os::unix::fs::DirBuilderExt;
@@ -350,10 +359,10 @@ impl Daemon {
             b.create(&disk_dir).map_err(io_err("mount directory"))?;
             b.create(&fs_dir).map_err(io_err("mount directory"))?;
         }
-        // Whether the disk holds anything, and an ext4 superblock, before the kernel sees it.
-        let probe = BLANK_PROBE.min(vol.size());
+        // Whether the disk holds anything (metadata only: no data is read), and an ext4
+        // superblock, before the kernel sees it.
         let blank = vol
-            .allocation(0, probe)
+            .allocation(0, vol.size())
             .map_err(|e| ApiError::internal(format!("reading the volume: {e}")))?
             .iter()
             .all(|(_, zero)| *zero);
@@ -376,13 +385,24 @@ impl Daemon {
                 info.workspace
             )));
         }
+        // The intent first: a crash from here on leaves a record, and the next start clears
+        // whatever this attempt left (its loop device is found by its backing file).
+        write_record(&record, &info).map_err(io_err("mount record"))?;
         let fuse = {
             let (vol, dir) = (vol.clone(), disk_dir.clone());
             let rt = tokio::runtime::Handle::current();
-            tokio::task::spawn_blocking(move || fuse::FuseDisk::mount(vol, &dir, rt))
-                .await
-                .map_err(|e| ApiError::internal(format!("fuse mount: {e}")))?
-                .map_err(io_err("fuse mount"))?
+            blocking(move || fuse::FuseDisk::mount(vol, &dir, rt))
+                .await?
+                .map_err(io_err("fuse mount"))
+        };
+        let fuse = match fuse {
+            Ok(f) => f,
+            Err(e) => {
+                if !again {
+                    let _ = std::fs::remove_file(&record);
+                }
+                return Err(e);
+            }
         };
         let file = fuse.file.clone();
         let mut m = Mounted {
@@ -392,9 +412,15 @@ impl Daemon {
         };
         let up = async {
             let f = file.to_string_lossy();
-            let dev = run("losetup", &["--find", "--show", &f]).await?;
+            let mut args = vec!["--find", "--show"];
+            if info.read_only {
+                args.push("--read-only");
+            }
+            args.push(&f);
+            let dev = run("losetup", &args).await?;
             info.device = Some(dev.clone());
             m.info.device = Some(dev.clone());
+            write_record(&record, &info).map_err(io_err("mount record"))?;
             if blank && mkfs {
                 run("mkfs.ext4", &["-q", "-F", &dev]).await?;
             }
@@ -407,47 +433,64 @@ impl Daemon {
                 };
             {
                 let (d2, dir) = (dev.clone(), fs_dir.clone());
-                tokio::task::spawn_blocking(move || {
-                    rustix::mount::mount(d2.as_str(), &dir, FSTYPE, flags, None)
-                })
-                .await
-                .map_err(|e| ApiError::internal(format!("mount: {e}")))?
-                .map_err(|e| ApiError::internal(format!("mounting {FSTYPE} from {dev}: {e}")))?;
+                blocking(move || rustix::mount::mount(d2.as_str(), &dir, FSTYPE, flags, None))
+                    .await?
+                    .map_err(|e| {
+                        ApiError::internal(format!("mounting {FSTYPE} from {dev}: {e}"))
+                    })?;
             }
             if let Some(t) = &info.target {
-                let (src, dst) = (fs_dir.clone(), PathBuf::from(t));
-                tokio::task::spawn_blocking(move || rustix::mount::mount_bind(&src, &dst))
-                    .await
-                    .map_err(|e| ApiError::internal(format!("bind: {e}")))?
-                    .map_err(|e| ApiError::internal(format!("binding onto {t}: {e}")))?;
+                let root = self.mount_root()?.clone();
+                let (tenant, t, src) = (info.tenant.clone(), t.clone(), fs_dir.clone());
+                blocking(move || {
+                    let _one = host::BIND_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+                    let fd = host::open_target(&root, &tenant, &t, again).map_err(|_| {
+                        ApiError::invalid(format!(
+                            "mount target {t:?} is no longer an empty directory under your mount root"
+                        ))
+                    })?;
+                    host::bind_onto(&src, &fd)
+                        .map_err(|e| ApiError::internal(format!("binding onto {t}: {e}")))
+                })
+                .await??;
             }
-            write_record(&home.join("mount.json"), &info).map_err(io_err("mount record"))?;
             Ok::<(), ApiError>(())
         };
         match up.await {
             Ok(()) => Ok(m),
             Err(e) => {
                 self.tear_down(&mut m).await;
-                let _ = std::fs::remove_file(home.join("mount.json"));
+                if !again {
+                    let _ = std::fs::remove_file(&record);
+                }
                 Err(e)
             }
         }
     }
 
-    /// Unmounts every layer of a mount (best effort, in order; lazily where busy). The record
-    /// stays: the caller forgets it when that is what it means.
+    /// Unmounts this mount's own layers (its bind, the filesystem, the loop device, the FUSE
+    /// export), best effort, in order, lazily where busy; leaves whatever was at the target
+    /// before the bind. The record stays: the caller forgets it when that is what it means.
     async fn tear_down(&self, m: &mut Mounted) {
-        if let Some(t) = &m.info.target {
-            if is_mount_point(Path::new(t)) {
-                unmount(PathBuf::from(t)).await;
+        let (target, dir) = (m.info.target.clone(), PathBuf::from(&m.info.dir));
+        let _ = blocking(move || {
+            if let Some(t) = target {
+                let t = PathBuf::from(t);
+                if is_mount_point(&t) && unmount_now(&t).is_err() {
+                    let _ = rustix::mount::unmount(
+                        &t,
+                        rustix::mount::UnmountFlags::NOFOLLOW | rustix::mount::UnmountFlags::DETACH,
+                    );
+                }
             }
-        }
-        unmount(PathBuf::from(&m.info.dir)).await;
+            fuse::unmount_retrying(&dir);
+        })
+        .await;
         if let (Some(dev), Some(f)) = (&m.info.device, &m.fuse) {
             loop_detach(dev, &f.file).await;
         }
         if let Some(f) = m.fuse.take() {
-            let _ = tokio::task::spawn_blocking(move || f.unmount()).await;
+            let _ = blocking(move || f.unmount()).await;
         }
         if let Err(e) = m.vol.flush().await {
             tracing::warn!(workspace = m.info.workspace, error = %e, "flush after unmount failed");
@@ -471,29 +514,38 @@ impl Daemon {
                     "workspace {ws:?} is not mounted on this node"
                 )));
             };
-            // A busy filesystem (a process still inside it) stays mounted: say so.
-            let busy = |dir: &str| {
-                unmount_now(Path::new(dir)).map_err(|e| {
-                    conflict(format!(
-                        "cannot unmount {dir}: {e} (is something using it?)"
-                    ))
-                })
-            };
-            let first = match &m.info.target {
-                Some(t) => busy(t),
-                None => Ok(()),
-            }
-            .and_then(|()| busy(&m.info.dir));
-            if let Err(e) = first {
-                if let Some(tg) = &m.info.target {
-                    if !is_mount_point(Path::new(tg)) {
-                        let _ = rustix::mount::mount_bind(Path::new(&m.info.dir), Path::new(tg));
+            // A busy filesystem (a process still inside it) stays mounted: say so. The unmount
+            // syncs the filesystem through FUSE tasks, so it runs off the runtime's workers.
+            let (target, dir) = (m.info.target.clone(), m.info.dir.clone());
+            let first = blocking(move || {
+                let busy = |p: &str| {
+                    unmount_now(Path::new(p)).map_err(|e| {
+                        conflict(format!("cannot unmount {p}: {e} (is something using it?)"))
+                    })
+                };
+                if let Some(tg) = &target {
+                    busy(tg)?;
+                }
+                match busy(&dir) {
+                    Ok(()) => Ok(()),
+                    Err(e) => {
+                        if let Some(tg) = &target {
+                            let _ = rustix::mount::mount_bind(Path::new(&dir), Path::new(tg));
+                        }
+                        Err(e)
                     }
                 }
+            })
+            .await?;
+            if let Err(e) = first {
                 d.lock_mounts().insert(k, m);
                 return Err(e);
             }
             d.tear_down(&mut m).await;
+            // Layers left under the bind by an earlier crash (a placeholder, a dead mount).
+            if let Some(tg) = m.info.target.clone() {
+                let _ = blocking(move || host::unmount_all(Path::new(&tg))).await;
+            }
             let home = d.mount_home(&t, &ws);
             let _ = std::fs::remove_file(home.join("mount.json"));
             let _ = std::fs::File::open(&home).and_then(|f| f.sync_all());
@@ -519,44 +571,47 @@ impl Daemon {
         let (d, t, ws) = (self.clone(), t.to_string(), ws.to_string());
         own_task(async move {
             let k = (t.clone(), ws.clone());
-            let mounted = if freeze {
-                let lock = d.op_lock(&k);
-                let op = lock.clone().lock_owned().await;
-                let m = d
-                    .lock_mounts()
+            // Only a mounted workspace waits for its op lock (a mount or umount in progress).
+            let mounted = if freeze && d.is_mounted(&t, &ws) {
+                let op = d.op_lock(&k).lock_owned().await;
+                d.lock_mounts()
                     .get(&k)
-                    .map(|m| (PathBuf::from(&m.info.dir), m.vol.clone()));
-                m.map(|m| (m, op))
+                    .and_then(|m| {
+                        let dev = m.info.device.clone()?;
+                        Some((PathBuf::from(&m.info.dir), dev, m.vol.clone()))
+                    })
+                    .map(|m| (m, op))
             } else {
                 None
             };
-            let Some(((dir, vol), _op)) = mounted else {
+            let Some(((dir, dev, vol), _op)) = mounted else {
                 return Ok(d.engine.checkpoint_with(&t, &ws, label, keep_until).await?);
             };
             if let Some(l) = &label {
                 strata_format::name::validate_label(l).map_err(strata_engine::Error::from)?;
             }
-            fsfreeze(&dir, true).await?;
+            // FIFREEZE syncs the filesystem through this daemon's FUSE tasks: off the workers.
+            let frozen = blocking(move || host::Frozen::freeze(&dir, &dev))
+                .await?
+                .map_err(|e| ApiError::internal(format!("freezing the filesystem: {e}")))?;
             let (tx, rx) = tokio::sync::oneshot::channel();
-            let cp = tokio::spawn(async move { vol.checkpoint_reporting_cut(label, keep_until, tx).await });
+            let cp =
+                tokio::spawn(
+                    async move { vol.checkpoint_reporting_cut(label, keep_until, tx).await },
+                );
             // Thawed at the cut, or when the checkpoint failed before it: never left frozen.
             let _ = rx.await;
-            let mut thawed = fsfreeze(&dir, false).await;
-            for _ in 0..10 {
-                if thawed.is_ok() {
-                    break;
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                thawed = fsfreeze(&dir, false).await;
-            }
-            if let Err(e) = thawed {
-                tracing::error!(workspace = ws, error = %e.message, "thawing the filesystem failed");
-            }
+            let _ = blocking(move || frozen.thaw()).await;
             cp.await
                 .map_err(|e| ApiError::internal(format!("checkpoint task: {e}")))?
                 .map_err(ApiError::from)
         })
         .await
+    }
+
+    /// Whether a mount record exists for the workspace (mounted, or to be mounted again).
+    pub(crate) fn has_mount_record(&self, t: &str, ws: &str) -> bool {
+        self.mount_home(t, ws).join("mount.json").exists()
     }
 
     /// After a restart (clean or kill -9): clears what a previous run left of each recorded
@@ -576,76 +631,84 @@ impl Daemon {
                 continue;
             };
             // The record must be this node's own, at its own place.
-            if self.mount_home(&info.tenant, &info.workspace) != e.path() {
+            if self.mount_home(&info.tenant, &info.workspace) != e.path()
+                || Path::new(&info.dir) != e.path().join("fs")
+            {
                 tracing::warn!(path = %rec.display(), "ignoring a mount record in the wrong place");
                 continue;
             }
-            self.clear_stale(&info, &e.path()).await;
-            let req = MountRequest {
-                backend: info.backend,
-                mkfs: None,
-                target: None,
-                read_only: info.read_only,
-            };
-            let _ = std::fs::remove_file(&rec);
+            self.clear_stale(&e.path()).await;
             let k = (info.tenant.clone(), info.workspace.clone());
-            // The target was checked when it was first named; it is bound again as it was.
-            match self.remount(&info, req).await {
+            match self.remount(&info).await {
                 Ok(_) => done.push(k),
                 Err(err) => {
-                    tracing::error!(tenant = info.tenant, workspace = info.workspace, error = %err.message, "not remounting workspace");
-                    // Keep the record: the operator (or the next restart) retries.
-                    let _ = write_record(&rec, &info);
+                    tracing::error!(tenant = info.tenant, workspace = info.workspace, error = %err.message, "not remounting workspace; its record stays (the next start retries)");
+                    // Keep the target covered: nothing a sandbox writes there may land on the
+                    // host directory underneath.
+                    if let Some(t) = info.target.clone() {
+                        let _ = blocking(move || {
+                            let t = Path::new(&t);
+                            if !is_mount_point(t) {
+                                let _ = host::placeholder(t);
+                            }
+                        })
+                        .await;
+                    }
                 }
             }
         }
         done
     }
 
-    async fn remount(
-        self: &Arc<Self>,
-        info: &MountInfo,
-        req: MountRequest,
-    ) -> Result<MountInfo, ApiError> {
-        let (d, info, _req) = (self.clone(), info.clone(), req);
+    async fn remount(self: &Arc<Self>, info: &MountInfo) -> Result<MountInfo, ApiError> {
+        let (d, info) = (self.clone(), info.clone());
         own_task(async move {
             let k = (info.tenant.clone(), info.workspace.clone());
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
+            let was_attached = d.engine.volume(&info.tenant, &info.workspace).is_some();
             let vol = d.engine.attach(&info.tenant, &info.workspace).await?;
             let mut fresh = info.clone();
             fresh.device = None;
-            let m = d.bring_up(fresh, vol, false).await?;
-            let out = m.info.clone();
-            d.lock_mounts().insert(k, m);
-            Ok(out)
+            match d.bring_up(fresh, vol, false, true).await {
+                Ok(m) => {
+                    let out = m.info.clone();
+                    d.lock_mounts().insert(k, m);
+                    Ok(out)
+                }
+                Err(e) => {
+                    if !was_attached {
+                        let _ = d.engine.detach(&info.tenant, &info.workspace).await;
+                    }
+                    Err(e)
+                }
+            }
         })
         .await
     }
 
-    /// What a dead run leaves: a frozen or mounted ext4 on a loop device whose FUSE connection
-    /// is gone. Everything is detached lazily; nothing a sandbox fsync'd is lost (it reached
-    /// the volume before the fsync returned).
-    async fn clear_stale(&self, info: &MountInfo, home: &Path) {
-        if let Some(t) = &info.target {
-            if is_mount_point(Path::new(t)) {
-                let _ = rustix::mount::unmount(Path::new(t), rustix::mount::UnmountFlags::DETACH);
-            }
-        }
-        let fs_dir = PathBuf::from(&info.dir);
-        if is_mount_point(&fs_dir) {
-            // Frozen if the crash came mid-checkpoint (thawing an unfrozen one just fails).
-            let _ = tokio::process::Command::new("fsfreeze")
-                .arg("-u")
-                .arg(&fs_dir)
-                .output()
-                .await;
-            let _ = rustix::mount::unmount(&fs_dir, rustix::mount::UnmountFlags::DETACH);
-        }
+    /// What a dead run leaves under a mount's home: a (maybe frozen) ext4 on a loop device whose
+    /// FUSE connection is gone. All of it is detached lazily; nothing a sandbox fsync'd is lost
+    /// (it reached the volume before the fsync returned). The target is left as it is (a dead
+    /// mount answers ENOTCONN or EIO, a placeholder EROFS): the new bind covers it.
+    async fn clear_stale(&self, home: &Path) {
+        let fs_dir = home.join("fs");
         let disk_dir = home.join("disk");
-        // Every loop device over a disk of ours (the record may predate its device, if the
-        // crash came mid-mount).
-        let mounts_root = self.engine.config().data_dir.join("mounts");
+        {
+            let fs_dir = fs_dir.clone();
+            let _ = blocking(move || {
+                if is_mount_point(&fs_dir) {
+                    host::thaw_path(&fs_dir);
+                    let _ = rustix::mount::unmount(
+                        &fs_dir,
+                        rustix::mount::UnmountFlags::DETACH | rustix::mount::UnmountFlags::NOFOLLOW,
+                    );
+                }
+            })
+            .await;
+        }
+        // Every loop device over this home's disk (the crash may have come before the record
+        // named its device).
         if let Ok(rd) = std::fs::read_dir("/sys/block") {
             for e in rd.flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
@@ -653,10 +716,8 @@ impl Daemon {
                     continue;
                 }
                 let dev = format!("/dev/{name}");
-                if let Some(f) = loop_backing(&dev).filter(|f| f.starts_with(&mounts_root)) {
-                    if f.starts_with(&disk_dir) {
-                        loop_detach(&dev, &f).await;
-                    }
+                if let Some(f) = loop_backing(&dev).filter(|f| f.starts_with(&disk_dir)) {
+                    loop_detach_within(&dev, &f, 10).await;
                 }
             }
         }
@@ -664,12 +725,29 @@ impl Daemon {
         let _ = rustix::mount::unmount(&disk_dir, rustix::mount::UnmountFlags::DETACH);
     }
 
-    /// Orderly stop: unmounts every mount cleanly (its filesystem synced to the volume), keeping
-    /// the records so that the next start mounts them again.
+    /// Orderly stop: unmounts every mount cleanly (its filesystem synced to the volume), each
+    /// under its op lock (a checkpoint's freeze finishes first), covers each target with a
+    /// read-only placeholder, and keeps the records so that the next start mounts them again.
     pub(crate) async fn stop_all_mounts(&self) {
-        let all: Vec<(Key, Mounted)> = self.lock_mounts().drain().collect();
-        for (_, mut m) in all {
+        let keys: Vec<Key> = self.lock_mounts().keys().cloned().collect();
+        for k in keys {
+            let lock = self.op_lock(&k);
+            let _op = lock.lock().await;
+            let Some(mut m) = self.lock_mounts().remove(&k) else {
+                continue;
+            };
             self.tear_down(&mut m).await;
+            if let Some(t) = m.info.target.clone() {
+                let _ = blocking(move || {
+                    let t = Path::new(&t);
+                    if !is_mount_point(t) {
+                        if let Err(e) = host::placeholder(t) {
+                            tracing::warn!(target = %t.display(), error = %e, "covering an unmounted target failed");
+                        }
+                    }
+                })
+                .await;
+            }
         }
     }
 }

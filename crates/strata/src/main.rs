@@ -149,7 +149,8 @@ enum WsCmd {
     },
     /// Mounts the workspace's filesystem on this host (daemon only): attaches it, makes the
     /// filesystem if asked and the volume is blank, mounts it, and binds it onto DIR if given
-    /// (DIR must be under the daemon's --mount-root). The daemon remounts it after a restart.
+    /// (DIR must be under the daemon's --mount-root, in ROOT/TENANT/). The daemon remounts it
+    /// after a restart.
     Mount {
         ws: String,
         dir: Option<PathBuf>,

@@ -298,7 +298,12 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                 WsCmd::Thaw { ws } => h.call(M::POST, &ws_path(&ws, "/thaw"), Some(json!({}))).await?,
                 WsCmd::Mount { ws, dir, backend, mkfs, read_only } => {
                     let target = match dir {
-                        Some(d) => Some(std::path::absolute(&d)?.display().to_string()),
+                        Some(d) => Some(
+                            std::fs::canonicalize(&d)
+                                .map_err(|e| anyhow::anyhow!("{}: {e}", d.display()))?
+                                .display()
+                                .to_string(),
+                        ),
                         None => None,
                     };
                     let body = json!({"backend": backend, "mkfs": mkfs, "target": target, "read_only": read_only});
@@ -308,19 +313,24 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                     r?
                 }
                 WsCmd::Umount { dir_or_ws } => {
-                    // A directory names the mount whose target (or own directory) it is.
-                    let mounts = h.call(M::GET, "/v1/mounts", None).await?;
-                    let abs = std::path::absolute(&dir_or_ws).ok().map(|p| p.display().to_string());
-                    let ws = mounts
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .find(|m| {
-                            abs.is_some()
-                                && (m["target"].as_str() == abs.as_deref() || m["dir"].as_str() == abs.as_deref())
-                        })
-                        .and_then(|m| m["workspace"].as_str().map(str::to_string))
-                        .unwrap_or(dir_or_ws);
+                    // An argument with a slash is a directory: the mount whose target (or own
+                    // directory) it is, symlinks resolved; anything else is a workspace name.
+                    let ws = if dir_or_ws.contains('/') {
+                        let dir = std::fs::canonicalize(&dir_or_ws)
+                            .map_err(|e| anyhow::anyhow!("{dir_or_ws}: {e}"))?
+                            .display()
+                            .to_string();
+                        let mounts = h.call(M::GET, "/v1/mounts", None).await?;
+                        mounts
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .find(|m| m["target"].as_str() == Some(&*dir) || m["dir"].as_str() == Some(&*dir))
+                            .and_then(|m| m["workspace"].as_str().map(str::to_string))
+                            .ok_or_else(|| anyhow::anyhow!("no workspace of yours is mounted at {dir}"))?
+                    } else {
+                        dir_or_ws
+                    };
                     let ticker = poll_remote(&h, &ws);
                     let r = h.call(M::DELETE, &ws_path(&ws, "/mount"), None).await;
                     crate::end_progress(ticker);

@@ -158,8 +158,8 @@ pub struct ServeArgs {
     /// IMPORT/TENANT/ (off by default; tenants otherwise upload the content).
     #[arg(long, env = "STRATA_IMPORT_DIR")]
     import_dir: Option<PathBuf>,
-    /// Mounted workspaces may be bound onto directories under this one (`ws mount WS DIR`);
-    /// off by default: mounts then stay under DATA/mounts.
+    /// Turns mounts on (`ws mount`; the host kernel then parses filesystems tenants wrote):
+    /// tenant T's mounts may be bound onto empty directories under ROOT/T/. Off by default.
     #[arg(long, env = "STRATA_MOUNT_ROOT")]
     mount_root: Option<PathBuf>,
     /// Guest writes get ENOSPC while the data disk has less than this free, so the node's own

@@ -104,6 +104,43 @@ fn leftovers(data: &Path) -> Vec<String> {
     v
 }
 
+/// Clears every mount and loop device under a test's directory when the test ends, passed or
+/// failed (a failed test's daemon dies with its mounts up). Declared after the tempdir, so it
+/// runs first.
+struct Cleanup(PathBuf);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let d = self.0.to_string_lossy().into_owned();
+        let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mut points: Vec<&str> = mi
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|p| p.starts_with(&d))
+            .collect();
+        points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+        for p in points {
+            let _ = std::process::Command::new("umount")
+                .args(["-l", p])
+                .status();
+        }
+        for e in std::fs::read_dir("/sys/block")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
+                if b.contains(&d) {
+                    let dev = format!("/dev/{}", e.file_name().to_string_lossy());
+                    let _ = std::process::Command::new("losetup")
+                        .args(["-d", &dev])
+                        .status();
+                }
+            }
+        }
+    }
+}
+
 /// e2fsck -fn of a workspace's checkpoint `version` (head if None), read through a fork
 /// attached over NBD: (fsck exit code, its output, whether the journal needs recovery).
 async fn fsck(api: &Api, ws: &str, version: Option<u64>, tmp: &Path) -> (i32, String, bool) {
@@ -178,8 +215,9 @@ async fn mount_checkpoint_fork() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    let _cleanup = Cleanup(tmp.path().to_path_buf());
     let (data, root) = (tmp.path().join("data"), tmp.path().join("root"));
-    let (a, b) = (root.join("a"), root.join("b"));
+    let (a, b) = (root.join("t/a"), root.join("t/b"));
     std::fs::create_dir_all(&a).unwrap();
     std::fs::create_dir_all(&b).unwrap();
     let d = serve(&data, &["--mount-root", root.to_str().unwrap()]);
@@ -254,12 +292,20 @@ async fn mount_checkpoint_fork() {
     let (s, v) = api.get("/v1/mounts").await;
     assert_eq!(s, StatusCode::OK);
     assert_eq!(v.as_array().map(|a| a.len()), Some(2), "{v}");
+    // A crash-consistent checkpoint on request works too (its image may need replay).
+    let (s, v) = api
+        .post("/v1/workspaces/w/checkpoint", json!({"no_freeze": true}))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
     umount(&api, "w2").await;
     umount(&api, "w").await;
     assert!(!is_mount_point(&a) && !is_mount_point(&b));
     assert_eq!(leftovers(&data), Vec::<String>::new());
-    let (code, out, _) = fsck(&api, "w", None, tmp.path()).await;
-    assert_eq!(code, 0, "unmounted workspace is not clean:\n{out}");
+    let (code, out, recovery) = fsck(&api, "w", None, tmp.path()).await;
+    assert!(
+        code == 0 && !recovery,
+        "umount did not leave the filesystem clean:\n{out}"
+    );
 }
 
 /// Refusals: a tenant names no host path outside the mount root, and nothing changes the disk
@@ -270,24 +316,30 @@ async fn mount_refusals() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    let _cleanup = Cleanup(tmp.path().to_path_buf());
     let (data, root) = (tmp.path().join("data"), tmp.path().join("root"));
     let outside = tmp.path().join("outside");
-    for d in [root.join("ok"), root.join("full"), outside.clone()] {
+    let mine = root.join("t");
+    for d in [
+        mine.join("ok"),
+        mine.join("full"),
+        mine.join("deep/x"),
+        outside.clone(),
+        root.join("u/theirs"),
+    ] {
         std::fs::create_dir_all(d).unwrap();
     }
-    std::fs::write(root.join("full/x"), b"x").unwrap();
-    std::os::unix::fs::symlink(&outside, root.join("link")).unwrap();
-    // Without a mount root, no target at all.
+    std::fs::write(mine.join("full/x"), b"x").unwrap();
+    std::os::unix::fs::symlink(&outside, mine.join("link")).unwrap();
+    std::os::unix::fs::symlink(&outside, mine.join("deep/via")).unwrap();
+    // Without a mount root, no mounts at all.
     {
         let d = serve(&tmp.path().join("data0"), &[]);
         let api = tenant(&d.url, "t").await;
         api.post("/v1/workspaces", json!({"name": "w", "size": SIZE}))
             .await;
         let (s, v) = api
-            .post(
-                "/v1/workspaces/w/mount",
-                json!({"target": root.join("ok"), "mkfs": "ext4"}),
-            )
+            .post("/v1/workspaces/w/mount", json!({"mkfs": "ext4"}))
             .await;
         assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
     }
@@ -301,11 +353,14 @@ async fn mount_refusals() {
     let mnt = |t: PathBuf| json!({"target": t, "mkfs": "ext4"});
     for (target, why) in [
         (outside.clone(), "outside the root"),
-        (root.join("ok/../../outside"), "dot-dot out of the root"),
-        (root.join("link"), "a symlink out of the root"),
-        (root.join("missing"), "missing"),
-        (root.join("full"), "not empty"),
-        (root.clone(), "the root itself"),
+        (mine.join("ok/../../outside"), "dot-dot out of the root"),
+        (mine.join("link"), "a symlink out of the root"),
+        (mine.join("deep/via/x"), "through a symlink"),
+        (mine.join("missing"), "missing"),
+        (mine.join("full"), "not empty"),
+        (mine.clone(), "the tenant root itself"),
+        (root.join("u/theirs"), "another tenant's root"),
+        (root.clone(), "the node's mount root"),
         (PathBuf::from("relative/dir"), "relative"),
     ] {
         let (s, v) = api.post("/v1/workspaces/w/mount", mnt(target)).await;
@@ -314,13 +369,13 @@ async fn mount_refusals() {
     let (s, v) = api
         .post(
             "/v1/workspaces/w/mount",
-            json!({"target": root.join("ok"), "mkfs": "xfs"}),
+            json!({"target": mine.join("ok"), "mkfs": "xfs"}),
         )
         .await;
     assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
     // A blank volume is formatted only when asked.
     let (s, v) = api
-        .post("/v1/workspaces/w/mount", json!({"target": root.join("ok")}))
+        .post("/v1/workspaces/w/mount", json!({"target": mine.join("ok")}))
         .await;
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
     let (s, v) = api
@@ -335,17 +390,40 @@ async fn mount_refusals() {
         Vec::<String>::new(),
         "failed mounts left state"
     );
-    // Another tenant's workspace is not there.
+    // Another tenant's workspace is not there; its targets are not under its root.
     let (s, _) = other
-        .post("/v1/workspaces/w/mount", mnt(root.join("ok")))
+        .post("/v1/workspaces/w/mount", mnt(mine.join("ok")))
         .await;
     assert_eq!(s, StatusCode::NOT_FOUND);
-    mount(&api, "w", &root.join("ok"), true).await;
+    other
+        .post("/v1/workspaces", json!({"name": "x", "size": SIZE}))
+        .await;
+    let (s, v) = other
+        .post("/v1/workspaces/x/mount", mnt(mine.join("ok")))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    mount(&api, "w", &mine.join("ok"), true).await;
+    // Nothing binds inside a mounted workspace (whose contents its sandbox controls).
+    std::fs::create_dir_all(mine.join("ok/inner")).unwrap();
+    api.post("/v1/workspaces", json!({"name": "w2", "size": SIZE}))
+        .await;
+    let (s, v) = api
+        .post("/v1/workspaces/w2/mount", mnt(mine.join("ok/inner")))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    let (s, v) = api
+        .post("/v1/workspaces/w2/mount", mnt(mine.join("ok")))
+        .await;
+    assert_eq!(
+        s,
+        StatusCode::BAD_REQUEST,
+        "a target that is a mount point: {v}"
+    );
     let (s, _) = other.delete("/v1/workspaces/w/mount").await;
     assert_eq!(s, StatusCode::NOT_FOUND);
     // Idempotent for the same request; another target is a conflict.
     let (s, v) = api
-        .post("/v1/workspaces/w/mount", mnt(root.join("ok")))
+        .post("/v1/workspaces/w/mount", mnt(mine.join("ok")))
         .await;
     assert_eq!(s, StatusCode::OK, "{v}");
     let (s, v) = api
@@ -368,14 +446,14 @@ async fn mount_refusals() {
     let (s, v) = api.delete("/v1/workspaces/w").await;
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
     // A busy filesystem stays mounted, and says so.
-    let busy = std::fs::File::open(root.join("ok")).unwrap();
+    let busy = std::fs::File::open(mine.join("ok")).unwrap();
     let cwd = std::process::Command::new("sleep")
         .arg("30")
-        .current_dir(root.join("ok"))
+        .current_dir(mine.join("ok"))
         .spawn();
     let (s, v) = api.delete("/v1/workspaces/w/mount").await;
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
-    assert!(is_mount_point(&root.join("ok")));
+    assert!(is_mount_point(&mine.join("ok")));
     if let Ok(mut c) = cwd {
         let _ = c.kill();
         let _ = c.wait();
@@ -398,8 +476,9 @@ async fn mount_survives_kill_and_stress() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    let _cleanup = Cleanup(tmp.path().to_path_buf());
     let (data, root) = (tmp.path().join("data"), tmp.path().join("root"));
-    let a = root.join("a");
+    let a = root.join("t/a");
     std::fs::create_dir_all(&a).unwrap();
     let args = ["--mount-root", root.to_str().unwrap()];
     let d = serve(&data, &args);
@@ -454,10 +533,11 @@ async fn mount_survives_kill_and_stress() {
     d.signal("TERM");
     let mut d = d;
     let _ = d.child.wait();
-    assert!(
-        !is_mount_point(&a),
-        "a clean stop left the filesystem mounted"
-    );
+    // The target is covered while the daemon is down: a sandbox's write fails (EROFS)
+    // instead of landing in the host directory, where the remount would hide it.
+    assert!(is_mount_point(&a), "a clean stop left the target bare");
+    let e = std::fs::write(a.join("while-down"), b"x").unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(30), "EROFS expected: {e}");
     let d = serve(&data, &args);
     let api = d.api(&token);
     assert!(
@@ -492,11 +572,18 @@ async fn mount_survives_kill_and_stress() {
         eprintln!("SKIPPED: stress-ng is not installed: the file-system stress part did not run");
     }
     assert_eq!(hashes(&a, &files), files, "fsync'd files after stress");
+    // Discards reach the volume (the loop device turns them into PUNCH_HOLE on the file).
+    let (ok, out, err) = bash(format!("fstrim -v {}", a.display())).await;
+    assert!(ok, "fstrim on the mount: {out}{err}");
     umount(&api, "w").await;
+    assert!(
+        !is_mount_point(&a),
+        "layers left at the target after umount"
+    );
     assert_eq!(leftovers(&data), Vec::<String>::new());
-    let (code, out, _) = fsck(&api, "w", None, tmp.path()).await;
-    assert_eq!(
-        code, 0,
+    let (code, out, recovery) = fsck(&api, "w", None, tmp.path()).await;
+    assert!(
+        code == 0 && !recovery,
         "after kill -9, restarts and stress, e2fsck -f:\n{out}"
     );
 }
