@@ -637,6 +637,17 @@ impl Daemon {
                 tracing::warn!(path = %rec.display(), "ignoring a mount record in the wrong place");
                 continue;
             }
+            // A dead mount at the target still takes writes into its page cache (they fail
+            // only at fsync): cover it at once, before anything else.
+            if let Some(t) = info.target.clone() {
+                let _ = blocking(move || {
+                    let t = Path::new(&t);
+                    if t.is_absolute() && t.exists() {
+                        host::cover(t);
+                    }
+                })
+                .await;
+            }
             self.clear_stale(&e.path()).await;
             let k = (info.tenant.clone(), info.workspace.clone());
             match self.remount(&info).await {
@@ -646,13 +657,7 @@ impl Daemon {
                     // Keep the target covered: nothing a sandbox writes there may land on the
                     // host directory underneath.
                     if let Some(t) = info.target.clone() {
-                        let _ = blocking(move || {
-                            let t = Path::new(&t);
-                            if !is_mount_point(t) {
-                                let _ = host::placeholder(t);
-                            }
-                        })
-                        .await;
+                        let _ = blocking(move || host::cover(Path::new(&t))).await;
                     }
                 }
             }
@@ -738,15 +743,7 @@ impl Daemon {
             };
             self.tear_down(&mut m).await;
             if let Some(t) = m.info.target.clone() {
-                let _ = blocking(move || {
-                    let t = Path::new(&t);
-                    if !is_mount_point(t) {
-                        if let Err(e) = host::placeholder(t) {
-                            tracing::warn!(target = %t.display(), error = %e, "covering an unmounted target failed");
-                        }
-                    }
-                })
-                .await;
+                let _ = blocking(move || host::cover(Path::new(&t))).await;
             }
         }
     }

@@ -112,10 +112,38 @@ pub fn is_mount_point(dir: &Path) -> bool {
     mi.lines().any(|l| l.split(' ').nth(4) == Some(&*d))
 }
 
+/// Whether the topmost mount at `dir` is a placeholder (mountinfo lists mounts in the order
+/// they were made, so the last entry at a mount point is the one on top).
+pub fn top_is_placeholder(dir: &Path) -> bool {
+    let Ok(mi) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let d = dir.to_string_lossy();
+    mi.lines()
+        .filter(|l| l.split(' ').nth(4) == Some(&*d))
+        .last()
+        .and_then(|l| l.split(" - ").nth(1))
+        .is_some_and(|rest| {
+            let mut f = rest.split(' ');
+            f.next() == Some("tmpfs") && f.next() == Some(PLACEHOLDER)
+        })
+}
+
+/// Covers `target` with a placeholder unless one is on top already.
+pub fn cover(target: &Path) {
+    if !top_is_placeholder(target) {
+        if let Err(e) = placeholder(target) {
+            tracing::warn!(target = %target.display(), error = %e, "covering a target failed");
+        }
+    }
+}
+
+const PLACEHOLDER: &str = "strata-unmounted";
+
 /// Unmounts every layer at `target` (a bind, a placeholder, a dead mount under them), without
 /// following a symlink there; lazily if busy.
 pub fn unmount_all(target: &Path) {
-    for _ in 0..8 {
+    for _ in 0..64 {
         if !is_mount_point(target) {
             return;
         }
@@ -131,7 +159,7 @@ pub fn unmount_all(target: &Path) {
 pub fn placeholder(target: &Path) -> std::io::Result<()> {
     let flags = MountFlags::RDONLY | MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
     let data = c"size=4k,mode=0555";
-    rustix::mount::mount("strata-unmounted", target, "tmpfs", flags, data).map_err(Into::into)
+    rustix::mount::mount(PLACEHOLDER, target, "tmpfs", flags, data).map_err(Into::into)
 }
 
 const FIFREEZE: libc::c_ulong = 0xC004_5877; // _IOWR('X', 119, int)
