@@ -400,12 +400,10 @@ impl Engine {
             }
         };
         a.task.abort();
+        let _ = a.task.await;
         vol.close();
         self.set_live(&key, None);
-        let res = self
-            .fs
-            .remove_dir_all(vol.dir())
-            .map_err(Error::io("removing local volume state"));
+        let res = self.remove_volume_dir(vol.dir()).await;
         let released = self.catalog.release_lease(tenant, ws, &vol.lease()).await;
         drop(s);
         self.tidy_slot(&key, slot);
@@ -564,6 +562,7 @@ impl Engine {
             if let Some(a) = s.take() {
                 a.vol.seal().await;
                 a.task.abort();
+                let _ = a.task.await;
                 a.vol.close();
                 self.set_live(&key, None);
                 self.catalog
@@ -571,14 +570,31 @@ impl Engine {
                     .await?;
             }
             self.catalog.delete_workspace(tenant, ws).await?;
-            self.fs
-                .remove_dir_all(&self.volume_dir(tenant, ws))
-                .map_err(Error::io("removing local volume state"))
+            self.remove_volume_dir(&self.volume_dir(tenant, ws)).await
         }
         .await;
         drop(s);
         self.tidy_slot(&key, slot);
         res
+    }
+
+    /// Removes a detached volume's directory. Background work of the volume that was already
+    /// running off the runtime when its task was aborted (a segment being cleaned forward, a
+    /// retired one renamed) may still add a file for a moment: the removal is retried until
+    /// the directory is gone (found in the nemesis: "Directory not empty" failed a detach).
+    async fn remove_volume_dir(&self, dir: &std::path::Path) -> Result<()> {
+        let mut tries = 0;
+        loop {
+            match self.fs.remove_dir_all(dir) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::DirectoryNotEmpty && tries < 250 => {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                Err(e) => return Err(Error::io("removing local volume state")(e)),
+            }
+        }
     }
 
     pub async fn workspace(&self, tenant: &str, ws: &str) -> Result<Workspace> {

@@ -120,8 +120,7 @@ pub fn top_is_placeholder(dir: &Path) -> bool {
     };
     let d = dir.to_string_lossy();
     mi.lines()
-        .filter(|l| l.split(' ').nth(4) == Some(&*d))
-        .last()
+        .rfind(|l| l.split(' ').nth(4) == Some(&*d))
         .and_then(|l| l.split(" - ").nth(1))
         .is_some_and(|rest| {
             let mut f = rest.split(' ');
