@@ -76,6 +76,8 @@ pub struct Daemon {
     pub(crate) exports: std::sync::Mutex<HashMap<Key, ExportHandle>>,
     /// Workspaces mounted on this host (`mount.rs`); locked only briefly.
     pub(crate) mounts: std::sync::Mutex<HashMap<Key, mount::Mounted>>,
+    /// Set when the daemon stops: no new mounts.
+    pub(crate) mounts_stopping: std::sync::atomic::AtomicBool,
     /// One lock per workspace: its attach, detach and delete never interleave.
     pub(crate) ops: std::sync::Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
     /// This node's API address, as reported to the `nodes` view.
@@ -151,6 +153,7 @@ impl Daemon {
             builds: Arc::new(tokio::sync::Semaphore::new(TEMPLATE_BUILDS)),
             exports: Default::default(),
             mounts: Default::default(),
+            mounts_stopping: Default::default(),
             ops: Default::default(),
             url: std::sync::Mutex::new(None),
             relay,

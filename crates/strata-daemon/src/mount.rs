@@ -84,6 +84,8 @@ pub(crate) struct Mounted {
     pub info: MountInfo,
     fuse: Option<fuse::FuseDisk>,
     vol: Arc<Volume>,
+    /// This mount's bind is on top of the target (only then is the top layer ours to remove).
+    bound: bool,
 }
 
 const FSTYPE: &str = "ext4";
@@ -198,6 +200,10 @@ impl Daemon {
                 "workspace {ws:?} is mounted at {}: umount it before {what}",
                 m.info.target.as_deref().unwrap_or(&m.info.dir)
             ))),
+            // A mount that is down (its remount failed) is mounted again at the next start.
+            None if self.has_mount_record(t, ws) => Err(conflict(format!(
+                "workspace {ws:?} has a mount that is down (the next start remounts it): umount it before {what}"
+            ))),
             None => Ok(()),
         }
     }
@@ -296,6 +302,18 @@ impl Daemon {
                 };
             }
             let target = target.transpose()?;
+            if d.mounts_stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "busy",
+                    "this node is stopping",
+                ));
+            }
+            if d.has_mount_record(&t, &ws) {
+                return Err(conflict(format!(
+                    "workspace {ws:?} has a mount that is down: umount it first"
+                )));
+            }
             if d.lock_mounts().len() >= MAX_MOUNTS {
                 return Err(ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -349,6 +367,7 @@ impl Daemon {
         mkfs: bool,
         again: bool,
     ) -> Result<Mounted, ApiError> {
+        let root = self.mount_root()?.clone();
         let home = self.mount_home(&info.tenant, &info.workspace);
         let record = home.join("mount.json");
         let (disk_dir, fs_dir) = (home.join("disk"), PathBuf::from(&info.dir));
@@ -409,6 +428,7 @@ impl Daemon {
             info: info.clone(),
             fuse: Some(fuse),
             vol,
+            bound: false,
         };
         let up = async {
             let f = file.to_string_lossy();
@@ -440,7 +460,6 @@ impl Daemon {
                     })?;
             }
             if let Some(t) = &info.target {
-                let root = self.mount_root()?.clone();
                 let (tenant, t, src) = (info.tenant.clone(), t.clone(), fs_dir.clone());
                 blocking(move || {
                     let _one = host::BIND_LOCK.lock().unwrap_or_else(|p| p.into_inner());
@@ -453,6 +472,7 @@ impl Daemon {
                         .map_err(|e| ApiError::internal(format!("binding onto {t}: {e}")))
                 })
                 .await??;
+                m.bound = true;
             }
             Ok::<(), ApiError>(())
         };
@@ -472,8 +492,21 @@ impl Daemon {
     /// export), best effort, in order, lazily where busy; leaves whatever was at the target
     /// before the bind. The record stays: the caller forgets it when that is what it means.
     async fn tear_down(&self, m: &mut Mounted) {
-        let (target, dir) = (m.info.target.clone(), PathBuf::from(&m.info.dir));
+        let target = m.info.target.clone().filter(|_| m.bound);
+        m.bound = false;
+        let dir = PathBuf::from(&m.info.dir);
         let _ = blocking(move || {
+            // Everything the filesystem holds reaches the volume first, even if a copy of the
+            // mount elsewhere (another mount namespace) keeps the filesystem alive.
+            if let Ok(fd) = rustix::fs::open(
+                &dir,
+                rustix::fs::OFlags::RDONLY
+                    | rustix::fs::OFlags::DIRECTORY
+                    | rustix::fs::OFlags::NOFOLLOW,
+                rustix::fs::Mode::empty(),
+            ) {
+                let _ = rustix::fs::syncfs(&fd);
+            }
             if let Some(t) = target {
                 let t = PathBuf::from(t);
                 if is_mount_point(&t) && unmount_now(&t).is_err() {
@@ -490,7 +523,15 @@ impl Daemon {
             loop_detach(dev, &f.file).await;
         }
         if let Some(f) = m.fuse.take() {
-            let _ = blocking(move || f.unmount()).await;
+            // The session ends when the kernel lets go of the file; a filesystem kept alive
+            // elsewhere holds it: do not wait forever (the session thread ends with it).
+            let h = tokio::task::spawn_blocking(move || f.unmount());
+            if tokio::time::timeout(std::time::Duration::from_secs(15), h)
+                .await
+                .is_err()
+            {
+                tracing::warn!(workspace = m.info.workspace, "the FUSE export is still in use after its unmount (a mount in another namespace?); left to end with it");
+            }
         }
         if let Err(e) = m.vol.flush().await {
             tracing::warn!(workspace = m.info.workspace, error = %e, "flush after unmount failed");
@@ -510,13 +551,12 @@ impl Daemon {
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
             let Some(mut m) = d.lock_mounts().remove(&k) else {
-                return Err(conflict(format!(
-                    "workspace {ws:?} is not mounted on this node"
-                )));
+                return d.clear_down_mount(&t, &ws).await;
             };
             // A busy filesystem (a process still inside it) stays mounted: say so. The unmount
             // syncs the filesystem through FUSE tasks, so it runs off the runtime's workers.
             let (target, dir) = (m.info.target.clone(), m.info.dir.clone());
+            let (root, tenant) = (d.mount_root.clone(), t.clone());
             let first = blocking(move || {
                 let busy = |p: &str| {
                     unmount_now(Path::new(p)).map_err(|e| {
@@ -529,8 +569,15 @@ impl Daemon {
                 match busy(&dir) {
                     Ok(()) => Ok(()),
                     Err(e) => {
-                        if let Some(tg) = &target {
-                            let _ = rustix::mount::mount_bind(Path::new(&dir), Path::new(tg));
+                        // Bound again through a checked descriptor, or covered.
+                        if let (Some(tg), Some(root)) = (&target, &root) {
+                            let _one = host::BIND_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+                            let rebound = host::open_target(root, &tenant, tg, false)
+                                .ok()
+                                .is_some_and(|fd| host::bind_onto(Path::new(&dir), &fd).is_ok());
+                            if !rebound {
+                                host::cover(Path::new(tg));
+                            }
                         }
                         Err(e)
                     }
@@ -541,6 +588,7 @@ impl Daemon {
                 d.lock_mounts().insert(k, m);
                 return Err(e);
             }
+            m.bound = false; // its bind is gone already
             d.tear_down(&mut m).await;
             // Layers left under the bind by an earlier crash (a placeholder, a dead mount).
             if let Some(tg) = m.info.target.clone() {
@@ -622,6 +670,7 @@ impl Daemon {
         let Ok(rd) = std::fs::read_dir(&root) else {
             return done;
         };
+        let enabled = self.mount_root.is_some();
         for e in rd.flatten() {
             let rec = e.path().join("mount.json");
             let Some(info) = std::fs::read(&rec)
@@ -649,6 +698,10 @@ impl Daemon {
                 .await;
             }
             self.clear_stale(&e.path()).await;
+            if !enabled {
+                tracing::error!(tenant = info.tenant, workspace = info.workspace, "not remounting: mounts are off on this node (no --mount-root); the record stays");
+                continue;
+            }
             let k = (info.tenant.clone(), info.workspace.clone());
             match self.remount(&info).await {
                 Ok(_) => done.push(k),
@@ -734,17 +787,65 @@ impl Daemon {
     /// under its op lock (a checkpoint's freeze finishes first), covers each target with a
     /// read-only placeholder, and keeps the records so that the next start mounts them again.
     pub(crate) async fn stop_all_mounts(&self) {
+        self.mounts_stopping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         let keys: Vec<Key> = self.lock_mounts().keys().cloned().collect();
         for k in keys {
             let lock = self.op_lock(&k);
             let _op = lock.lock().await;
-            let Some(mut m) = self.lock_mounts().remove(&k) else {
+            let Some(m) = self.lock_mounts().remove(&k) else {
                 continue;
             };
-            self.tear_down(&mut m).await;
-            if let Some(t) = m.info.target.clone() {
-                let _ = blocking(move || host::cover(Path::new(&t))).await;
+            // Sync the filesystem into the volume, then cover the target on top of the live
+            // bind: from this moment a sandbox's writes there fail (EROFS), never reaching the
+            // host directory. What is under the placeholder dies with this process, as after a
+            // kill -9, and the next start clears it (nothing unsynced was ever promised).
+            let (dir, target) = (PathBuf::from(&m.info.dir), m.info.target.clone());
+            let _ = blocking(move || {
+                if let Ok(fd) = rustix::fs::open(
+                    &dir,
+                    rustix::fs::OFlags::RDONLY
+                        | rustix::fs::OFlags::DIRECTORY
+                        | rustix::fs::OFlags::NOFOLLOW,
+                    rustix::fs::Mode::empty(),
+                ) {
+                    let _ = rustix::fs::syncfs(&fd);
+                }
+                if let Some(t) = target {
+                    host::cover(Path::new(&t));
+                }
+            })
+            .await;
+            if let Err(e) = m.vol.flush().await {
+                tracing::warn!(workspace = m.info.workspace, error = %e, "flush at stop failed");
             }
+            // The FUSE session must outlive this function: it ends with the process.
+            std::mem::forget(m.fuse);
         }
+    }
+
+    /// Umount of a mount that is down (its remount failed, or mounts are off): clears what is
+    /// left of it, forgets the record, and detaches the workspace if it is attached here.
+    async fn clear_down_mount(&self, t: &str, ws: &str) -> Result<Option<Published>, ApiError> {
+        let home = self.mount_home(t, ws);
+        let rec = home.join("mount.json");
+        let Some(info) = std::fs::read(&rec)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<MountInfo>(&b).ok())
+        else {
+            return Err(conflict(format!(
+                "workspace {ws:?} is not mounted on this node"
+            )));
+        };
+        if let Some(tg) = info.target.clone() {
+            let _ = blocking(move || host::unmount_all(Path::new(&tg))).await;
+        }
+        self.clear_stale(&home).await;
+        let _ = std::fs::remove_file(&rec);
+        let _ = std::fs::File::open(&home).and_then(|f| f.sync_all());
+        if self.engine.volume(t, ws).is_some() {
+            return Ok(self.engine.detach(t, ws).await?);
+        }
+        Ok(None)
     }
 }

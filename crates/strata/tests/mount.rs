@@ -361,6 +361,14 @@ async fn mount_refusals() {
         (mine.clone(), "the tenant root itself"),
         (root.join("u/theirs"), "another tenant's root"),
         (root.clone(), "the node's mount root"),
+        (
+            PathBuf::from(format!("{}/", mine.join("ok").display())),
+            "a trailing slash",
+        ),
+        (
+            PathBuf::from(format!("{}//ok", mine.display())),
+            "a double slash",
+        ),
         (PathBuf::from("relative/dir"), "relative"),
     ] {
         let (s, v) = api.post("/v1/workspaces/w/mount", mnt(target)).await;

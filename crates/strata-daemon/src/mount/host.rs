@@ -44,7 +44,14 @@ pub fn open_target(
             _ => Err(BadTarget),
         })
         .collect::<Result<_, _>>()?;
-    if comps.is_empty() || target.len() > 4096 {
+    // Exactly the normal form (no `//`, `/./`, trailing `/`), and nothing mountinfo escapes:
+    // the string is what mount points are later compared with.
+    let normal: PathBuf = troot.join(comps.iter().collect::<PathBuf>());
+    if comps.is_empty()
+        || target.len() > 4096
+        || normal.as_os_str() != p.as_os_str()
+        || target.contains([' ', '\t', '\n', '\\'])
+    {
         return Err(BadTarget);
     }
     let strict = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_XDEV;
@@ -103,12 +110,25 @@ pub fn bind_onto(src: &Path, fd: &OwnedFd) -> std::io::Result<()> {
     rustix::mount::mount_bind(src, fd_path(fd)).map_err(Into::into)
 }
 
+/// A mount point as mountinfo spells it: absolute, symlinks resolved where the path still
+/// resolves (a dead FUSE mount does not), octal escapes for space, tab, newline, backslash.
+fn mountinfo_name(dir: &Path) -> String {
+    let p = std::fs::canonicalize(dir)
+        .or_else(|_| std::path::absolute(dir))
+        .unwrap_or_else(|_| dir.to_path_buf());
+    p.to_string_lossy()
+        .replace('\\', "\\134")
+        .replace(' ', "\\040")
+        .replace('\t', "\\011")
+        .replace('\n', "\\012")
+}
+
 /// Whether `dir` is a mount point (in this mount namespace).
 pub fn is_mount_point(dir: &Path) -> bool {
     let Ok(mi) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return false;
     };
-    let d = dir.to_string_lossy();
+    let d = mountinfo_name(dir);
     mi.lines().any(|l| l.split(' ').nth(4) == Some(&*d))
 }
 
@@ -118,7 +138,7 @@ pub fn top_is_placeholder(dir: &Path) -> bool {
     let Ok(mi) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return false;
     };
-    let d = dir.to_string_lossy();
+    let d = mountinfo_name(dir);
     mi.lines()
         .rfind(|l| l.split(' ').nth(4) == Some(&*d))
         .and_then(|l| l.split(" - ").nth(1))
