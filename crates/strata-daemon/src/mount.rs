@@ -498,15 +498,7 @@ impl Daemon {
         let _ = blocking(move || {
             // Everything the filesystem holds reaches the volume first, even if a copy of the
             // mount elsewhere (another mount namespace) keeps the filesystem alive.
-            if let Ok(fd) = rustix::fs::open(
-                &dir,
-                rustix::fs::OFlags::RDONLY
-                    | rustix::fs::OFlags::DIRECTORY
-                    | rustix::fs::OFlags::NOFOLLOW,
-                rustix::fs::Mode::empty(),
-            ) {
-                let _ = rustix::fs::syncfs(&fd);
-            }
+            host::sync_fs(&dir);
             if let Some(t) = target {
                 let t = PathBuf::from(t);
                 if is_mount_point(&t) && unmount_now(&t).is_err() {
@@ -802,15 +794,7 @@ impl Daemon {
             // kill -9, and the next start clears it (nothing unsynced was ever promised).
             let (dir, target) = (PathBuf::from(&m.info.dir), m.info.target.clone());
             let _ = blocking(move || {
-                if let Ok(fd) = rustix::fs::open(
-                    &dir,
-                    rustix::fs::OFlags::RDONLY
-                        | rustix::fs::OFlags::DIRECTORY
-                        | rustix::fs::OFlags::NOFOLLOW,
-                    rustix::fs::Mode::empty(),
-                ) {
-                    let _ = rustix::fs::syncfs(&fd);
-                }
+                host::sync_fs(&dir);
                 if let Some(t) = target {
                     host::cover(Path::new(&t));
                 }

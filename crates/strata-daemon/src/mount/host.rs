@@ -240,6 +240,17 @@ impl Frozen {
     }
 }
 
+/// syncfs of the filesystem mounted at `dir` (best effort).
+pub fn sync_fs(dir: &Path) {
+    if let Ok(fd) = rustix::fs::open(
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        let _ = rustix::fs::syncfs(&fd);
+    }
+}
+
 /// Thaws whatever is mounted at `dir` if it is frozen (after a crash mid-checkpoint).
 pub fn thaw_path(dir: &Path) {
     if let Ok(fd) = rustix::fs::open(
