@@ -116,16 +116,23 @@ impl Daemon {
             match d.export(&t, &ws, vol) {
                 Ok(a) => Ok(a),
                 Err(e) => {
-                    if !was_attached {
-                        if let Err(de) = d.engine.detach(&t, &ws).await {
-                            tracing::error!(tenant = t, workspace = ws, error = %de, "undoing an attach whose export failed");
-                        }
-                    }
+                    d.undo_attach(&t, &ws, was_attached, "export").await;
                     Err(e)
                 }
             }
         })
         .await
+    }
+
+    /// Undoes an attach made for an export or mount that then failed (all or nothing);
+    /// `was_attached`: it was attached before, and stays.
+    pub(crate) async fn undo_attach(&self, t: &str, ws: &str, was_attached: bool, what: &str) {
+        if was_attached {
+            return;
+        }
+        if let Err(e) = self.engine.detach(t, ws).await {
+            tracing::error!(tenant = t, workspace = ws, error = %e, "undoing an attach whose {what} failed");
+        }
     }
 
     fn export(&self, t: &str, ws: &str, vol: Arc<Volume>) -> Result<Attached, ApiError> {

@@ -24,6 +24,7 @@
 
 pub(crate) mod fuse;
 pub(crate) mod host;
+mod recover;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -291,7 +292,8 @@ impl Daemon {
             if let Some(m) = d.lock_mounts().get(&k) {
                 // The same request again (its target is a mount point now, so it no longer
                 // passes the check: compare what was asked).
-                let same = req.target.is_none() || m.info.target.as_deref() == req.target.as_deref();
+                let same =
+                    req.target.is_none() || m.info.target.as_deref() == req.target.as_deref();
                 return if same && m.info.read_only == req.read_only {
                     Ok(m.info.clone())
                 } else {
@@ -336,25 +338,33 @@ impl Daemon {
                 fstype: FSTYPE.into(),
                 read_only: req.read_only,
             };
-            let was_attached = d.engine.volume(&t, &ws).is_some();
-            let vol = d.engine.attach(&t, &ws).await?;
-            match d.bring_up(info, vol, req.mkfs.is_some(), false).await {
-                Ok(m) => {
-                    let info = m.info.clone();
-                    d.lock_mounts().insert(k, m);
-                    Ok(info)
-                }
-                Err(e) => {
-                    if !was_attached {
-                        if let Err(de) = d.engine.detach(&t, &ws).await {
-                            tracing::error!(tenant = t, workspace = ws, error = %de, "undoing an attach whose mount failed");
-                        }
-                    }
-                    Err(e)
-                }
-            }
+            d.attach_and_mount(info, req.mkfs.is_some(), false).await
         })
         .await
+    }
+
+    /// Under the workspace's op lock: attaches, brings the mount up and records it live; an
+    /// attach made here is undone if the mount fails.
+    async fn attach_and_mount(
+        &self,
+        info: MountInfo,
+        mkfs: bool,
+        again: bool,
+    ) -> Result<MountInfo, ApiError> {
+        let (t, ws) = (info.tenant.clone(), info.workspace.clone());
+        let was_attached = self.engine.volume(&t, &ws).is_some();
+        let vol = self.engine.attach(&t, &ws).await?;
+        match self.bring_up(info, vol, mkfs, again).await {
+            Ok(m) => {
+                let out = m.info.clone();
+                self.lock_mounts().insert((t, ws), m);
+                Ok(out)
+            }
+            Err(e) => {
+                self.undo_attach(&t, &ws, was_attached, "mount").await;
+                Err(e)
+            }
+        }
     }
 
     /// FUSE export, loop device, (mkfs), mount, bind, record; undoes what it did on failure.
@@ -647,189 +657,5 @@ impl Daemon {
                 .map_err(ApiError::from)
         })
         .await
-    }
-
-    /// Whether a mount record exists for the workspace (mounted, or to be mounted again).
-    pub(crate) fn has_mount_record(&self, t: &str, ws: &str) -> bool {
-        self.mount_home(t, ws).join("mount.json").exists()
-    }
-
-    /// After a restart (clean or kill -9): clears what a previous run left of each recorded
-    /// mount and mounts it again. Returns the workspaces mounted.
-    pub(crate) async fn resume_mounts(self: &Arc<Self>) -> Vec<Key> {
-        let root = self.engine.config().data_dir.join("mounts");
-        let mut done = vec![];
-        let Ok(rd) = std::fs::read_dir(&root) else {
-            return done;
-        };
-        let enabled = self.mount_root.is_some();
-        for e in rd.flatten() {
-            let rec = e.path().join("mount.json");
-            let Some(info) = std::fs::read(&rec)
-                .ok()
-                .and_then(|b| serde_json::from_slice::<MountInfo>(&b).ok())
-            else {
-                continue;
-            };
-            // The record must be this node's own, at its own place.
-            if self.mount_home(&info.tenant, &info.workspace) != e.path()
-                || Path::new(&info.dir) != e.path().join("fs")
-            {
-                tracing::warn!(path = %rec.display(), "ignoring a mount record in the wrong place");
-                continue;
-            }
-            // A dead mount at the target still takes writes into its page cache (they fail
-            // only at fsync): cover it at once, before anything else.
-            if let Some(t) = info.target.clone() {
-                let _ = blocking(move || {
-                    let t = Path::new(&t);
-                    if t.is_absolute() && t.exists() {
-                        host::cover(t);
-                    }
-                })
-                .await;
-            }
-            self.clear_stale(&e.path()).await;
-            if !enabled {
-                tracing::error!(tenant = info.tenant, workspace = info.workspace, "not remounting: mounts are off on this node (no --mount-root); the record stays");
-                continue;
-            }
-            let k = (info.tenant.clone(), info.workspace.clone());
-            match self.remount(&info).await {
-                Ok(_) => done.push(k),
-                Err(err) => {
-                    tracing::error!(tenant = info.tenant, workspace = info.workspace, error = %err.message, "not remounting workspace; its record stays (the next start retries)");
-                    // Keep the target covered: nothing a sandbox writes there may land on the
-                    // host directory underneath.
-                    if let Some(t) = info.target.clone() {
-                        let _ = blocking(move || host::cover(Path::new(&t))).await;
-                    }
-                }
-            }
-        }
-        done
-    }
-
-    async fn remount(self: &Arc<Self>, info: &MountInfo) -> Result<MountInfo, ApiError> {
-        let (d, info) = (self.clone(), info.clone());
-        own_task(async move {
-            let k = (info.tenant.clone(), info.workspace.clone());
-            let lock = d.op_lock(&k);
-            let _op = lock.lock().await;
-            let was_attached = d.engine.volume(&info.tenant, &info.workspace).is_some();
-            let vol = d.engine.attach(&info.tenant, &info.workspace).await?;
-            let mut fresh = info.clone();
-            fresh.device = None;
-            match d.bring_up(fresh, vol, false, true).await {
-                Ok(m) => {
-                    let out = m.info.clone();
-                    d.lock_mounts().insert(k, m);
-                    Ok(out)
-                }
-                Err(e) => {
-                    if !was_attached {
-                        let _ = d.engine.detach(&info.tenant, &info.workspace).await;
-                    }
-                    Err(e)
-                }
-            }
-        })
-        .await
-    }
-
-    /// What a dead run leaves under a mount's home: a (maybe frozen) ext4 on a loop device whose
-    /// FUSE connection is gone. All of it is detached lazily; nothing a sandbox fsync'd is lost
-    /// (it reached the volume before the fsync returned). The target is left as it is (a dead
-    /// mount answers ENOTCONN or EIO, a placeholder EROFS): the new bind covers it.
-    async fn clear_stale(&self, home: &Path) {
-        let fs_dir = home.join("fs");
-        let disk_dir = home.join("disk");
-        {
-            let fs_dir = fs_dir.clone();
-            let _ = blocking(move || {
-                if is_mount_point(&fs_dir) {
-                    host::thaw_path(&fs_dir);
-                    let _ = rustix::mount::unmount(
-                        &fs_dir,
-                        rustix::mount::UnmountFlags::DETACH | rustix::mount::UnmountFlags::NOFOLLOW,
-                    );
-                }
-            })
-            .await;
-        }
-        // Every loop device over this home's disk (the crash may have come before the record
-        // named its device).
-        if let Ok(rd) = std::fs::read_dir("/sys/block") {
-            for e in rd.flatten() {
-                let name = e.file_name().to_string_lossy().into_owned();
-                if !name.starts_with("loop") {
-                    continue;
-                }
-                let dev = format!("/dev/{name}");
-                if let Some(f) = loop_backing(&dev).filter(|f| f.starts_with(&disk_dir)) {
-                    loop_detach_within(&dev, &f, 10).await;
-                }
-            }
-        }
-        // A FUSE mount whose daemon died answers ENOTCONN; it can only be detached.
-        let _ = rustix::mount::unmount(&disk_dir, rustix::mount::UnmountFlags::DETACH);
-    }
-
-    /// Orderly stop: unmounts every mount cleanly (its filesystem synced to the volume), each
-    /// under its op lock (a checkpoint's freeze finishes first), covers each target with a
-    /// read-only placeholder, and keeps the records so that the next start mounts them again.
-    pub(crate) async fn stop_all_mounts(&self) {
-        self.mounts_stopping
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        let keys: Vec<Key> = self.lock_mounts().keys().cloned().collect();
-        for k in keys {
-            let lock = self.op_lock(&k);
-            let _op = lock.lock().await;
-            let Some(m) = self.lock_mounts().remove(&k) else {
-                continue;
-            };
-            // Sync the filesystem into the volume, then cover the target on top of the live
-            // bind: from this moment a sandbox's writes there fail (EROFS), never reaching the
-            // host directory. What is under the placeholder dies with this process, as after a
-            // kill -9, and the next start clears it (nothing unsynced was ever promised).
-            let (dir, target) = (PathBuf::from(&m.info.dir), m.info.target.clone());
-            let _ = blocking(move || {
-                host::sync_fs(&dir);
-                if let Some(t) = target {
-                    host::cover(Path::new(&t));
-                }
-            })
-            .await;
-            if let Err(e) = m.vol.flush().await {
-                tracing::warn!(workspace = m.info.workspace, error = %e, "flush at stop failed");
-            }
-            // The FUSE session must outlive this function: it ends with the process.
-            std::mem::forget(m.fuse);
-        }
-    }
-
-    /// Umount of a mount that is down (its remount failed, or mounts are off): clears what is
-    /// left of it, forgets the record, and detaches the workspace if it is attached here.
-    async fn clear_down_mount(&self, t: &str, ws: &str) -> Result<Option<Published>, ApiError> {
-        let home = self.mount_home(t, ws);
-        let rec = home.join("mount.json");
-        let Some(info) = std::fs::read(&rec)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<MountInfo>(&b).ok())
-        else {
-            return Err(conflict(format!(
-                "workspace {ws:?} is not mounted on this node"
-            )));
-        };
-        if let Some(tg) = info.target.clone() {
-            let _ = blocking(move || host::unmount_all(Path::new(&tg))).await;
-        }
-        self.clear_stale(&home).await;
-        let _ = std::fs::remove_file(&rec);
-        let _ = std::fs::File::open(&home).and_then(|f| f.sync_all());
-        if self.engine.volume(t, ws).is_some() {
-            return Ok(self.engine.detach(t, ws).await?);
-        }
-        Ok(None)
     }
 }

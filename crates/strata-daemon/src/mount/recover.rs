@@ -1,0 +1,194 @@
+//! Mounts across a daemon's restarts: what a start does with the records a previous run left
+//! (clear the dead stack, mount again), what a stop does (sync, cover the targets, leave the
+//! rest to end with the process), and the umount of a mount that is down.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use strata_engine::Published;
+
+use super::{
+    blocking, conflict, host, is_mount_point, loop_backing, loop_detach_within, MountInfo,
+};
+use crate::error::ApiError;
+use crate::exports::{own_task, Key};
+use crate::Daemon;
+
+/// Covers a record's target with the read-only placeholder (unless one is on top already).
+async fn cover_target(info: &MountInfo) {
+    if let Some(t) = info.target.clone() {
+        let _ = blocking(move || {
+            let t = Path::new(&t);
+            if t.is_absolute() && t.exists() {
+                host::cover(t);
+            }
+        })
+        .await;
+    }
+}
+
+impl Daemon {
+    /// Whether a mount record exists for the workspace (mounted, or to be mounted again).
+    pub(crate) fn has_mount_record(&self, t: &str, ws: &str) -> bool {
+        self.mount_home(t, ws).join("mount.json").exists()
+    }
+
+    /// After a restart (clean or kill -9): clears what a previous run left of each recorded
+    /// mount and mounts it again. Returns the workspaces mounted.
+    pub(crate) async fn resume_mounts(self: &Arc<Self>) -> Vec<Key> {
+        let root = self.engine.config().data_dir.join("mounts");
+        let mut done = vec![];
+        let Ok(rd) = std::fs::read_dir(&root) else {
+            return done;
+        };
+        let enabled = self.mount_root.is_some();
+        for e in rd.flatten() {
+            let rec = e.path().join("mount.json");
+            let Some(info) = std::fs::read(&rec)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<MountInfo>(&b).ok())
+            else {
+                continue;
+            };
+            // The record must be this node's own, at its own place.
+            if self.mount_home(&info.tenant, &info.workspace) != e.path()
+                || Path::new(&info.dir) != e.path().join("fs")
+            {
+                tracing::warn!(path = %rec.display(), "ignoring a mount record in the wrong place");
+                continue;
+            }
+            // A dead mount at the target still takes writes into its page cache (they fail
+            // only at fsync): cover it at once, before anything else.
+            cover_target(&info).await;
+            self.clear_stale(&e.path()).await;
+            if !enabled {
+                tracing::error!(tenant = info.tenant, workspace = info.workspace, "not remounting: mounts are off on this node (no --mount-root); the record stays");
+                continue;
+            }
+            let k = (info.tenant.clone(), info.workspace.clone());
+            match self.remount(&info).await {
+                Ok(_) => done.push(k),
+                Err(err) => {
+                    tracing::error!(tenant = info.tenant, workspace = info.workspace, error = %err.message, "not remounting workspace; its record stays (the next start retries)");
+                    // Keep the target covered: nothing a sandbox writes there may land on the
+                    // host directory underneath.
+                    cover_target(&info).await;
+                }
+            }
+        }
+        done
+    }
+
+    async fn remount(self: &Arc<Self>, info: &MountInfo) -> Result<MountInfo, ApiError> {
+        let (d, info) = (self.clone(), info.clone());
+        own_task(async move {
+            let k = (info.tenant.clone(), info.workspace.clone());
+            let lock = d.op_lock(&k);
+            let _op = lock.lock().await;
+            let mut fresh = info.clone();
+            fresh.device = None;
+            d.attach_and_mount(fresh, false, true).await
+        })
+        .await
+    }
+
+    /// What a dead run leaves under a mount's home: a (maybe frozen) ext4 on a loop device whose
+    /// FUSE connection is gone. All of it is detached lazily; nothing a sandbox fsync'd is lost
+    /// (it reached the volume before the fsync returned). The target is left as it is (a dead
+    /// mount answers ENOTCONN or EIO, a placeholder EROFS): the new bind covers it.
+    async fn clear_stale(&self, home: &Path) {
+        let fs_dir = home.join("fs");
+        let disk_dir = home.join("disk");
+        {
+            let fs_dir = fs_dir.clone();
+            let _ = blocking(move || {
+                if is_mount_point(&fs_dir) {
+                    host::thaw_path(&fs_dir);
+                    let _ = rustix::mount::unmount(
+                        &fs_dir,
+                        rustix::mount::UnmountFlags::DETACH | rustix::mount::UnmountFlags::NOFOLLOW,
+                    );
+                }
+            })
+            .await;
+        }
+        // Every loop device over this home's disk (the crash may have come before the record
+        // named its device).
+        if let Ok(rd) = std::fs::read_dir("/sys/block") {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if !name.starts_with("loop") {
+                    continue;
+                }
+                let dev = format!("/dev/{name}");
+                if let Some(f) = loop_backing(&dev).filter(|f| f.starts_with(&disk_dir)) {
+                    loop_detach_within(&dev, &f, 10).await;
+                }
+            }
+        }
+        // A FUSE mount whose daemon died answers ENOTCONN; it can only be detached.
+        let _ = rustix::mount::unmount(&disk_dir, rustix::mount::UnmountFlags::DETACH);
+    }
+
+    /// Orderly stop: unmounts every mount cleanly (its filesystem synced to the volume), each
+    /// under its op lock (a checkpoint's freeze finishes first), covers each target with a
+    /// read-only placeholder, and keeps the records so that the next start mounts them again.
+    pub(crate) async fn stop_all_mounts(&self) {
+        self.mounts_stopping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let keys: Vec<Key> = self.lock_mounts().keys().cloned().collect();
+        for k in keys {
+            let lock = self.op_lock(&k);
+            let _op = lock.lock().await;
+            let Some(m) = self.lock_mounts().remove(&k) else {
+                continue;
+            };
+            // Sync the filesystem into the volume, then cover the target on top of the live
+            // bind: from this moment a sandbox's writes there fail (EROFS), never reaching the
+            // host directory. What is under the placeholder dies with this process, as after a
+            // kill -9, and the next start clears it (nothing unsynced was ever promised).
+            let (dir, target) = (PathBuf::from(&m.info.dir), m.info.target.clone());
+            let _ = blocking(move || {
+                host::sync_fs(&dir);
+                if let Some(t) = target {
+                    host::cover(Path::new(&t));
+                }
+            })
+            .await;
+            if let Err(e) = m.vol.flush().await {
+                tracing::warn!(workspace = m.info.workspace, error = %e, "flush at stop failed");
+            }
+            // The FUSE session must outlive this function: it ends with the process.
+            std::mem::forget(m.fuse);
+        }
+    }
+
+    /// Umount of a mount that is down (its remount failed, or mounts are off): clears what is
+    /// left of it, forgets the record, and detaches the workspace if it is attached here.
+    pub(super) async fn clear_down_mount(
+        &self,
+        t: &str,
+        ws: &str,
+    ) -> Result<Option<Published>, ApiError> {
+        let home = self.mount_home(t, ws);
+        let rec = home.join("mount.json");
+        let Some(info) = std::fs::read(&rec)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<MountInfo>(&b).ok())
+        else {
+            return Err(conflict(format!(
+                "workspace {ws:?} is not mounted on this node"
+            )));
+        };
+        if let Some(tg) = info.target.clone() {
+            let _ = blocking(move || host::unmount_all(Path::new(&tg))).await;
+        }
+        self.clear_stale(&home).await;
+        let _ = std::fs::remove_file(&rec);
+        let _ = std::fs::File::open(&home).and_then(|f| f.sync_all());
+        if self.engine.volume(t, ws).is_some() {
+            return Ok(self.engine.detach(t, ws).await?);
+        }
+        Ok(None)
+    }
+}
