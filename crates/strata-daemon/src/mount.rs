@@ -357,6 +357,18 @@ impl Daemon {
         match self.bring_up(info, vol, mkfs, again).await {
             Ok(m) => {
                 let out = m.info.clone();
+                if self
+                    .mounts_stopping
+                    .load(std::sync::atomic::Ordering::SeqCst)
+                {
+                    // The stop took its list before this mount finished: treat it as stop does.
+                    self.stop_one(m).await;
+                    return Err(ApiError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "busy",
+                        "this node is stopping",
+                    ));
+                }
                 self.lock_mounts().insert((t, ws), m);
                 Ok(out)
             }
@@ -559,7 +571,21 @@ impl Daemon {
             // syncs the filesystem through FUSE tasks, so it runs off the runtime's workers.
             let (target, dir) = (m.info.target.clone(), m.info.dir.clone());
             let (root, tenant) = (d.mount_root.clone(), t.clone());
+            let (dev, ro) = (m.info.device.clone(), m.info.read_only);
             let first = blocking(move || {
+                // Bound again through a checked descriptor (over a placeholder left by a
+                // restart, if that is what is under it), or covered.
+                let rebind = |tg: &str| {
+                    let Some(root) = &root else { return };
+                    let _one = host::BIND_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+                    let over = host::top_is_placeholder(Path::new(tg));
+                    let rebound = host::open_target(root, &tenant, tg, over)
+                        .ok()
+                        .is_some_and(|fd| host::bind_onto(Path::new(&dir), &fd).is_ok());
+                    if !rebound {
+                        host::cover(Path::new(tg));
+                    }
+                };
                 let busy = |p: &str| {
                     unmount_now(Path::new(p)).map_err(|e| {
                         conflict(format!("cannot unmount {p}: {e} (is something using it?)"))
@@ -568,22 +594,32 @@ impl Daemon {
                 if let Some(tg) = &target {
                     busy(tg)?;
                 }
-                match busy(&dir) {
-                    Ok(()) => Ok(()),
-                    Err(e) => {
-                        // Bound again through a checked descriptor, or covered.
-                        if let (Some(tg), Some(root)) = (&target, &root) {
-                            let _one = host::BIND_LOCK.lock().unwrap_or_else(|p| p.into_inner());
-                            let rebound = host::open_target(root, &tenant, tg, false)
-                                .ok()
-                                .is_some_and(|fd| host::bind_onto(Path::new(&dir), &fd).is_ok());
-                            if !rebound {
-                                host::cover(Path::new(tg));
-                            }
-                        }
-                        Err(e)
+                if let Err(e) = busy(&dir) {
+                    if let Some(tg) = &target {
+                        rebind(tg);
                     }
+                    return Err(e);
                 }
+                // Still mounted elsewhere (a container's mount namespace holds a copy): the
+                // filesystem lives on and would keep writing to the volume. Mount it back and
+                // say so, rather than detach under it.
+                if let Some(dev) = dev.as_deref().filter(|d| host::in_use(d)) {
+                    let flags = rustix::mount::MountFlags::NOSUID
+                        | rustix::mount::MountFlags::NODEV
+                        | if ro {
+                            rustix::mount::MountFlags::RDONLY
+                        } else {
+                            rustix::mount::MountFlags::empty()
+                        };
+                    let _ = rustix::mount::mount(dev, Path::new(&dir), FSTYPE, flags, None);
+                    if let Some(tg) = &target {
+                        rebind(tg);
+                    }
+                    return Err(conflict(
+                        "the filesystem is still mounted in another mount namespace (a running container?): stop what uses it, then umount".into(),
+                    ));
+                }
+                Ok(())
             })
             .await?;
             if let Err(e) = first {

@@ -443,6 +443,9 @@ async fn attached_volume(
 
 async fn freeze(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<serde_json::Value> {
     let v = attached_volume(&d, &t, &name).await?;
+    // A mounted filesystem is frozen by its checkpoint (FIFREEZE); a block-level freeze left
+    // on would stall its writeback, and with it the node's stop.
+    d.refuse_if_mounted(&t, &name, "freezing its block device")?;
     v.freeze().await;
     Ok(Json(serde_json::json!({"workspace": name, "frozen": true})))
 }

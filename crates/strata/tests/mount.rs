@@ -467,6 +467,24 @@ async fn mount_refusals() {
         let _ = c.wait();
     }
     drop(busy);
+    // A block-level freeze of a mounted workspace is refused (its checkpoints freeze the
+    // filesystem instead).
+    let (s, v) = api.post("/v1/workspaces/w/freeze", json!({})).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    // A copy of the mount in another mount namespace (what a running container holds) keeps
+    // the filesystem alive: umount says so and leaves it mounted.
+    if have("unshare") {
+        let mut ns = std::process::Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sleep", "30"])
+            .spawn()
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (s, v) = api.delete("/v1/workspaces/w/mount").await;
+        assert_eq!(s, StatusCode::CONFLICT, "{v}");
+        assert!(is_mount_point(&mine.join("ok")), "not mounted back");
+        let _ = ns.kill();
+        let _ = ns.wait();
+    }
     umount(&api, "w").await;
     let (s, v) = api.delete("/v1/workspaces/w/mount").await;
     assert_eq!(s, StatusCode::CONFLICT, "{v}");

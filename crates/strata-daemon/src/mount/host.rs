@@ -123,6 +123,19 @@ fn mountinfo_name(dir: &Path) -> String {
         .replace('\n', "\\012")
 }
 
+/// Whether a block device is still in use (mounted anywhere, in any mount namespace): an
+/// exclusive open of a block device fails with EBUSY while a filesystem holds it.
+pub fn in_use(dev: &str) -> bool {
+    matches!(
+        rustix::fs::open(
+            dev,
+            OFlags::RDONLY | OFlags::EXCL | OFlags::CLOEXEC,
+            Mode::empty()
+        ),
+        Err(rustix::io::Errno::BUSY)
+    )
+}
+
 /// Whether `dir` is a mount point (in this mount namespace).
 pub fn is_mount_point(dir: &Path) -> bool {
     let Ok(mi) = std::fs::read_to_string("/proc/self/mountinfo") else {

@@ -63,6 +63,7 @@ impl Daemon {
             self.clear_stale(&e.path()).await;
             if !enabled {
                 tracing::error!(tenant = info.tenant, workspace = info.workspace, "not remounting: mounts are off on this node (no --mount-root); the record stays");
+                self.publish_local(&info.tenant, &info.workspace).await;
                 continue;
             }
             let k = (info.tenant.clone(), info.workspace.clone());
@@ -143,24 +144,28 @@ impl Daemon {
             let Some(m) = self.lock_mounts().remove(&k) else {
                 continue;
             };
-            // Sync the filesystem into the volume, then cover the target on top of the live
-            // bind: from this moment a sandbox's writes there fail (EROFS), never reaching the
-            // host directory. What is under the placeholder dies with this process, as after a
-            // kill -9, and the next start clears it (nothing unsynced was ever promised).
-            let (dir, target) = (PathBuf::from(&m.info.dir), m.info.target.clone());
-            let _ = blocking(move || {
-                host::sync_fs(&dir);
-                if let Some(t) = target {
-                    host::cover(Path::new(&t));
-                }
-            })
-            .await;
-            if let Err(e) = m.vol.flush().await {
-                tracing::warn!(workspace = m.info.workspace, error = %e, "flush at stop failed");
-            }
-            // The FUSE session must outlive this function: it ends with the process.
-            std::mem::forget(m.fuse);
+            self.stop_one(m).await;
         }
+    }
+
+    /// Stops one mount: covers its target on top of the live bind (from this moment a
+    /// sandbox's writes there fail with EROFS, never reaching the host directory), syncs the
+    /// filesystem into the volume, and leaves what is under the placeholder to end with this
+    /// process, as after a kill -9; the next start clears it (nothing unsynced was promised).
+    pub(super) async fn stop_one(&self, m: super::Mounted) {
+        let (dir, target) = (PathBuf::from(&m.info.dir), m.info.target.clone());
+        let _ = blocking(move || {
+            if let Some(t) = target {
+                host::cover(Path::new(&t));
+            }
+            host::sync_fs(&dir);
+        })
+        .await;
+        if let Err(e) = m.vol.flush().await {
+            tracing::warn!(workspace = m.info.workspace, error = %e, "flush at stop failed");
+        }
+        // The FUSE session must outlive this function: it ends with the process.
+        std::mem::forget(m.fuse);
     }
 
     /// Umount of a mount that is down (its remount failed, or mounts are off): clears what is
@@ -186,9 +191,40 @@ impl Daemon {
         self.clear_stale(&home).await;
         let _ = std::fs::remove_file(&rec);
         let _ = std::fs::File::open(&home).and_then(|f| f.sync_all());
+        if self.engine.volume(t, ws).is_none() && self.has_local_state(t, ws) {
+            self.engine.attach(t, ws).await?;
+        }
         if self.engine.volume(t, ws).is_some() {
             return Ok(self.engine.detach(t, ws).await?);
         }
         Ok(None)
+    }
+
+    fn has_local_state(&self, t: &str, ws: &str) -> bool {
+        self.engine
+            .config()
+            .data_dir
+            .join("volumes")
+            .join(t)
+            .join(ws)
+            .join("state.json")
+            .exists()
+    }
+
+    /// A workspace whose mount stays down still has its fsync'd writes in the local journal:
+    /// attach and detach it so they are published (and its lease released) rather than left
+    /// while the lease lapses.
+    async fn publish_local(&self, t: &str, ws: &str) {
+        if !self.has_local_state(t, ws) {
+            return;
+        }
+        let r = async {
+            self.engine.attach(t, ws).await?;
+            self.engine.detach(t, ws).await
+        }
+        .await;
+        if let Err(e) = r {
+            tracing::error!(tenant = t, workspace = ws, error = %e, "publishing a workspace whose mount is down failed");
+        }
     }
 }
