@@ -50,6 +50,12 @@ pub struct DaemonConfig {
     /// Where a tenant may have a mounted workspace bound (`ws mount --target`): targets must
     /// be directories under it. Off when `None`: mounts stay in the daemon's own directory.
     pub mount_root: Option<PathBuf>,
+    /// Kernel NBD mounts: the kernel's per-request timeout (a request unanswered this long is
+    /// retried on another connection or after a reconnect; default 60 s).
+    pub nbd_timeout: Option<std::time::Duration>,
+    /// Kernel NBD mounts: how long the kernel holds requests while every connection is dead
+    /// (the daemon restarting) before failing them (default 10 min).
+    pub nbd_dead_timeout: Option<std::time::Duration>,
 }
 
 /// Template builds that may run at once on a node (each is disk- and CPU-heavy).
@@ -69,6 +75,7 @@ pub struct Daemon {
     pub(crate) run_dir: PathBuf,
     pub(crate) import_dir: Option<PathBuf>,
     pub(crate) mount_root: Option<PathBuf>,
+    pub(crate) nbd_timeouts: (std::time::Duration, std::time::Duration),
     pub(crate) template_max_bytes: u64,
     /// Template builds (upload, unpack, mkfs, import) running at once on this node.
     pub(crate) builds: Arc<tokio::sync::Semaphore>,
@@ -150,6 +157,11 @@ impl Daemon {
                 .mount_root
                 .map(|r| std::fs::canonicalize(&r).unwrap_or(r)),
             template_max_bytes: cfg.template_max_bytes.unwrap_or(TEMPLATE_MAX_BYTES),
+            nbd_timeouts: (
+                cfg.nbd_timeout.unwrap_or(mount::kernel::IO_TIMEOUT),
+                cfg.nbd_dead_timeout
+                    .unwrap_or(mount::kernel::DEAD_CONN_TIMEOUT),
+            ),
             builds: Arc::new(tokio::sync::Semaphore::new(TEMPLATE_BUILDS)),
             exports: Default::default(),
             mounts: Default::default(),

@@ -24,6 +24,8 @@
 
 pub(crate) mod fuse;
 pub(crate) mod host;
+pub(crate) mod kernel;
+mod netlink;
 mod recover;
 
 use std::path::{Path, PathBuf};
@@ -84,6 +86,7 @@ pub struct MountInfo {
 pub(crate) struct Mounted {
     pub info: MountInfo,
     fuse: Option<fuse::FuseDisk>,
+    kernel: Option<kernel::KernelDisk>,
     vol: Arc<Volume>,
     /// This mount's bind is on top of the target (only then is the top layer ours to remove).
     bound: bool,
@@ -230,6 +233,23 @@ impl Daemon {
         self.engine.config().data_dir.join("mounts").join(h)
     }
 
+    /// The backend name a kernel NBD device of this mount carries (`/sys/block/nbdN/backend`):
+    /// this node (its data directory) and the mount's home, never the names themselves.
+    fn nbd_backend_name(&self, t: &str, ws: &str) -> String {
+        let home = self.mount_home(t, ws);
+        let h = home
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        format!("{}{h}", self.nbd_backend_prefix())
+    }
+
+    /// What every kernel NBD device this node connects is named with.
+    fn nbd_backend_prefix(&self) -> String {
+        let node = blake3::hash(self.engine.config().data_dir.as_os_str().as_encoded_bytes());
+        format!("strata-{}-", &node.to_hex()[..12])
+    }
+
     fn mount_root(&self) -> Result<&PathBuf, ApiError> {
         self.mount_root.as_ref().ok_or_else(|| {
             ApiError::new(
@@ -265,13 +285,6 @@ impl Daemon {
         ws: &str,
         req: MountRequest,
     ) -> Result<MountInfo, ApiError> {
-        if req.backend == Backend::Nbd {
-            return Err(ApiError::new(
-                StatusCode::NOT_IMPLEMENTED,
-                "not_implemented",
-                "the kernel NBD backend is not built yet: use backend fuse",
-            ));
-        }
         if let Some(f) = &req.mkfs {
             if f != FSTYPE {
                 return Err(ApiError::invalid(format!(
@@ -429,15 +442,32 @@ impl Daemon {
         // The intent first: a crash from here on leaves a record, and the next start clears
         // whatever this attempt left (its loop device is found by its backing file).
         write_record(&record, &info).map_err(io_err("mount record"))?;
-        let fuse = {
-            let (vol, dir) = (vol.clone(), disk_dir.clone());
-            let rt = tokio::runtime::Handle::current();
-            blocking(move || fuse::FuseDisk::mount(vol, &dir, rt))
-                .await?
-                .map_err(io_err("fuse mount"))
+        let disk = match info.backend {
+            Backend::Fuse => {
+                let (vol, dir) = (vol.clone(), disk_dir.clone());
+                let rt = tokio::runtime::Handle::current();
+                blocking(move || fuse::FuseDisk::mount(vol, &dir, rt))
+                    .await?
+                    .map(|f| (Some(f), None))
+                    .map_err(io_err("fuse mount"))
+            }
+            Backend::Nbd => {
+                let backend = self.nbd_backend_name(&info.tenant, &info.workspace);
+                kernel::KernelDisk::connect(vol.clone(), backend, info.read_only, self.nbd_timeouts)
+                    .await
+                    .map(|k| (None, Some(k)))
+                    .map_err(|e| match e.kind() {
+                        std::io::ErrorKind::Unsupported => ApiError::new(
+                            StatusCode::NOT_IMPLEMENTED,
+                            "unsupported",
+                            format!("{e}: use backend fuse on this host"),
+                        ),
+                        _ => ApiError::internal(format!("kernel nbd: {e}")),
+                    })
+            }
         };
-        let fuse = match fuse {
-            Ok(f) => f,
+        let (fuse, kernel) = match disk {
+            Ok(d) => d,
             Err(e) => {
                 if !again {
                     let _ = std::fs::remove_file(&record);
@@ -445,21 +475,29 @@ impl Daemon {
                 return Err(e);
             }
         };
-        let file = fuse.file.clone();
+        let file = fuse.as_ref().map(|f| f.file.clone());
+        let nbd_dev = kernel.as_ref().map(|k| kernel::device_path(k.index));
         let mut m = Mounted {
             info: info.clone(),
-            fuse: Some(fuse),
+            fuse,
+            kernel,
             vol,
             bound: false,
         };
         let up = async {
-            let f = file.to_string_lossy();
-            let mut args = vec!["--find", "--show"];
-            if info.read_only {
-                args.push("--read-only");
-            }
-            args.push(&f);
-            let dev = run("losetup", &args).await?;
+            let dev = match (&file, nbd_dev) {
+                (_, Some(dev)) => dev,
+                (Some(file), None) => {
+                    let f = file.to_string_lossy();
+                    let mut args = vec!["--find", "--show"];
+                    if info.read_only {
+                        args.push("--read-only");
+                    }
+                    args.push(&f);
+                    run("losetup", &args).await?
+                }
+                (None, None) => return Err(ApiError::internal("mount without a disk")),
+            };
             info.device = Some(dev.clone());
             m.info.device = Some(dev.clone());
             write_record(&record, &info).map_err(io_err("mount record"))?;
@@ -535,6 +573,9 @@ impl Daemon {
         .await;
         if let (Some(dev), Some(f)) = (&m.info.device, &m.fuse) {
             loop_detach(dev, &f.file).await;
+        }
+        if let Some(k) = m.kernel.take() {
+            k.disconnect().await;
         }
         if let Some(f) = m.fuse.take() {
             // The session ends when the kernel lets go of the file; a filesystem kept alive

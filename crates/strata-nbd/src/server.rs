@@ -269,6 +269,44 @@ impl Server {
         conns.push(task.abort_handle());
     }
 
+    /// Serves a connection whose negotiation happened elsewhere, in its own task: the kernel's
+    /// NBD client, handed one end of a socketpair over netlink, starts in the transmission
+    /// phase with the flags [`Server::transmission_flags`] gave it (simple replies, no meta
+    /// contexts). The task ends when the connection does (or at once if the server is
+    /// shutting down); [`Server::shutdown`] drains it like any other.
+    pub fn spawn_negotiated<S>(
+        self: &Arc<Self>,
+        s: S,
+        export: Export,
+    ) -> tokio::task::JoinHandle<()>
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let token = self.join();
+        let me = self.clone();
+        let task = tokio::spawn(async move {
+            let Some(_token) = token else { return };
+            let (rd, wr) = tokio::io::split(s);
+            let neg = Negotiated {
+                export,
+                structured: false,
+                meta: false,
+            };
+            if let Err(e) = me.transmit(rd, wr, neg).await {
+                tracing::debug!(error = %e, "nbd connection closed");
+            }
+        });
+        let mut conns = self.conns.lock().unwrap_or_else(|p| p.into_inner());
+        conns.retain(|h| !h.is_finished());
+        conns.push(task.abort_handle());
+        task
+    }
+
+    /// The transmission flags a client of `e` is given (without structured replies).
+    pub fn transmission_flags(&self, e: &Export) -> u16 {
+        self.tflags(e, false)
+    }
+
     /// Serves one connection to completion. Errors are logged here, where they are handled.
     pub async fn handle<S>(self: Arc<Self>, stream: S)
     where

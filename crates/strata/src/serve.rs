@@ -100,7 +100,7 @@ pub struct ServeArgs {
     /// upload_max_bytes, lease_ttl, cache_capacity, relay_max_bytes, gc_interval,
     /// gc_grace, keep_checkpoints, keep_checkpoint_age, compact_below, segment_size,
     /// readahead_units, metrics_token, min_free, run_dir, import_dir, mount_root,
-    /// template_max_bytes).
+    /// nbd_timeout, nbd_dead_timeout, template_max_bytes).
     #[arg(long, env = "STRATA_CONFIG")]
     config: Option<PathBuf>,
     /// Catalog: sqlite:PATH (default DATA/catalog.db) or postgres://user@host:port/db (shared
@@ -162,6 +162,14 @@ pub struct ServeArgs {
     /// tenant T's mounts may be bound onto empty directories under ROOT/T/. Off by default.
     #[arg(long, env = "STRATA_MOUNT_ROOT")]
     mount_root: Option<PathBuf>,
+    /// Kernel NBD mounts: a request unanswered this long is retried on another connection
+    /// (or after a reconnect), never failed (default 60s).
+    #[arg(long, env = "STRATA_NBD_TIMEOUT", value_parser = crate::units::parse_duration)]
+    nbd_timeout: Option<std::time::Duration>,
+    /// Kernel NBD mounts: how long the kernel holds a mounted filesystem's requests while the
+    /// daemon is down (a restart) before failing them with EIO (default 10m).
+    #[arg(long, env = "STRATA_NBD_DEAD_TIMEOUT", value_parser = crate::units::parse_duration)]
+    nbd_dead_timeout: Option<std::time::Duration>,
     /// Guest writes get ENOSPC while the data disk has less than this free, so the node's own
     /// metadata (catalog, leases, local state) always has room (default 64MiB; 0: no floor).
     #[arg(long, env = "STRATA_MIN_FREE", value_parser = crate::units::parse_size)]
@@ -202,6 +210,8 @@ struct FileConfig {
     run_dir: Option<PathBuf>,
     import_dir: Option<PathBuf>,
     mount_root: Option<PathBuf>,
+    nbd_timeout: Option<String>,
+    nbd_dead_timeout: Option<String>,
     template_max_bytes: Option<String>,
 }
 
@@ -317,6 +327,8 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
             run_dir: a.run_dir.or(file.run_dir.clone()),
             import_dir: a.import_dir.or(file.import_dir.clone()),
             mount_root: a.mount_root.or(file.mount_root.clone()),
+            nbd_timeout: dur(a.nbd_timeout, &file.nbd_timeout)?,
+            nbd_dead_timeout: dur(a.nbd_dead_timeout, &file.nbd_dead_timeout)?,
             template_max_bytes: size(a.template_max_bytes, &file.template_max_bytes)?,
         },
     )

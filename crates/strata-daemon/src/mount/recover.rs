@@ -8,7 +8,8 @@ use std::sync::Arc;
 use strata_engine::Published;
 
 use super::{
-    blocking, conflict, host, is_mount_point, loop_backing, loop_detach_within, MountInfo,
+    blocking, conflict, host, is_mount_point, kernel, loop_backing, loop_detach_within, Backend,
+    MountInfo, Mounted,
 };
 use crate::error::ApiError;
 use crate::exports::{own_task, Key};
@@ -57,6 +58,19 @@ impl Daemon {
                 tracing::warn!(path = %rec.display(), "ignoring a mount record in the wrong place");
                 continue;
             }
+            // A kernel NBD device outlives the daemon: its filesystem is still mounted and
+            // waits for its connections, which go back into the same device.
+            if enabled && info.backend == Backend::Nbd && info.device.is_some() {
+                match self.reattach(&info).await {
+                    Ok(()) => {
+                        done.push((info.tenant.clone(), info.workspace.clone()));
+                        continue;
+                    }
+                    Err(err) => {
+                        tracing::warn!(tenant = info.tenant, workspace = info.workspace, error = %err.message, "cannot reconnect the kernel nbd device; mounting afresh");
+                    }
+                }
+            }
             // A dead mount at the target still takes writes into its page cache (they fail
             // only at fsync): cover it at once, before anything else.
             cover_target(&info).await;
@@ -77,7 +91,58 @@ impl Daemon {
                 }
             }
         }
+        // Devices this node connected that no live mount uses.
+        let keep = self
+            .lock_mounts()
+            .values()
+            .filter_map(|m| m.kernel.as_ref().map(|k| k.index))
+            .collect();
+        kernel::sweep(&self.nbd_backend_prefix(), &keep).await;
         done
+    }
+
+    /// Serves a recorded kernel NBD mount again: its device (checked to be this mount's by
+    /// its backend name) gets fresh connections; the filesystem on it stays mounted.
+    async fn reattach(self: &Arc<Self>, info: &MountInfo) -> Result<(), ApiError> {
+        let (d, info) = (self.clone(), info.clone());
+        own_task(async move {
+            let k = (info.tenant.clone(), info.workspace.clone());
+            let lock = d.op_lock(&k);
+            let _op = lock.lock().await;
+            let index = info
+                .device
+                .as_deref()
+                .and_then(|p| p.strip_prefix("/dev/nbd"))
+                .and_then(|i| i.parse::<u32>().ok())
+                .ok_or_else(|| ApiError::internal("the record names no nbd device"))?;
+            if !is_mount_point(Path::new(&info.dir)) {
+                return Err(ApiError::internal("the filesystem is no longer mounted"));
+            }
+            let was_attached = d.engine.volume(&k.0, &k.1).is_some();
+            let vol = d.engine.attach(&k.0, &k.1).await?;
+            let backend = d.nbd_backend_name(&k.0, &k.1);
+            match kernel::KernelDisk::resume(vol.clone(), index, &backend, info.read_only).await {
+                Ok(disk) => {
+                    let bound = info.target.is_some();
+                    d.lock_mounts().insert(
+                        k,
+                        Mounted {
+                            info,
+                            fuse: None,
+                            kernel: Some(disk),
+                            vol,
+                            bound,
+                        },
+                    );
+                    Ok(())
+                }
+                Err(e) => {
+                    d.undo_attach(&k.0, &k.1, was_attached, "mount").await;
+                    Err(ApiError::internal(e.to_string()))
+                }
+            }
+        })
+        .await
     }
 
     async fn remount(self: &Arc<Self>, info: &MountInfo) -> Result<MountInfo, ApiError> {
@@ -129,6 +194,11 @@ impl Daemon {
         }
         // A FUSE mount whose daemon died answers ENOTCONN; it can only be detached.
         let _ = rustix::mount::unmount(&disk_dir, rustix::mount::UnmountFlags::DETACH);
+        // A kernel NBD device of this mount, still connected.
+        if let Some(h) = home.file_name() {
+            let name = format!("{}{}", self.nbd_backend_prefix(), h.to_string_lossy());
+            kernel::disconnect_named(&name).await;
+        }
     }
 
     /// Orderly stop: unmounts every mount cleanly (its filesystem synced to the volume), each
@@ -152,15 +222,22 @@ impl Daemon {
     /// sandbox's writes there fail with EROFS, never reaching the host directory), syncs the
     /// filesystem into the volume, and leaves what is under the placeholder to end with this
     /// process, as after a kill -9; the next start clears it (nothing unsynced was promised).
-    pub(super) async fn stop_one(&self, m: super::Mounted) {
+    /// A kernel NBD mount stays up instead: its filesystem is synced, and the device, whose
+    /// connections end with this process, holds the sandbox's requests until the next start
+    /// reconnects it (for [`kernel::DEAD_CONN_TIMEOUT`]).
+    pub(super) async fn stop_one(&self, mut m: super::Mounted) {
         let (dir, target) = (PathBuf::from(&m.info.dir), m.info.target.clone());
+        let cover = m.kernel.is_none();
         let _ = blocking(move || {
-            if let Some(t) = target {
+            if let Some(t) = target.filter(|_| cover) {
                 host::cover(Path::new(&t));
             }
             host::sync_fs(&dir);
         })
         .await;
+        if let Some(k) = m.kernel.take() {
+            k.leave();
+        }
         if let Err(e) = m.vol.flush().await {
             tracing::warn!(workspace = m.info.workspace, error = %e, "flush at stop failed");
         }
