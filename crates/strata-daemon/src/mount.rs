@@ -80,6 +80,9 @@ pub struct MountInfo {
     pub device: Option<String>,
     pub fstype: String,
     pub read_only: bool,
+    /// Kernel NBD: the connections being served now (of [`kernel::CONNECTIONS`]); not recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connections: Option<usize>,
 }
 
 /// A live mount: its record and what holds it up.
@@ -218,7 +221,10 @@ impl Daemon {
             .lock_mounts()
             .values()
             .filter(|m| m.info.tenant == t)
-            .map(|m| m.info.clone())
+            .map(|m| MountInfo {
+                connections: m.kernel.as_ref().map(|k| k.live()),
+                ..m.info.clone()
+            })
             .collect();
         v.sort_by(|a, b| a.workspace.cmp(&b.workspace));
         v
@@ -350,6 +356,7 @@ impl Daemon {
                 device: None,
                 fstype: FSTYPE.into(),
                 read_only: req.read_only,
+                connections: None,
             };
             d.attach_and_mount(info, req.mkfs.is_some(), false).await
         })

@@ -119,6 +119,7 @@ pub struct KernelDisk {
     server: Arc<Server>,
     stopping: Arc<AtomicBool>,
     slots: Vec<JoinHandle<()>>,
+    live: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// One socketpair: our end for the server, the kernel's end to hand over.
@@ -165,19 +166,22 @@ impl KernelDisk {
     /// slot is not dead yet).
     fn supervise(&mut self, export: &Export, conns: Vec<tokio::net::UnixStream>) {
         for c in conns {
-            let (server, export, stopping, index, backend) = (
+            let (server, export, stopping, index, backend, live) = (
                 self.server.clone(),
                 export.clone(),
                 self.stopping.clone(),
                 self.index,
                 self.backend.clone(),
+                self.live.clone(),
             );
             self.slots.push(tokio::spawn(async move {
                 let mut conn = c;
                 let mut backoff = Duration::from_millis(20);
                 loop {
                     let served = std::time::Instant::now();
+                    live.fetch_add(1, Ordering::SeqCst);
                     let _ = server.spawn_negotiated(conn, export.clone()).await;
+                    live.fetch_sub(1, Ordering::SeqCst);
                     if stopping.load(Ordering::SeqCst) {
                         return;
                     }
@@ -252,6 +256,7 @@ impl KernelDisk {
                 server: server.clone(),
                 stopping: Arc::new(AtomicBool::new(false)),
                 slots: vec![],
+                live: Default::default(),
             };
             disk.supervise(&export, ours);
             let nl2 = nl.clone();
@@ -316,6 +321,7 @@ impl KernelDisk {
             server,
             stopping: Arc::new(AtomicBool::new(false)),
             slots: vec![],
+            live: Default::default(),
         };
         // The old daemon's sockets closed when it died and the kernel marked their slots dead
         // (it has, by the time a new daemon runs; a socket handed over early is dropped and
@@ -337,6 +343,11 @@ impl KernelDisk {
         }
         disk.supervise(&export, conns);
         Ok(disk)
+    }
+
+    /// Connections being served now (a socket the kernel dropped counts until it closes).
+    pub fn live(&self) -> usize {
+        self.live.load(Ordering::SeqCst)
     }
 
     async fn stop_serving(&mut self) {

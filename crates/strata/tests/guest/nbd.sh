@@ -1,0 +1,130 @@
+#!/bin/sh
+# Runs inside the guest (Debian's kernel, the host's userspace over 9p, chrooted): the daemon
+# here drives the guest kernel's nbd.ko over netlink. Phase 1: mount over kernel NBD with 4
+# connections, fsync'd files, fio verify across a daemon kill -9 and restart, umount and
+# remount, device reuse; then files fsync'd and writes in flight when the host kills QEMU.
+# Phase 2 (the next boot, same data disk): the restarted daemon remounts from its record,
+# every fsync'd file is intact, the exported disk checks clean. Lines "STEP …" and "FAIL …"
+# go to the serial console, which the host test reads.
+set -u
+phase=$1
+W=/tmp/work
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp
+export STRATA_URL=http://127.0.0.1:7420 STRATA_TOKEN=admin-secret
+S=$W/strata
+REUSE=${STRATA_GUEST_REUSE:-20}
+fail() { echo "FAIL $*"; dmesg | tail -20; exit 1; }
+step() { echo "STEP $*"; }
+
+mkdir -p /tmp/data /tmp/mr/acme/box
+mount -t ext4 /dev/vda /tmp/data || fail "mounting the data disk"
+
+start() {
+  STRATA_ADMIN_TOKEN=admin-secret "$S" --data /tmp/data/strata serve --listen 127.0.0.1:7420 \
+    --mount-root /tmp/mr --nbd-timeout 10s >>"$W/daemon-$phase.log" 2>&1 &
+  DPID=$!
+  for _ in $(seq 1 300); do
+    curl -sf http://127.0.0.1:7420/v1/health >/dev/null 2>&1 && return 0
+    sleep 0.2
+  done
+  fail "daemon did not come up"
+}
+conns() { "$S" --tenant acme --json ws mounts | sed -n 's/.*"connections": *\([0-9]*\).*/\1/p' | head -1; }
+nbd_dev() { "$S" --tenant acme --json ws mounts | sed -n 's/.*"device": *"\/dev\/\(nbd[0-9]*\)".*/\1/p' | head -1; }
+
+if [ "$phase" = 1 ]; then
+  start
+  tok=$("$S" --json tenant create acme | sed -n 's/.*"token": *"\([^"]*\)".*/\1/p')
+  [ -n "$tok" ] || fail "tenant create"
+  echo "$tok" >/tmp/data/acme-token
+  export STRATA_TOKEN=$tok
+  "$S" --tenant acme ws create box --size 256MiB >/dev/null || fail "ws create"
+  "$S" --tenant acme ws mount box /tmp/mr/acme/box --backend nbd --mkfs ext4 >/dev/null || fail "ws mount"
+  dev=$(nbd_dev)
+  [ -n "$dev" ] || fail "no nbd device in ws mounts"
+  [ -e /sys/block/$dev/pid ] || fail "$dev is not connected"
+  q=$(conns)
+  [ "$q" = 4 ] || fail "$dev has $q connections served, not 4"
+  step "mounted $dev with $q connections, backend $(cat /sys/block/$dev/backend)"
+
+  T=/tmp/mr/acme/box
+  mkdir -p $T/a
+  for i in 1 2 3 4 5 6 7 8; do
+    dd if=/dev/urandom of=$T/a/f$i bs=64k count=$((i * 3)) conv=fsync status=none || fail "writing a/f$i"
+  done
+  sync -f $T/a
+  (cd $T/a && sha256sum f*) >$W/sums-a
+  step "8 files fsync'd"
+
+  # fio with verification, across a daemon kill -9 and restart: no I/O error may reach it.
+  fio --name=v --directory=$T --size=24M --bs=4k --rw=randwrite --ioengine=psync --fsync=16 \
+      --verify=crc32c --do_verify=1 --verify_fatal=1 --output=$W/fio.out >/dev/null 2>&1 &
+  FIO=$!
+  sleep 6
+  kill -9 $DPID; wait $DPID 2>/dev/null
+  step "daemon killed with -9 during fio"
+  start
+  for _ in $(seq 1 100); do [ "$(conns)" = 4 ] && break; sleep 0.2; done
+  [ "$(conns)" = 4 ] || fail "the restarted daemon serves $(conns) connections of $dev, not 4"
+  step "daemon restarted, 4 connections swapped into $dev"
+  wait $FIO || { cat $W/fio.out; fail "fio failed across the restart"; }
+  grep -q "err= 0" $W/fio.out || { cat $W/fio.out; fail "fio reported errors"; }
+  dmesg | grep -i -E "I/O error|EXT4-fs error|Buffer I/O" && fail "the kernel saw I/O errors"
+  [ "$(nbd_dev)" = "$dev" ] || fail "the restarted daemon does not serve $dev"
+  step "fio verify passed across the restart, no I/O error, same device"
+
+  "$S" --tenant acme ws umount box >/dev/null || fail "ws umount"
+  [ -e /sys/block/$dev/pid ] && fail "$dev still connected after umount"
+  "$S" --tenant acme ws mount box $T --backend nbd >/dev/null || fail "ws mount again"
+  (cd $T/a && sha256sum -c --quiet $W/sums-a) || fail "files differ after umount and mount"
+  "$S" --tenant acme ws umount box >/dev/null || fail "ws umount 2"
+  step "umount, mount: files intact"
+
+  before=$(ls -d /sys/block/nbd* | wc -l)
+  i=0
+  while [ $i -lt "$REUSE" ]; do
+    "$S" --tenant acme ws mount box $T --backend nbd >/dev/null || fail "reuse mount $i"
+    [ -f $T/a/f1 ] || fail "reuse $i: files missing"
+    "$S" --tenant acme ws umount box >/dev/null || fail "reuse umount $i"
+    i=$((i + 1))
+  done
+  after=$(ls -d /sys/block/nbd* | wc -l)
+  busy=$(ls /sys/block/nbd*/pid 2>/dev/null | wc -l)
+  [ "$before" = "$after" ] || fail "devices grew from $before to $after"
+  [ "$busy" = 0 ] || fail "$busy devices left connected"
+  step "devices reused $REUSE times, $after devices, none left connected"
+
+  "$S" --tenant acme ws mount box $T --backend nbd >/dev/null || fail "last mount"
+  mkdir -p $T/b
+  for i in 1 2 3 4; do
+    dd if=/dev/urandom of=$T/b/g$i bs=64k count=$((i * 5)) conv=fsync status=none || fail "writing b/g$i"
+  done
+  sync -f $T/b
+  (cd $T/b && sha256sum g*) >$W/sums-b
+  sync
+  # Writes nobody waits for, in flight when the power goes.
+  (while :; do dd if=/dev/urandom of=$T/b/unsynced bs=64k count=16 status=none; done) &
+  sleep 2
+  step "KILL-ME"
+  sleep 600
+fi
+
+if [ "$phase" = 2 ]; then
+  export STRATA_TOKEN=$(cat /tmp/data/acme-token)
+  start
+  T=/tmp/mr/acme/box
+  for _ in $(seq 1 100); do [ -n "$(nbd_dev)" ] && break; sleep 0.2; done
+  dev=$(nbd_dev)
+  [ -n "$dev" ] || fail "the restarted daemon did not remount the workspace"
+  step "remounted on $dev after the power cut"
+  (cd $T/b && sha256sum -c --quiet $W/sums-b) || fail "fsync'd files lost or changed after the power cut"
+  (cd $T/a && sha256sum -c --quiet $W/sums-a) || fail "older files lost after the power cut"
+  step "every fsync'd file intact"
+  "$S" --tenant acme ws umount box >/dev/null || fail "final umount"
+  uri=$("$S" --tenant acme ws attach box) || fail "ws attach"
+  qemu-img convert -f raw -O raw "$uri" /tmp/data/box.raw || fail "reading the disk over NBD"
+  "$S" --tenant acme ws detach box >/dev/null || fail "ws detach"
+  e2fsck -fn /tmp/data/box.raw >$W/fsck.out 2>&1 || { cat $W/fsck.out; fail "e2fsck found errors"; }
+  step "e2fsck -fn clean on the exported disk"
+fi
+step "DONE $phase"
