@@ -154,7 +154,9 @@ enum WsCmd {
     Mount {
         ws: String,
         dir: Option<PathBuf>,
-        /// fuse: the native FUSE export under a loop device; nbd: the kernel NBD client.
+        /// fuse: the native FUSE export under a loop device (no kernel module beyond fuse and
+        /// loop); nbd: /dev/nbdN through the kernel NBD client over netlink (needs nbd.ko; the
+        /// mount survives a daemon restart).
         #[arg(long, default_value = "fuse")]
         backend: String,
         /// Make this filesystem on a blank volume (ext4).

@@ -178,6 +178,7 @@ fn initramfs(kit: &Kit, dir: &Path) -> PathBuf {
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 {load}
 phase=$(sed -n 's/.*strata.phase=\([0-9]*\).*/\1/p' /proc/cmdline)
+export STRATA_GUEST_REUSE=$(sed -n 's/.*strata.reuse=\([0-9]*\).*/\1/p' /proc/cmdline)
 mount -t 9p -o trans=virtio,version=9p2000.L,ro host /host || echo "FAIL 9p host"
 mount -t tmpfs -o size=512m tmp /host/tmp
 mkdir -p /host/tmp/work
@@ -207,8 +208,17 @@ poweroff -f
     out
 }
 
+/// Mount/umount cycles of the device-reuse check (CI: a few; `STRATA_GUEST_REUSE=100`).
+fn reuse() -> u32 {
+    std::env::var("STRATA_GUEST_REUSE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5)
+}
+
 struct Guest {
     child: Child,
+    booted: Instant,
     lines: mpsc::Receiver<String>,
     log: Vec<String>,
 }
@@ -238,7 +248,10 @@ impl Guest {
             .arg("-initrd")
             .arg(initrd)
             .arg("-append")
-            .arg(format!("console=ttyS0 quiet panic=-1 strata.phase={phase}"))
+            .arg(format!(
+                "console=ttyS0 quiet panic=-1 strata.phase={phase} strata.reuse={}",
+                reuse()
+            ))
             .arg("-virtfs")
             .arg("local,path=/,mount_tag=host,readonly=on,security_model=none")
             .arg("-virtfs")
@@ -265,6 +278,7 @@ impl Guest {
         });
         Guest {
             child,
+            booted: Instant::now(),
             lines,
             log: vec![],
         }
@@ -287,7 +301,7 @@ impl Guest {
                         continue;
                     };
                     let l = &l[at..];
-                    eprintln!("guest: {l}");
+                    eprintln!("guest {:>6.1}s: {l}", self.booted.elapsed().as_secs_f64());
                     if l.starts_with("FAIL") || l.starts_with("EXIT") {
                         panic!("guest failed before {want:?}:\n{}", self.tail());
                     }
@@ -342,6 +356,8 @@ fn kernel_nbd_mount_survives_daemon_restart_and_power_cut_in_a_real_guest() {
     g.expect("STEP 8 files", Duration::from_secs(120));
     g.expect("STEP daemon killed", Duration::from_secs(120));
     g.expect("STEP fio verify passed", Duration::from_secs(400));
+    g.expect("STEP daemon stopped cleanly", Duration::from_secs(120));
+    g.expect("STEP clean restart", Duration::from_secs(300));
     g.expect("STEP umount, mount", Duration::from_secs(180));
     g.expect("STEP devices reused", Duration::from_secs(900));
     g.expect("STEP KILL-ME", Duration::from_secs(180));

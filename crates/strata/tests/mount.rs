@@ -386,13 +386,18 @@ async fn mount_refusals() {
         .post("/v1/workspaces/w/mount", json!({"target": mine.join("ok")}))
         .await;
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
-    let (s, v) = api
-        .post(
-            "/v1/workspaces/w/mount",
-            json!({"backend": "nbd", "mkfs": "ext4"}),
-        )
-        .await;
-    assert_eq!(s, StatusCode::NOT_IMPLEMENTED, "{v}");
+    // Without an nbd module in this kernel (these machines; tests/guest_nbd.rs runs the
+    // kernel backend in a guest), the kernel backend says so and leaves nothing behind.
+    if !Path::new("/sys/module/nbd").exists() && !have("modprobe") {
+        let (s, v) = api
+            .post(
+                "/v1/workspaces/w/mount",
+                json!({"backend": "nbd", "mkfs": "ext4"}),
+            )
+            .await;
+        assert_eq!(s, StatusCode::NOT_IMPLEMENTED, "{v}");
+        assert!(v.to_string().contains("nbd"), "{v}");
+    }
     assert_eq!(
         leftovers(&data),
         Vec::<String>::new(),

@@ -376,10 +376,13 @@ impl KernelDisk {
         held().remove(&index);
     }
 
-    /// Leaves the device connected to this process: its connections end with the process and
-    /// the kernel holds requests until the next start reconnects it (a daemon stop).
-    pub fn leave(self) {
-        self.stopping.store(true, Ordering::SeqCst);
+    /// Leaves the device connected but stops serving it (a daemon stop): the connections
+    /// finish what they accepted, then close; the kernel marks them dead and holds the
+    /// sandbox's requests until the next start swaps fresh ones in. Nothing is served after
+    /// the stop's final flush (the volumes are closed after it).
+    pub async fn park(mut self) {
+        self.stop_serving().await;
+        held().remove(&self.index);
     }
 }
 

@@ -222,9 +222,9 @@ impl Daemon {
     /// sandbox's writes there fail with EROFS, never reaching the host directory), syncs the
     /// filesystem into the volume, and leaves what is under the placeholder to end with this
     /// process, as after a kill -9; the next start clears it (nothing unsynced was promised).
-    /// A kernel NBD mount stays up instead: its filesystem is synced, and the device, whose
-    /// connections end with this process, holds the sandbox's requests until the next start
-    /// reconnects it (for [`kernel::DEAD_CONN_TIMEOUT`]).
+    /// A kernel NBD mount stays up instead: its filesystem is synced, its connections are
+    /// drained and closed, and the device holds the sandbox's requests until the next start
+    /// reconnects it (for the dead-connection timeout, 10 min by default).
     pub(super) async fn stop_one(&self, mut m: super::Mounted) {
         let (dir, target) = (PathBuf::from(&m.info.dir), m.info.target.clone());
         let cover = m.kernel.is_none();
@@ -236,7 +236,7 @@ impl Daemon {
         })
         .await;
         if let Some(k) = m.kernel.take() {
-            k.leave();
+            k.park().await;
         }
         if let Err(e) = m.vol.flush().await {
             tracing::warn!(workspace = m.info.workspace, error = %e, "flush at stop failed");

@@ -73,6 +73,20 @@ if [ "$phase" = 1 ]; then
   [ "$(nbd_dev)" = "$dev" ] || fail "the restarted daemon does not serve $dev"
   step "fio verify passed across the restart, no I/O error, same device"
 
+  # A clean stop while fsync'd writes go on: the device is parked, not disconnected.
+  (for i in $(seq 1 12); do
+     dd if=/dev/urandom of=$T/c$i bs=64k count=8 conv=fsync status=none || echo "FAIL dd c$i across a clean restart"
+   done) &
+  DD=$!
+  sleep 2
+  kill -TERM $DPID; wait $DPID
+  step "daemon stopped cleanly during fsync'd writes"
+  start
+  wait $DD
+  dmesg | grep -i -E "I/O error|EXT4-fs error|Buffer I/O" && fail "the kernel saw I/O errors across the clean restart"
+  [ "$(nbd_dev)" = "$dev" ] || fail "the restarted daemon does not serve $dev"
+  step "clean restart: writes went on, no I/O error"
+
   "$S" --tenant acme ws umount box >/dev/null || fail "ws umount"
   [ -e /sys/block/$dev/pid ] && fail "$dev still connected after umount"
   "$S" --tenant acme ws mount box $T --backend nbd >/dev/null || fail "ws mount again"
