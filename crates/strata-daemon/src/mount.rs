@@ -240,7 +240,7 @@ impl Daemon {
     }
 
     /// The backend name a kernel NBD device of this mount carries (`/sys/block/nbdN/backend`):
-    /// this node (its data directory) and the mount's home, never the names themselves.
+    /// this node and the mount's home, never the names themselves.
     fn nbd_backend_name(&self, t: &str, ws: &str) -> String {
         let home = self.mount_home(t, ws);
         let h = home
@@ -250,9 +250,11 @@ impl Daemon {
         format!("{}{h}", self.nbd_backend_prefix())
     }
 
-    /// What every kernel NBD device this node connects is named with.
+    /// What every kernel NBD device this node connects is named with: a hash of its node id
+    /// (random, persisted in its data directory), so that two daemons on one host (say, in
+    /// two containers with the same data path) never take each other's devices for theirs.
     fn nbd_backend_prefix(&self) -> String {
-        let node = blake3::hash(self.engine.config().data_dir.as_os_str().as_encoded_bytes());
+        let node = blake3::hash(self.engine.node_id().as_bytes());
         format!("strata-{}-", &node.to_hex()[..12])
     }
 

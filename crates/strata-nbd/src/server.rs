@@ -162,7 +162,11 @@ struct Negotiated {
     export: Export,
     structured: bool,
     meta: bool,
+    alive: Option<Alive>,
 }
+
+/// Whether the client is still there to be answered (see [`Server::spawn_negotiated`]).
+pub type Alive = Arc<dyn Fn() -> bool + Send + Sync>;
 
 impl Server {
     pub fn new(exports: Arc<Exports>, mut cfg: ServerConfig) -> Arc<Server> {
@@ -274,10 +278,18 @@ impl Server {
     /// phase with the flags [`Server::transmission_flags`] gave it (simple replies, no meta
     /// contexts). The task ends when the connection does (or at once if the server is
     /// shutting down); [`Server::shutdown`] drains it like any other.
+    ///
+    /// `alive` says whether the client still listens. The kernel gives up on a connection
+    /// whose request timed out (it shuts its end and resends the request elsewhere), but
+    /// requests it had already sent may still sit unread here: executed late, such a write
+    /// would land after the newer data its resent copy let through. So once `alive` is false
+    /// no request is read, and no write, trim or zeroing is executed (checked just before it
+    /// would reach the device).
     pub fn spawn_negotiated<S>(
         self: &Arc<Self>,
         s: S,
         export: Export,
+        alive: Option<Alive>,
     ) -> tokio::task::JoinHandle<()>
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -291,6 +303,7 @@ impl Server {
                 export,
                 structured: false,
                 meta: false,
+                alive,
             };
             if let Err(e) = me.transmit(rd, wr, neg).await {
                 tracing::debug!(error = %e, "nbd connection closed");
@@ -390,6 +403,9 @@ impl Server {
                 Ok(r) => r,
                 Err(e) => break Err(e.into()),
             };
+            if neg.alive.as_ref().is_some_and(|a| !a()) {
+                break Ok(());
+            }
             while tasks.try_join_next().is_some() {}
             if req.kind == CMD_DISC {
                 break Ok(());
@@ -454,7 +470,13 @@ impl Server {
             let (dev, tx) = (dev.clone(), tx.clone());
             let metrics = self.cfg.metrics.clone();
             let max_span = self.cfg.max_request;
+            let alive = neg.alive.clone();
             tasks.spawn(async move {
+                let changes = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
+                if changes && alive.is_some_and(|a| !a()) {
+                    // Never answered: the client resends it on a live connection.
+                    return;
+                }
                 let started = std::time::Instant::now();
                 let mut reply = execute(&*dev, &req, payload, structured, max_span).await;
                 if let Some(h) = metrics.as_ref().and_then(|m| m.for_command(req.kind)) {

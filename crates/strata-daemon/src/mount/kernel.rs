@@ -122,6 +122,31 @@ pub struct KernelDisk {
     live: Arc<std::sync::atomic::AtomicUsize>,
 }
 
+/// Whether the kernel still listens on a connection: it shuts its end when it gives up on
+/// the connection (POLLRDHUP on ours, even with requests still unread in the buffer).
+fn alive_of(conn: &tokio::net::UnixStream) -> Option<strata_nbd::Alive> {
+    use std::os::fd::AsFd;
+    let fd = conn.as_fd().try_clone_to_owned().ok()?;
+    Some(Arc::new(move || {
+        let mut p = [rustix::event::PollFd::new(
+            &fd,
+            rustix::event::PollFlags::RDHUP,
+        )];
+        let now = rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        match rustix::event::poll(&mut p, Some(&now)) {
+            Ok(_) => !p[0].revents().intersects(
+                rustix::event::PollFlags::RDHUP
+                    | rustix::event::PollFlags::HUP
+                    | rustix::event::PollFlags::ERR,
+            ),
+            Err(_) => true,
+        }
+    }))
+}
+
 /// One socketpair: our end for the server, the kernel's end to hand over.
 fn pair() -> io::Result<(tokio::net::UnixStream, std::os::unix::net::UnixStream)> {
     let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
@@ -163,7 +188,10 @@ impl KernelDisk {
 
     /// One task per connection: serves it, and when it ends while the mount is up, hands the
     /// kernel a fresh one for the slot (backing off while the kernel drops them because the
-    /// slot is not dead yet).
+    /// slot is not dead yet). Only into this mount's device: before each RECONFIGURE the
+    /// device must still be connected under this mount's backend name; a device gone, or
+    /// taken over, or a kernel refusing for a minute ends the supervisor (the mount is then
+    /// down: its requests fail once the dead-connection timeout passes).
     fn supervise(&mut self, export: &Export, conns: Vec<tokio::net::UnixStream>) {
         for c in conns {
             let (server, export, stopping, index, backend, live) = (
@@ -180,7 +208,8 @@ impl KernelDisk {
                 loop {
                     let served = std::time::Instant::now();
                     live.fetch_add(1, Ordering::SeqCst);
-                    let _ = server.spawn_negotiated(conn, export.clone()).await;
+                    let alive = alive_of(&conn);
+                    let _ = server.spawn_negotiated(conn, export.clone(), alive).await;
                     live.fetch_sub(1, Ordering::SeqCst);
                     if stopping.load(Ordering::SeqCst) {
                         return;
@@ -192,14 +221,26 @@ impl KernelDisk {
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(Duration::from_secs(2));
                     }
+                    let mut failures = 0;
                     conn = loop {
                         if stopping.load(Ordering::SeqCst) {
+                            return;
+                        }
+                        if backend_of(index).as_deref() != Some(backend.as_str())
+                            || sys(index, "pid").is_none()
+                        {
+                            tracing::error!(device = index, "the nbd device of a mounted workspace is no longer this mount's (disconnected or taken over); not reconnecting");
                             return;
                         }
                         match swap_in(index, &backend).await {
                             Ok(c) => break c,
                             Err(e) => {
-                                tracing::error!(device = index, error = %e, "reconnecting an nbd connection failed; retrying");
+                                failures += 1;
+                                if failures >= 60 {
+                                    tracing::error!(device = index, error = %e, "reconnecting an nbd connection keeps failing; giving up on it");
+                                    return;
+                                }
+                                tracing::warn!(device = index, error = %e, "reconnecting an nbd connection failed; retrying");
                                 tokio::time::sleep(Duration::from_secs(1)).await;
                             }
                         }
@@ -209,7 +250,8 @@ impl KernelDisk {
         }
     }
 
-    /// Connects a free device to the volume.
+    /// Connects a free device to the volume. The connections are served from when the kernel
+    /// has taken them (what it sends before waits in the socket buffers).
     pub async fn connect(
         vol: Arc<Volume>,
         backend: String,
@@ -218,7 +260,7 @@ impl KernelDisk {
     ) -> io::Result<KernelDisk> {
         let (server, export, flags) = Self::server(&vol, read_only);
         let size = vol.size();
-        if size == 0 || size % BLOCK != 0 {
+        if size == 0 || !size.is_multiple_of(BLOCK) {
             return Err(io::Error::other(format!(
                 "volume size {size} is not a multiple of {BLOCK}"
             )));
@@ -227,12 +269,6 @@ impl KernelDisk {
         let nl = Arc::new(Mutex::new(nl));
         let mut skip = BTreeSet::new();
         for _ in 0..8 {
-            let index = {
-                let nl = nl.clone();
-                let skip = skip.clone();
-                blocking(move || Ok(pick(&nl.lock().unwrap_or_else(|p| p.into_inner()), &skip)))
-                    .await?
-            };
             let mut ours = vec![];
             let mut theirs = vec![];
             for _ in 0..CONNECTIONS {
@@ -240,6 +276,12 @@ impl KernelDisk {
                 ours.push(o);
                 theirs.push(t);
             }
+            let index = {
+                let nl = nl.clone();
+                let skip = skip.clone();
+                blocking(move || Ok(pick(&nl.lock().unwrap_or_else(|p| p.into_inner()), &skip)))
+                    .await?
+            };
             let c = Connect {
                 index,
                 size,
@@ -249,16 +291,6 @@ impl KernelDisk {
                 dead_conn_timeout,
                 backend: backend.clone(),
             };
-            // The server ends are served before the kernel sends anything on them.
-            let mut disk = KernelDisk {
-                index,
-                backend: backend.clone(),
-                server: server.clone(),
-                stopping: Arc::new(AtomicBool::new(false)),
-                slots: vec![],
-                live: Default::default(),
-            };
-            disk.supervise(&export, ours);
             let nl2 = nl.clone();
             let r = blocking(move || {
                 let fds: Vec<_> = theirs.iter().map(|t| t.as_raw_fd()).collect();
@@ -269,7 +301,18 @@ impl KernelDisk {
             })
             .await;
             match r {
-                Ok(got) if got == index => return Ok(disk),
+                Ok(got) if got == index => {
+                    let mut disk = KernelDisk {
+                        index,
+                        backend: backend.clone(),
+                        server: server.clone(),
+                        stopping: Arc::new(AtomicBool::new(false)),
+                        slots: vec![],
+                        live: Default::default(),
+                    };
+                    disk.supervise(&export, ours);
+                    return Ok(disk);
+                }
                 Ok(got) => {
                     tracing::error!(
                         asked = index,
@@ -277,14 +320,12 @@ impl KernelDisk {
                         "the kernel connected another nbd device than asked"
                     );
                     let _ = blocking(move || Netlink::open()?.disconnect(got)).await;
-                    disk.stop_serving().await;
                     held().remove(&index);
                     return Err(io::Error::other(
                         "the kernel connected another nbd device than asked",
                     ));
                 }
                 Err(e) => {
-                    disk.stop_serving().await;
                     held().remove(&index);
                     if e.raw_os_error() == Some(libc::EBUSY) {
                         skip.insert(index);

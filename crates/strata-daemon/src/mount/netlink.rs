@@ -240,11 +240,8 @@ impl Netlink {
     /// Whether the kernel holds a configuration for the device (connected, or merely open);
     /// None: no such device. The kernel refuses a CONNECT of a device that has one (EBUSY).
     pub fn connected(&self, index: u32) -> io::Result<Option<bool>> {
-        let replies = match self.call(Cmd::Status, vec![attr(Attr::Index, index)?]) {
-            Ok(r) => r,
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
-            Err(e) => return Err(e),
-        };
+        // An index with no device gets an empty list.
+        let replies = self.call(Cmd::Status, vec![attr(Attr::Index, index)?])?;
         for p in &replies {
             let h = p.attrs().get_attr_handle();
             let Ok(list) = h.get_nested_attributes::<u16>(Attr::DeviceList) else {

@@ -28,6 +28,14 @@ async fn cover_target(info: &MountInfo) {
     }
 }
 
+/// Why a kernel NBD mount was not reattached.
+enum Reattach {
+    /// Not now (the catalog or the store did not answer): the device keeps holding requests.
+    Later(String, u32),
+    /// Never: the device, the filesystem or the disk under it is not what the record says.
+    Afresh(String),
+}
+
 impl Daemon {
     /// Whether a mount record exists for the workspace (mounted, or to be mounted again).
     pub(crate) fn has_mount_record(&self, t: &str, ws: &str) -> bool {
@@ -43,6 +51,8 @@ impl Daemon {
             return done;
         };
         let enabled = self.mount_root.is_some();
+        // Kernel NBD devices whose reattach is retried in the background.
+        let mut pending = std::collections::BTreeSet::new();
         for e in rd.flatten() {
             let rec = e.path().join("mount.json");
             let Some(info) = std::fs::read(&rec)
@@ -60,89 +70,232 @@ impl Daemon {
             }
             // A kernel NBD device outlives the daemon: its filesystem is still mounted and
             // waits for its connections, which go back into the same device.
-            if enabled && info.backend == Backend::Nbd && info.device.is_some() {
+            if enabled && info.backend == Backend::Nbd {
                 match self.reattach(&info).await {
                     Ok(()) => {
                         done.push((info.tenant.clone(), info.workspace.clone()));
                         continue;
                     }
-                    Err(err) => {
-                        tracing::warn!(tenant = info.tenant, workspace = info.workspace, error = %err.message, "cannot reconnect the kernel nbd device; mounting afresh");
+                    Err(Reattach::Later(why, index)) => {
+                        // The device holds the sandbox's requests meanwhile: no EIO for a
+                        // catalog or store that is briefly unreachable.
+                        tracing::warn!(
+                            tenant = info.tenant,
+                            workspace = info.workspace,
+                            error = why,
+                            "cannot reattach the kernel nbd device yet; retrying in the background"
+                        );
+                        pending.insert(index);
+                        self.reattach_later(info, e.path());
+                        continue;
+                    }
+                    Err(Reattach::Afresh(why)) => {
+                        tracing::warn!(
+                            tenant = info.tenant,
+                            workspace = info.workspace,
+                            error = why,
+                            "the kernel nbd device cannot be reattached; mounting afresh"
+                        );
                     }
                 }
             }
-            // A dead mount at the target still takes writes into its page cache (they fail
-            // only at fsync): cover it at once, before anything else.
-            cover_target(&info).await;
-            self.clear_stale(&e.path()).await;
-            if !enabled {
-                tracing::error!(tenant = info.tenant, workspace = info.workspace, "not remounting: mounts are off on this node (no --mount-root); the record stays");
-                self.publish_local(&info.tenant, &info.workspace).await;
-                continue;
-            }
-            let k = (info.tenant.clone(), info.workspace.clone());
-            match self.remount(&info).await {
-                Ok(_) => done.push(k),
-                Err(err) => {
-                    tracing::error!(tenant = info.tenant, workspace = info.workspace, error = %err.message, "not remounting workspace; its record stays (the next start retries)");
-                    // Keep the target covered: nothing a sandbox writes there may land on the
-                    // host directory underneath.
-                    cover_target(&info).await;
-                }
+            if self.mount_afresh(&info, &e.path()).await {
+                done.push((info.tenant.clone(), info.workspace.clone()));
             }
         }
-        // Devices this node connected that no live mount uses.
-        let keep = self
+        // Devices this node connected that no live (or soon reattached) mount uses.
+        let mut keep: std::collections::BTreeSet<u32> = self
             .lock_mounts()
             .values()
             .filter_map(|m| m.kernel.as_ref().map(|k| k.index))
             .collect();
+        keep.extend(pending);
         kernel::sweep(&self.nbd_backend_prefix(), &keep).await;
         done
     }
 
+    /// Clears what is left of a recorded mount and mounts it again; whether it is mounted.
+    async fn mount_afresh(self: &Arc<Self>, info: &MountInfo, home: &Path) -> bool {
+        // A dead mount at the target still takes writes into its page cache (they fail
+        // only at fsync): cover it at once, before anything else.
+        cover_target(info).await;
+        self.clear_stale(home).await;
+        if self.mount_root.is_none() {
+            tracing::error!(
+                tenant = info.tenant,
+                workspace = info.workspace,
+                "not remounting: mounts are off on this node (no --mount-root); the record stays"
+            );
+            self.publish_local(&info.tenant, &info.workspace).await;
+            return false;
+        }
+        match self.remount(info).await {
+            Ok(_) => true,
+            Err(err) => {
+                tracing::error!(tenant = info.tenant, workspace = info.workspace, error = %err.message, "not remounting workspace; its record stays (the next start retries)");
+                // Keep the target covered: nothing a sandbox writes there may land on the
+                // host directory underneath.
+                cover_target(info).await;
+                false
+            }
+        }
+    }
+
+    /// Retries a reattach every 5 s for half the dead-connection timeout (the kernel holds
+    /// the requests that long at least), then mounts afresh.
+    fn reattach_later(self: &Arc<Self>, info: MountInfo, home: PathBuf) {
+        let d = self.clone();
+        tokio::spawn(async move {
+            let until = std::time::Instant::now() + d.nbd_timeouts.1 / 2;
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                if !d.has_mount_record(&info.tenant, &info.workspace)
+                    || d.is_mounted(&info.tenant, &info.workspace)
+                {
+                    return; // unmounted (or mounted) meanwhile
+                }
+                match d.reattach(&info).await {
+                    Ok(()) => {
+                        tracing::info!(
+                            tenant = info.tenant,
+                            workspace = info.workspace,
+                            "kernel nbd device reattached"
+                        );
+                        return;
+                    }
+                    Err(Reattach::Later(why, _)) if std::time::Instant::now() < until => {
+                        tracing::warn!(
+                            tenant = info.tenant,
+                            workspace = info.workspace,
+                            error = why,
+                            "cannot reattach the kernel nbd device yet"
+                        );
+                    }
+                    Err(Reattach::Later(why, _)) | Err(Reattach::Afresh(why)) => {
+                        tracing::warn!(
+                            tenant = info.tenant,
+                            workspace = info.workspace,
+                            error = why,
+                            "giving up on reattaching the kernel nbd device; mounting afresh"
+                        );
+                        d.mount_afresh(&info, &home).await;
+                        return;
+                    }
+                }
+            }
+        });
+    }
+
     /// Serves a recorded kernel NBD mount again: its device (checked to be this mount's by
-    /// its backend name) gets fresh connections; the filesystem on it stays mounted.
-    async fn reattach(self: &Arc<Self>, info: &MountInfo) -> Result<(), ApiError> {
+    /// its backend name, still connected) gets fresh connections; the filesystem on it stays
+    /// mounted. Only onto the same disk: if the volume did not open on the journal it had
+    /// (another node moved the head meanwhile and the local journal was discarded), the
+    /// filesystem's cache describes another disk, and it is mounted afresh instead.
+    async fn reattach(self: &Arc<Self>, info: &MountInfo) -> Result<(), Reattach> {
         let (d, info) = (self.clone(), info.clone());
-        own_task(async move {
+        let afresh = |s: &str| Reattach::Afresh(s.to_string());
+        // In a task of its own (like every operation): a caller that goes away does not cut
+        // it between the attach and the record of the mount.
+        let r = tokio::spawn(async move {
             let k = (info.tenant.clone(), info.workspace.clone());
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
+            if !d.has_mount_record(&k.0, &k.1) || d.is_mounted(&k.0, &k.1) {
+                return Ok(());
+            }
             let index = info
                 .device
                 .as_deref()
                 .and_then(|p| p.strip_prefix("/dev/nbd"))
                 .and_then(|i| i.parse::<u32>().ok())
-                .ok_or_else(|| ApiError::internal("the record names no nbd device"))?;
-            if !is_mount_point(Path::new(&info.dir)) {
-                return Err(ApiError::internal("the filesystem is no longer mounted"));
-            }
-            let was_attached = d.engine.volume(&k.0, &k.1).is_some();
-            let vol = d.engine.attach(&k.0, &k.1).await?;
+                .ok_or_else(|| afresh("the record names no nbd device"))?;
             let backend = d.nbd_backend_name(&k.0, &k.1);
-            match kernel::KernelDisk::resume(vol.clone(), index, &backend, info.read_only).await {
-                Ok(disk) => {
-                    let bound = info.target.is_some();
-                    d.lock_mounts().insert(
-                        k,
-                        Mounted {
-                            info,
-                            fuse: None,
-                            kernel: Some(disk),
-                            vol,
-                            bound,
-                        },
-                    );
-                    Ok(())
-                }
+            if !is_mount_point(Path::new(&info.dir)) {
+                return Err(afresh("the filesystem is no longer mounted"));
+            }
+            if kernel::backend_of(index).as_deref() != Some(backend.as_str()) {
+                return Err(afresh("the device is not this mount's any more"));
+            }
+            let before = d.journal_of(&k.0, &k.1);
+            let was_attached = d.engine.volume(&k.0, &k.1).is_some();
+            let vol = d
+                .engine
+                .attach(&k.0, &k.1)
+                .await
+                .map_err(|e| Reattach::Later(e.to_string(), index))?;
+            if before.is_none() || d.journal_of(&k.0, &k.1) != before {
+                return Err(afresh(
+                    "the volume did not open on the journal the filesystem wrote (the head moved elsewhere)",
+                ));
+            }
+            let disk = match kernel::KernelDisk::resume(
+                vol.clone(),
+                index,
+                &backend,
+                info.read_only,
+            )
+            .await
+            {
+                Ok(disk) => disk,
                 Err(e) => {
                     d.undo_attach(&k.0, &k.1, was_attached, "mount").await;
-                    Err(ApiError::internal(e.to_string()))
+                    return Err(Reattach::Afresh(e.to_string()));
                 }
+            };
+            // The bind may be missing (a crash between the mount and the bind): bind again, or
+            // cover the target, never leave the host directory open to the sandbox.
+            let mut bound = false;
+            if let (Some(tg), Some(root)) = (info.target.clone(), d.mount_root.clone()) {
+                let (tenant, dir) = (k.0.clone(), PathBuf::from(&info.dir));
+                bound = blocking(move || {
+                    let same = |a: &Path, b: &Path| {
+                        matches!((std::fs::metadata(a), std::fs::metadata(b)),
+                            (Ok(x), Ok(y)) if std::os::unix::fs::MetadataExt::dev(&x) == std::os::unix::fs::MetadataExt::dev(&y))
+                    };
+                    let t = Path::new(&tg);
+                    if same(t, &dir) {
+                        return true;
+                    }
+                    let _one = host::BIND_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+                    let rebound = host::open_target(&root, &tenant, &tg, true)
+                        .ok()
+                        .is_some_and(|fd| host::bind_onto(&dir, &fd).is_ok());
+                    if !rebound {
+                        host::cover(t);
+                    }
+                    rebound
+                })
+                .await
+                .unwrap_or(false);
             }
-        })
-        .await
+            d.lock_mounts().insert(
+                k,
+                Mounted {
+                    info,
+                    fuse: None,
+                    kernel: Some(disk),
+                    vol,
+                    bound,
+                },
+            );
+            Ok(())
+        });
+        r.await
+            .unwrap_or_else(|e| Err(Reattach::Afresh(format!("reattach task: {e}"))))
+    }
+
+    /// The id of the workspace's local journal (`volumes/{t}/{ws}/state.json`), if any.
+    fn journal_of(&self, t: &str, ws: &str) -> Option<String> {
+        let p = self
+            .engine
+            .config()
+            .data_dir
+            .join("volumes")
+            .join(t)
+            .join(ws)
+            .join("state.json");
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p).ok()?).ok()?;
+        v.get("journal_id")?.as_str().map(str::to_string)
     }
 
     async fn remount(self: &Arc<Self>, info: &MountInfo) -> Result<MountInfo, ApiError> {

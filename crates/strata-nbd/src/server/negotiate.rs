@@ -82,6 +82,7 @@ impl Server {
                         export,
                         structured: false,
                         meta: false,
+                        alive: None,
                     }));
                 }
                 OPT_ABORT => {
@@ -165,6 +166,7 @@ impl Server {
                             export,
                             structured,
                             meta,
+                            alive: None,
                         }));
                     }
                 }
