@@ -359,7 +359,10 @@ fn kernel_nbd_mount_survives_daemon_restart_and_power_cut_in_a_real_guest() {
     g.expect("STEP daemon stopped cleanly", Duration::from_secs(120));
     g.expect("STEP clean restart", Duration::from_secs(300));
     g.expect("STEP umount, mount", Duration::from_secs(180));
-    g.expect("STEP devices reused", Duration::from_secs(900));
+    g.expect(
+        "STEP devices reused",
+        Duration::from_secs(60 + 20 * reuse() as u64),
+    );
     g.expect("STEP KILL-ME", Duration::from_secs(180));
     // The guest's power cut: nothing it had not fsync'd is owed.
     g.child.kill().unwrap();

@@ -14,9 +14,11 @@
 //! disconnect ─▶ netlink DISCONNECT ─▶ drain the server ─▶ wait for the device to be free
 //! ```
 //!
-//! The pool never hands out a device that is in use: a device is free only when sysfs shows
-//! no connection (`pid` absent, size 0), nothing holds it (`holders` empty) and an exclusive
-//! open succeeds; a CONNECT refused with EBUSY (a race with another user) moves to the next.
+//! The pool never hands out a device that is in use: a device is free only when the kernel
+//! holds no configuration for it (netlink STATUS), sysfs shows no connection's leftovers
+//! (`pid` absent, size 0, nothing in flight) and nothing holds it (`holders` empty); a
+//! CONNECT refused with EBUSY (a race with another user) moves to the next. Not the kernel's
+//! own choice (CONNECT without an index): this way a device is picked by what it shows.
 //! Devices this node connected are named by their backend identifier, so a restart reattaches
 //! only its own and disconnects those no record names (left by a crash between steps).
 
@@ -59,10 +61,12 @@ fn sys(index: u32, attr: &str) -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
-/// Whether the kernel holds a connection (or its leftovers) for the device.
+/// Whether the kernel holds a connection (or its leftovers) for the device: a pid, a size,
+/// requests in flight, or a holder (a partition, a device-mapper table).
 fn busy(index: u32) -> bool {
     sys(index, "pid").is_some()
         || sys(index, "size").is_some_and(|s| s != "0")
+        || sys(index, "inflight").is_some_and(|s| s.split_whitespace().any(|n| n != "0"))
         || std::fs::read_dir(format!("/sys/block/nbd{index}/holders"))
             .map(|mut d| d.next().is_some())
             .unwrap_or(false)

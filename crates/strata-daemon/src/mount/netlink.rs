@@ -261,3 +261,54 @@ impl Netlink {
         Ok(None)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use neli::ToBytes;
+
+    /// (type without flags, nested flag, payload) of each attribute in `b`.
+    fn tlvs(mut b: &[u8]) -> Vec<(u16, bool, Vec<u8>)> {
+        let mut out = vec![];
+        while b.len() >= 4 {
+            let len = u16::from_ne_bytes([b[0], b[1]]) as usize;
+            let ty = u16::from_ne_bytes([b[2], b[3]]);
+            out.push((ty & 0x3fff, ty & 0x8000 != 0, b[4..len].to_vec()));
+            b = &b[len.next_multiple_of(4).min(b.len())..];
+        }
+        out
+    }
+
+    fn bytes(a: &Nlattr<Attr, Buffer>) -> Vec<u8> {
+        let mut c = std::io::Cursor::new(vec![]);
+        a.to_bytes(&mut c).unwrap();
+        c.into_inner()
+    }
+
+    /// The layout `include/uapi/linux/nbd-netlink.h` and nbd.c's policy expect: INDEX u32,
+    /// sizes and timeouts u64, SOCKETS { SOCK_ITEM { SOCK_FD u32 } ... }, the backend a
+    /// NUL-terminated string.
+    #[test]
+    fn connect_attributes_have_the_kernels_layout() {
+        let i = tlvs(&bytes(&attr(Attr::Index, 7u32).unwrap()));
+        assert_eq!(i, vec![(1, false, 7u32.to_ne_bytes().to_vec())]);
+        let s = tlvs(&bytes(&attr(Attr::SizeBytes, 1u64 << 30).unwrap()));
+        assert_eq!(s, vec![(2, false, (1u64 << 30).to_ne_bytes().to_vec())]);
+        let d = tlvs(&bytes(&attr(Attr::DeadConnTimeout, 600u64).unwrap()));
+        assert_eq!(d[0].0, 8);
+        assert_eq!(d[0].2.len(), 8);
+        let b = tlvs(&bytes(&attr(Attr::BackendIdentifier, "strata-x").unwrap()));
+        assert_eq!(b, vec![(10, false, b"strata-x\0".to_vec())]);
+
+        let socks = tlvs(&bytes(&sockets(&[5, 9]).unwrap()));
+        assert_eq!(socks.len(), 1);
+        let (ty, nested, inner) = &socks[0];
+        assert_eq!((*ty, *nested), (7, true));
+        let items = tlvs(inner);
+        assert_eq!(items.len(), 2);
+        for (item, fd) in items.iter().zip([5u32, 9]) {
+            assert_eq!((item.0, item.1), (1, true));
+            assert_eq!(tlvs(&item.2), vec![(1, false, fd.to_ne_bytes().to_vec())]);
+        }
+    }
+}
