@@ -160,6 +160,7 @@ async fn fio_nbd_engine_with_verification() {
             "--iodepth=16",
             "--verify=crc32c",
             "--do_verify=1",
+            "--verify_state_save=0",
             "--verify_fatal=1",
             "--fsync=64",
             "--output-format=terse",

@@ -58,7 +58,7 @@ if [ "$phase" = 1 ]; then
 
   # fio with verification, across a daemon kill -9 and restart: no I/O error may reach it.
   fio --name=v --directory=$T --size=12M --bs=4k --rw=randwrite --ioengine=psync --fsync=16 \
-      --verify=crc32c --do_verify=1 --verify_fatal=1 --output=$W/fio.out >/dev/null 2>&1 &
+      --verify=crc32c --do_verify=1 --verify_fatal=1 --verify_state_save=0 --output=$W/fio.out >/dev/null 2>&1 &
   FIO=$!
   sleep 6
   kill -9 $DPID; wait $DPID 2>/dev/null
