@@ -96,6 +96,38 @@ impl BlockDevice for Volume {
     }
 }
 
+/// Another device offered read-only: the server refuses every change to it with EPERM before
+/// it reaches the device (and advertises READ_ONLY), whatever the device itself would allow.
+pub struct ReadOnly(pub Arc<dyn BlockDevice>);
+
+#[async_trait]
+impl BlockDevice for ReadOnly {
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+    fn read_only(&self) -> bool {
+        true
+    }
+    async fn read(&self, offset: u64, len: u32) -> DevResult<Vec<u8>> {
+        self.0.read(offset, len).await
+    }
+    async fn write(&self, _: u64, _: &[u8], _: bool) -> DevResult<()> {
+        Err(DevError::new(proto::EPERM, "read-only"))
+    }
+    async fn flush(&self) -> DevResult<()> {
+        Ok(())
+    }
+    async fn trim(&self, _: u64, _: u32, _: bool) -> DevResult<()> {
+        Err(DevError::new(proto::EPERM, "read-only"))
+    }
+    async fn write_zeroes(&self, _: u64, _: u32, _: bool) -> DevResult<()> {
+        Err(DevError::new(proto::EPERM, "read-only"))
+    }
+    async fn allocation(&self, offset: u64, len: u32) -> DevResult<Vec<(u64, bool)>> {
+        self.0.allocation(offset, len).await
+    }
+}
+
 /// An in-memory disk (protocol tests, tools).
 pub struct MemDevice {
     data: RwLock<Vec<u8>>,
@@ -189,5 +221,27 @@ impl BlockDevice for MemDevice {
             pos = stop;
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn read_only_refuses_changes_and_passes_reads() {
+        let mem = MemDevice::new(1 << 20);
+        mem.write(4096, &[7u8; 4096], false).await.unwrap();
+        let ro = ReadOnly(mem.clone());
+        assert!(ro.read_only());
+        assert_eq!(ro.read(4096, 4096).await.unwrap(), vec![7u8; 4096]);
+        for r in [
+            ro.write(0, &[1u8; 512], false).await,
+            ro.trim(0, 4096, false).await,
+            ro.write_zeroes(4096, 4096, false).await,
+        ] {
+            assert_eq!(r.unwrap_err().errno, proto::EPERM);
+        }
+        assert_eq!(mem.read(4096, 4096).await.unwrap(), vec![7u8; 4096]);
     }
 }

@@ -12,6 +12,6 @@ pub mod metrics;
 pub mod proto;
 pub mod server;
 
-pub use device::{BlockDevice, DevError, MemDevice};
+pub use device::{BlockDevice, DevError, MemDevice, ReadOnly};
 pub use metrics::NbdMetrics;
 pub use server::{Alive, Export, Exports, Server, ServerConfig};

@@ -176,17 +176,21 @@ async fn swap_in(index: u32, backend: &str) -> io::Result<tokio::net::UnixStream
 }
 
 impl KernelDisk {
+    /// The per-mount server and its export; a read-only mount's device refuses changes in
+    /// the server too (the kernel, told READ_ONLY, sends none).
     fn server(vol: &Arc<Volume>, read_only: bool) -> (Arc<Server>, Export, u64) {
+        let device: Arc<dyn strata_nbd::BlockDevice> = if read_only {
+            Arc::new(strata_nbd::ReadOnly(vol.clone()))
+        } else {
+            vol.clone()
+        };
         let export = Export {
             description: "strata kernel nbd".into(),
-            device: vol.clone(),
+            device,
             multi_conn: true,
         };
         let server = Server::new(Exports::new(), ServerConfig::default());
-        let mut flags = server.transmission_flags(&export) as u64;
-        if read_only {
-            flags |= strata_nbd::proto::TF_READ_ONLY as u64;
-        }
+        let flags = server.transmission_flags(&export) as u64;
         (server, export, flags)
     }
 
