@@ -94,17 +94,19 @@ if [ "$phase" = 1 ]; then
   step "umount, mount: files intact"
 
   # A checkpoint and a live fork of the mounted workspace (each freezes the filesystem over
-  # the kernel device), the fork mounted on a second device at once: the same files.
+  # the kernel device), the fork mounted read-only on a second device at once (ext4 mounts
+  # a read-only device only if its journal is clean: the freeze made it so): the same files.
   "$S" --tenant acme ws checkpoint box --label over-nbd >/dev/null || fail "checkpoint of the nbd mount"
   "$S" --tenant acme ws fork box box2 >/dev/null || fail "live fork of the nbd mount"
   mkdir -p /tmp/mr/acme/box2
-  "$S" --tenant acme ws mount box2 /tmp/mr/acme/box2 --backend nbd >/dev/null || fail "mounting the fork"
+  "$S" --tenant acme ws mount box2 /tmp/mr/acme/box2 --backend nbd --read-only >/dev/null || fail "mounting the fork read-only"
+  touch /tmp/mr/acme/box2/x 2>/dev/null && fail "a read-only mount took a write"
   dev2=$("$S" --tenant acme --json ws mounts | grep -o '"/dev/nbd[0-9]*"' | tr -d '"' | grep -v "/dev/$dev$" | head -1)
   [ -n "$dev2" ] || fail "the fork is not on a second device"
   (cd /tmp/mr/acme/box2/a && sha256sum -c --quiet $W/sums-a) || fail "the fork's files differ"
   "$S" --tenant acme ws umount box2 >/dev/null || fail "ws umount box2"
   "$S" --tenant acme ws umount box >/dev/null || fail "ws umount 2"
-  step "checkpoint and live fork over nbd, the fork on $dev2: files identical"
+  step "checkpoint and live fork over nbd, the fork read-only on $dev2: files identical, writes refused"
 
   before=$(ls -d /sys/block/nbd* | wc -l)
   i=0
