@@ -194,6 +194,20 @@ impl Daemon {
         self.mounts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Records a live mount, unless the node has begun to stop (checked under the same lock
+    /// the stop takes its list under): then the mount is handed back, for the caller to stop.
+    fn insert_unless_stopping(&self, k: Key, m: Mounted) -> Option<Mounted> {
+        let mut mounts = self.lock_mounts();
+        if self
+            .mounts_stopping
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return Some(m);
+        }
+        mounts.insert(k, m);
+        None
+    }
+
     /// Whether the workspace is mounted on this node.
     pub(crate) fn is_mounted(&self, t: &str, ws: &str) -> bool {
         self.lock_mounts()
@@ -379,10 +393,7 @@ impl Daemon {
         match self.bring_up(info, vol, mkfs, again).await {
             Ok(m) => {
                 let out = m.info.clone();
-                if self
-                    .mounts_stopping
-                    .load(std::sync::atomic::Ordering::SeqCst)
-                {
+                if let Some(m) = self.insert_unless_stopping((t, ws), m) {
                     // The stop took its list before this mount finished: treat it as stop does.
                     self.stop_one(m).await;
                     return Err(ApiError::new(
@@ -391,7 +402,6 @@ impl Daemon {
                         "this node is stopping",
                     ));
                 }
-                self.lock_mounts().insert((t, ws), m);
                 Ok(out)
             }
             Err(e) => {

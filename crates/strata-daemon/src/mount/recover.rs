@@ -203,6 +203,11 @@ impl Daemon {
             if !d.has_mount_record(&k.0, &k.1) || d.is_mounted(&k.0, &k.1) {
                 return Ok(());
             }
+            if d.mounts_stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                // The node is stopping (a background retry ran late): the device keeps
+                // holding requests for the next start.
+                return Ok(());
+            }
             let index = info
                 .device
                 .as_deref()
@@ -268,16 +273,16 @@ impl Daemon {
                 .await
                 .unwrap_or(false);
             }
-            d.lock_mounts().insert(
-                k,
-                Mounted {
-                    info,
-                    fuse: None,
-                    kernel: Some(disk),
-                    vol,
-                    bound,
-                },
-            );
+            let m = Mounted {
+                info,
+                fuse: None,
+                kernel: Some(disk),
+                vol,
+                bound,
+            };
+            if let Some(m) = d.insert_unless_stopping(k, m) {
+                d.stop_one(m).await;
+            }
             Ok(())
         });
         r.await
@@ -358,9 +363,14 @@ impl Daemon {
     /// under its op lock (a checkpoint's freeze finishes first), covers each target with a
     /// read-only placeholder, and keeps the records so that the next start mounts them again.
     pub(crate) async fn stop_all_mounts(&self) {
-        self.mounts_stopping
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        let keys: Vec<Key> = self.lock_mounts().keys().cloned().collect();
+        // Under the mounts lock: a mount that checks the flag under it either is in this list
+        // or sees the flag (and stops itself).
+        let keys: Vec<Key> = {
+            let m = self.lock_mounts();
+            self.mounts_stopping
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            m.keys().cloned().collect()
+        };
         for k in keys {
             let lock = self.op_lock(&k);
             let _op = lock.lock().await;
