@@ -261,16 +261,8 @@ impl Server {
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        let Some(token) = self.join() else { return };
         let me = self.clone();
-        let task = tokio::spawn(async move {
-            // Dropped with the task, also when it is aborted.
-            let _token = token;
-            me.handle(s).await;
-        });
-        let mut conns = self.conns.lock().unwrap_or_else(|p| p.into_inner());
-        conns.retain(|h| !h.is_finished());
-        conns.push(task.abort_handle());
+        self.spawn_tracked(async move { me.handle(s).await });
     }
 
     /// Serves a connection whose negotiation happened elsewhere, in its own task: the kernel's
@@ -294,10 +286,8 @@ impl Server {
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        let token = self.join();
         let me = self.clone();
-        let task = tokio::spawn(async move {
-            let Some(_token) = token else { return };
+        self.spawn_tracked(async move {
             let (rd, wr) = tokio::io::split(s);
             let neg = Negotiated {
                 export,
@@ -308,6 +298,20 @@ impl Server {
             if let Err(e) = me.transmit(rd, wr, neg).await {
                 tracing::debug!(error = %e, "nbd connection closed");
             }
+        })
+    }
+
+    /// Runs one connection's task holding a join token (none once shutting down: the task
+    /// ends at once, dropping the connection), where [`Server::shutdown`] can abort it.
+    fn spawn_tracked(
+        self: &Arc<Self>,
+        conn: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> tokio::task::JoinHandle<()> {
+        let token = self.join();
+        let task = tokio::spawn(async move {
+            // Dropped with the task, also when it is aborted.
+            let Some(_token) = token else { return };
+            conn.await
         });
         let mut conns = self.conns.lock().unwrap_or_else(|p| p.into_inner());
         conns.retain(|h| !h.is_finished());

@@ -61,10 +61,16 @@ fn sys(index: u32, attr: &str) -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
+/// Whether the device is connected (its `pid` file exists from CONNECT until the kernel
+/// frees the configuration).
+fn connected(index: u32) -> bool {
+    sys(index, "pid").is_some()
+}
+
 /// Whether the kernel holds a connection (or its leftovers) for the device: a pid, a size,
 /// requests in flight, or a holder (a partition, a device-mapper table).
 fn busy(index: u32) -> bool {
-    sys(index, "pid").is_some()
+    connected(index)
         || sys(index, "size").is_some_and(|s| s != "0")
         || sys(index, "inflight").is_some_and(|s| s.split_whitespace().any(|n| n != "0"))
         || std::fs::read_dir(format!("/sys/block/nbd{index}/holders"))
@@ -235,7 +241,7 @@ impl KernelDisk {
                             return;
                         }
                         if backend_of(index).as_deref() != Some(backend.as_str())
-                            || sys(index, "pid").is_none()
+                            || !connected(index)
                         {
                             tracing::error!(device = index, "the nbd device of a mounted workspace is no longer this mount's (disconnected or taken over); not reconnecting");
                             return;
@@ -357,7 +363,7 @@ impl KernelDisk {
         backend: &str,
         read_only: bool,
     ) -> io::Result<KernelDisk> {
-        if backend_of(index).as_deref() != Some(backend) || sys(index, "pid").is_none() {
+        if backend_of(index).as_deref() != Some(backend) || !connected(index) {
             return Err(io::Error::other(format!(
                 "/dev/nbd{index} is not this mount's connected device"
             )));
@@ -417,7 +423,7 @@ impl KernelDisk {
         }
         self.stop_serving().await;
         for _ in 0..250 {
-            if sys(index, "pid").is_none() {
+            if !connected(index) {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -442,7 +448,7 @@ pub async fn sweep(prefix: &str, keep: &BTreeSet<u32>) {
         if keep.contains(&i) || held().contains(&i) {
             continue;
         }
-        if backend_of(i).is_some_and(|b| b.starts_with(prefix)) && sys(i, "pid").is_some() {
+        if backend_of(i).is_some_and(|b| b.starts_with(prefix)) && connected(i) {
             tracing::warn!(
                 device = i,
                 "disconnecting an nbd device this node left connected"
@@ -455,10 +461,7 @@ pub async fn sweep(prefix: &str, keep: &BTreeSet<u32>) {
 /// Disconnects this mount's device if it is still connected (a clear of a mount that is down).
 pub async fn disconnect_named(backend: &str) {
     for i in devices() {
-        if backend_of(i).as_deref() == Some(backend)
-            && sys(i, "pid").is_some()
-            && !held().contains(&i)
-        {
+        if backend_of(i).as_deref() == Some(backend) && connected(i) && !held().contains(&i) {
             let _ = blocking(move || Netlink::open()?.disconnect(i)).await;
         }
     }
