@@ -85,6 +85,9 @@ pub struct Daemon {
     pub(crate) mounts: std::sync::Mutex<HashMap<Key, mount::Mounted>>,
     /// Set when the daemon stops: no new mounts.
     pub(crate) mounts_stopping: std::sync::atomic::AtomicBool,
+    /// Mount operations (mount, umount, reattach, remount) running now: a stop waits for them
+    /// (`mount::MountOp`), so none serves a volume after the stop has closed it.
+    pub(crate) mount_ops: tokio::sync::watch::Sender<usize>,
     /// One lock per workspace: its attach, detach and delete never interleave.
     pub(crate) ops: std::sync::Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
     /// This node's API address, as reported to the `nodes` view.
@@ -166,6 +169,7 @@ impl Daemon {
             exports: Default::default(),
             mounts: Default::default(),
             mounts_stopping: Default::default(),
+            mount_ops: tokio::sync::watch::Sender::new(0),
             ops: Default::default(),
             url: std::sync::Mutex::new(None),
             relay,

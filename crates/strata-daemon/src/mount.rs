@@ -85,6 +85,15 @@ pub struct MountInfo {
     pub connections: Option<usize>,
 }
 
+/// A mount operation in progress (see [`Daemon::mount_op`]).
+pub(crate) struct MountOp<'a>(&'a Daemon);
+
+impl Drop for MountOp<'_> {
+    fn drop(&mut self) {
+        self.0.mount_ops.send_modify(|n| *n -= 1);
+    }
+}
+
 /// A live mount: its record and what holds it up.
 pub(crate) struct Mounted {
     pub info: MountInfo,
@@ -192,6 +201,13 @@ fn write_record(path: &Path, info: &MountInfo) -> std::io::Result<()> {
 impl Daemon {
     fn lock_mounts(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<Key, Mounted>> {
         self.mounts.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts a mount operation as running until the guard is dropped (see `stop_all_mounts`).
+    /// Taken before the operation checks `mounts_stopping`.
+    pub(crate) fn mount_op(&self) -> MountOp<'_> {
+        self.mount_ops.send_modify(|n| *n += 1);
+        MountOp(self)
     }
 
     /// Records a live mount, unless the node has begun to stop (checked under the same lock
@@ -321,6 +337,7 @@ impl Daemon {
         };
         let (d, t, ws) = (self.clone(), t.to_string(), ws.to_string());
         own_task(async move {
+            let _running = d.mount_op();
             let k = (t.clone(), ws.clone());
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
@@ -621,6 +638,9 @@ impl Daemon {
     ) -> Result<Option<Published>, ApiError> {
         let (d, t, ws) = (self.clone(), t.to_string(), ws.to_string());
         own_task(async move {
+            // Counted: a stop waits for it, so a umount that fails and puts the mount back
+            // does so before the stop takes its list.
+            let _running = d.mount_op();
             let k = (t.clone(), ws.clone());
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;

@@ -197,6 +197,7 @@ impl Daemon {
         // In a task of its own (like every operation): a caller that goes away does not cut
         // it between the attach and the record of the mount.
         let r = tokio::spawn(async move {
+            let _running = d.mount_op();
             let k = (info.tenant.clone(), info.workspace.clone());
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
@@ -306,9 +307,17 @@ impl Daemon {
     async fn remount(self: &Arc<Self>, info: &MountInfo) -> Result<MountInfo, ApiError> {
         let (d, info) = (self.clone(), info.clone());
         own_task(async move {
+            let _running = d.mount_op();
             let k = (info.tenant.clone(), info.workspace.clone());
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
+            if d.mounts_stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(ApiError::new(
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    "busy",
+                    "this node is stopping",
+                ));
+            }
             let mut fresh = info.clone();
             fresh.device = None;
             d.attach_and_mount(fresh, false, true).await
@@ -365,12 +374,18 @@ impl Daemon {
     pub(crate) async fn stop_all_mounts(&self) {
         // Under the mounts lock: a mount that checks the flag under it either is in this list
         // or sees the flag (and stops itself).
-        let keys: Vec<Key> = {
-            let m = self.lock_mounts();
+        {
+            let _m = self.lock_mounts();
             self.mounts_stopping
                 .store(true, std::sync::atomic::Ordering::SeqCst);
-            m.keys().cloned().collect()
-        };
+        }
+        // Mount operations already running finish first (a reattach retried late, a mount
+        // whose client left): each either records its mount before the list below is taken,
+        // or sees the flag and stops itself, and none serves a volume this stop has closed.
+        // One that starts from now on sees the flag (it counts itself before it looks).
+        let mut running = self.mount_ops.subscribe();
+        let _ = running.wait_for(|n| *n == 0).await;
+        let keys: Vec<Key> = self.lock_mounts().keys().cloned().collect();
         for k in keys {
             let lock = self.op_lock(&k);
             let _op = lock.lock().await;
