@@ -73,6 +73,10 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/workspaces/{name}/fork", post(fork))
         .route("/v1/workspaces/{name}/rollback", post(rollback))
         .route("/v1/workspaces/{name}/log", get(log))
+        .route(
+            "/v1/workspaces/{name}/checkpoints/{version}",
+            axum::routing::delete(expire_checkpoint),
+        )
         .route("/v1/workspaces/{name}/freeze", post(freeze))
         .route("/v1/workspaces/{name}/mount", post(mount).delete(umount))
         .route("/v1/mounts", get(list_mounts))
@@ -424,6 +428,32 @@ async fn list_mounts(Tenant(t): Tenant, State(d): D) -> R<Vec<crate::mount::Moun
 
 async fn log(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Vec<Checkpoint>> {
     Ok(Json(d.engine.log(&t, &name).await?))
+}
+
+/// Ends a checkpoint's retention now (a deleted snapshot): it leaves the log at once; its
+/// data is collected by the GC passes after the grace period (an operation that read it just
+/// before still completes). The head is refused: it is the workspace's current state.
+async fn expire_checkpoint(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path((name, version)): Path<(String, u64)>,
+) -> Result<StatusCode, ApiError> {
+    let w = d.engine.workspace(&t, &name).await?;
+    let cat = d.engine.catalog();
+    cat.get_checkpoint(&t, &name, version)
+        .await
+        .map_err(strata_engine::Error::from)?;
+    if version == w.head_version {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!("version {version} is the head of {name:?} (its current state): checkpoint it again first"),
+        ));
+    }
+    cat.expire_checkpoints(&t, &name, &[version])
+        .await
+        .map_err(strata_engine::Error::from)?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn attached_volume(

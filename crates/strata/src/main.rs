@@ -59,6 +59,9 @@ enum Cmd {
     Demo,
     /// Runs the daemon: HTTP API, NBD exports, background uploads, lease renewal.
     Serve(serve::ServeArgs),
+    /// Runs the Kubernetes CSI driver (Identity, Node, Controller) in front of this node's
+    /// daemon (STRATA_URL, STRATA_TOKEN).
+    Csi(csi::CsiArgs),
     /// Tenants (through the daemon; needs STRATA_URL and the admin token in STRATA_TOKEN).
     #[command(subcommand)]
     Tenant(TenantCmd),
@@ -359,7 +362,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let g = &cli.global;
     let t = g.tenant.as_str();
     if let Some(url) = std::env::var("STRATA_URL").ok().filter(|u| !u.is_empty()) {
-        if !matches!(cli.cmd, Cmd::Serve(_) | Cmd::Demo) {
+        if !matches!(cli.cmd, Cmd::Serve(_) | Cmd::Demo | Cmd::Csi(_)) {
             return remote::run(&url, g.json, cli.cmd).await;
         }
     }
@@ -381,6 +384,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             print_nodes(g.json, &v);
         }
         Cmd::Serve(a) => serve::serve(g, a).await?,
+        Cmd::Csi(a) => csi::run(a).await?,
         Cmd::Template(c) => {
             let e = open(g).await?;
             match c {
@@ -615,6 +619,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
+mod csi;
 mod demo;
 mod remote;
 mod serve;

@@ -349,7 +349,7 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                 serde_json::to_string_pretty(v).unwrap_or_default()
             });
         }
-        Cmd::Serve(_) | Cmd::Demo => unreachable!("handled locally"),
+        Cmd::Serve(_) | Cmd::Demo | Cmd::Csi(_) => unreachable!("handled locally"),
     }
     Ok(())
 }

@@ -55,14 +55,13 @@ pub fn serve_bin(bin: &Path, data: &Path, extra: &[&str], env: &[(&str, &str)]) 
     let mut child = Command::new(bin)
         .arg("--data")
         .arg(data)
-        .args([
-            "--json",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--lease-ttl",
-            "2s",
-        ])
+        .args(["--json", "serve", "--lease-ttl", "2s"])
+        // A fresh port unless the caller names one (a restart at the same address).
+        .args(if extra.contains(&"--listen") {
+            &[][..]
+        } else {
+            &["--listen", "127.0.0.1:0"][..]
+        })
         .args(extra)
         .env("STRATA_ADMIN_TOKEN", ADMIN)
         .envs(env.iter().copied())

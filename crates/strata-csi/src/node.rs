@@ -1,0 +1,481 @@
+//! The Node service. NodePublishVolume has the daemon mount the workspace's ext4 at a staging
+//! directory (under the daemon's mount root), then binds that onto the kubelet's target;
+//! NodeUnpublishVolume undoes it and, for an inline ephemeral volume, checkpoints or discards
+//! the workspace per its `onUnpublish` attribute.
+//!
+//! Each publish is recorded (`STATE/HASH.json`) before it changes anything, with each step
+//! as it completes, so that a publish that fails (or a plugin killed in the middle) is undone
+//! exactly: what this publish created is removed, nothing else. The kubelet does not retry a
+//! failed ephemeral publish, so a failure leaves nothing behind. Every call runs in a task of
+//! its own under its volume's lock: a CO that gives up on a call does not cut it in half.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use tonic::{Request, Response, Status};
+
+use crate::daemon::Daemon;
+use crate::pb::{self, volume_capability};
+use crate::{invalid, required, workspace_of_id, Config};
+
+mod host;
+mod inline;
+
+use inline::{Inline, OnUnpublish};
+
+/// One published volume, as recorded on disk.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+struct Record {
+    volume_id: String,
+    workspace: String,
+    target: String,
+    staging: String,
+    read_only: bool,
+    /// An inline ephemeral volume (its workspace is this pod's; unpublish applies the policy).
+    ephemeral: bool,
+    on_unpublish: OnUnpublish,
+    /// This publish created the workspace (undoing it deletes the workspace).
+    created: bool,
+    /// The daemon mounted it for this publish (undoing it unmounts).
+    mounted: bool,
+    /// Bound onto the target: the publish is complete.
+    published: bool,
+}
+
+#[derive(Clone)]
+pub struct Node {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    daemon: Daemon,
+    node_id: String,
+    state: PathBuf,
+    staging: PathBuf,
+    backend: String,
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+fn key(volume_id: &str) -> String {
+    blake3::hash(volume_id.as_bytes()).to_hex()[..32].to_string()
+}
+
+impl Node {
+    pub fn new(daemon: Daemon, cfg: &Config) -> std::io::Result<Node> {
+        std::fs::create_dir_all(&cfg.state_dir)?;
+        std::fs::create_dir_all(&cfg.staging_dir)?;
+        Ok(Node {
+            inner: Arc::new(Inner {
+                daemon,
+                node_id: cfg.node_id.clone(),
+                state: cfg.state_dir.clone(),
+                staging: cfg.staging_dir.clone(),
+                backend: cfg.backend.clone(),
+                locks: Default::default(),
+            }),
+        })
+    }
+
+    /// After a restart (of this plugin or of the daemon): undoes publishes that did not
+    /// complete, and binds each published target onto its live staging mount again (a daemon
+    /// killed and restarted mounts a new filesystem there; the old bind shows a dead one).
+    /// Runs now and then every 10 s.
+    pub async fn reconcile(&self) {
+        self.inner.reconcile_once().await;
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                inner.reconcile_once().await;
+            }
+        });
+    }
+}
+
+impl Inner {
+    fn lock(&self, volume_id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut m = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+        if m.len() > 1024 {
+            m.retain(|_, l| Arc::strong_count(l) > 1);
+        }
+        m.entry(volume_id.to_string()).or_default().clone()
+    }
+
+    fn record_path(&self, volume_id: &str) -> PathBuf {
+        self.state.join(format!("{}.json", key(volume_id)))
+    }
+
+    fn load(&self, volume_id: &str) -> Option<Record> {
+        let b = std::fs::read(self.record_path(volume_id)).ok()?;
+        serde_json::from_slice(&b).ok()
+    }
+
+    /// Writes the record durably (temporary file, fsync, rename, fsync of the directory).
+    fn save(&self, r: &Record) -> Result<(), Status> {
+        use std::io::Write;
+        let p = self.record_path(&r.volume_id);
+        let tmp = p.with_extension("tmp");
+        let io = |e: std::io::Error| Status::internal(format!("recording the volume: {e}"));
+        let mut f = std::fs::File::create(&tmp).map_err(io)?;
+        f.write_all(&serde_json::to_vec(r).expect("a record serializes"))
+            .map_err(io)?;
+        f.sync_all().map_err(io)?;
+        std::fs::rename(&tmp, &p).map_err(io)?;
+        std::fs::File::open(&self.state)
+            .and_then(|d| d.sync_all())
+            .map_err(io)
+    }
+
+    fn forget(&self, volume_id: &str) {
+        let _ = std::fs::remove_file(self.record_path(volume_id));
+        let _ = std::fs::File::open(&self.state).and_then(|d| d.sync_all());
+    }
+
+    async fn publish(&self, req: pb::NodePublishVolumeRequest) -> Result<(), Status> {
+        let volume_id = required("volume_id", &req.volume_id)?.to_string();
+        let target = host::check_target(required("target_path", &req.target_path)?)?;
+        check_capability(req.volume_capability.as_ref())?;
+        let ctx = &req.volume_context;
+        let ephemeral = ctx.get("csi.storage.k8s.io/ephemeral").map(String::as_str) == Some("true");
+        let (workspace, inline) = if ephemeral {
+            let i = Inline::parse(ctx)?;
+            (i.workspace.clone(), Some(i))
+        } else {
+            (workspace_of_id(&volume_id)?, None)
+        };
+        let lock = self.lock(&volume_id);
+        let _one = lock.lock().await;
+        let want = Record {
+            volume_id: volume_id.clone(),
+            workspace: workspace.clone(),
+            target: target.clone(),
+            staging: self
+                .staging
+                .join(key(&volume_id))
+                .to_string_lossy()
+                .into_owned(),
+            read_only: req.readonly,
+            ephemeral,
+            on_unpublish: inline
+                .as_ref()
+                .map(|i| i.on_unpublish)
+                .unwrap_or(OnUnpublish::Keep),
+            created: false,
+            mounted: false,
+            published: false,
+        };
+        if let Some(had) = self.load(&volume_id) {
+            let same = had.workspace == want.workspace
+                && had.target == want.target
+                && had.read_only == want.read_only;
+            if !same {
+                return Err(Status::already_exists(format!(
+                    "volume {volume_id:?} is published at {} (workspace {:?}, read-only {}) already",
+                    had.target, had.workspace, had.read_only
+                )));
+            }
+            if had.published {
+                // The same call again: make sure the bind is there.
+                return self.rebind(&had).await;
+            }
+            // A publish that did not finish (this plugin was killed): undo, then start over.
+            self.undo(had).await?;
+        }
+        let mut r = want;
+        self.save(&r)?;
+        match self.do_publish(&mut r, inline.as_ref()).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                if let Err(u) = self.undo(r).await {
+                    tracing::error!(volume_id, error = %u, "undoing a failed publish failed");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn do_publish(&self, r: &mut Record, inline: Option<&Inline>) -> Result<(), Status> {
+        let d = &self.daemon;
+        if d.workspace(&r.workspace).await?.is_none() {
+            let Some(i) = inline else {
+                return Err(Status::not_found(format!("no volume {:?}", r.volume_id)));
+            };
+            let body = i.create_body().ok_or_else(|| {
+                invalid(format!(
+                    "workspace {:?} does not exist and the volume's attributes name no template or size to create it from",
+                    r.workspace
+                ))
+            })?;
+            // Recorded before the call: a plugin killed right after it still deletes it.
+            r.created = true;
+            self.save(r)?;
+            match d.create_workspace(body).await {
+                Ok(_) => {}
+                // Created meanwhile by someone else: not ours to delete.
+                Err(f) if f.is_conflict() => {
+                    r.created = false;
+                    self.save(r)?;
+                }
+                Err(f) => return Err(f.into()),
+            }
+        }
+        host::make_dir(Path::new(&r.staging))?;
+        r.mounted = true;
+        self.save(r)?;
+        let m = d
+            .mount(
+                &r.workspace,
+                json!({
+                    "backend": self.backend,
+                    "mkfs": "ext4",
+                    "target": r.staging,
+                    "read_only": r.read_only,
+                }),
+            )
+            .await;
+        if let Err(f) = m {
+            // Mounted by another publish (another pod has this workspace): not ours.
+            if f.is_conflict() {
+                r.mounted = false;
+                self.save(r)?;
+            }
+            return Err(f.into());
+        }
+        host::bind(Path::new(&r.staging), Path::new(&r.target), r.read_only)?;
+        r.published = true;
+        self.save(r)
+    }
+
+    /// Undoes what the record says was done, in reverse, then forgets it.
+    async fn undo(&self, r: Record) -> Result<(), Status> {
+        host::unbind(Path::new(&r.target))?;
+        if r.mounted {
+            match self.daemon.umount(&r.workspace).await {
+                Ok(_) => {}
+                Err(f) if f.is_not_found() => {}
+                Err(f) => return Err(f.into()),
+            }
+        }
+        let _ = std::fs::remove_dir(&r.staging);
+        if r.created {
+            self.daemon.delete_workspace(&r.workspace).await?;
+        }
+        self.forget(&r.volume_id);
+        Ok(())
+    }
+
+    async fn unpublish(&self, req: pb::NodeUnpublishVolumeRequest) -> Result<(), Status> {
+        let volume_id = required("volume_id", &req.volume_id)?.to_string();
+        let target = host::check_target(required("target_path", &req.target_path)?)?;
+        let lock = self.lock(&volume_id);
+        let _one = lock.lock().await;
+        let Some(r) = self.load(&volume_id) else {
+            // Unpublished already (or never published here): nothing of ours is left.
+            if std::fs::metadata(&target).is_ok() && !host::is_mount_point(Path::new(&target)) {
+                let _ = std::fs::remove_dir(&target);
+            }
+            return Ok(());
+        };
+        if r.target != target {
+            return Err(Status::not_found(format!(
+                "volume {volume_id:?} is published at {}, not at {target}",
+                r.target
+            )));
+        }
+        if !r.published {
+            return self.undo(r).await;
+        }
+        host::unbind(Path::new(&r.target))?;
+        let _ = std::fs::remove_dir(&r.target);
+        let d = &self.daemon;
+        // The unmount syncs the filesystem and detaches, which publishes the disk (a
+        // checkpoint: the head every other node resumes from).
+        let published = match d.umount(&r.workspace).await {
+            Ok(v) => v,
+            Err(f) if f.is_not_found() => serde_json::Value::Null,
+            Err(f) => return Err(f.into()),
+        };
+        let _ = std::fs::remove_dir(&r.staging);
+        match r.on_unpublish {
+            OnUnpublish::Discard => d.delete_workspace(&r.workspace).await?,
+            OnUnpublish::Checkpoint if published.is_null() => {
+                // Nothing was published by the detach (an ephemeral-mode disk): cut one.
+                d.checkpoint(&r.workspace, None).await?;
+            }
+            OnUnpublish::Checkpoint | OnUnpublish::Keep => {}
+        }
+        self.forget(&volume_id);
+        Ok(())
+    }
+
+    /// Binds a published target onto its staging mount again if it is not bound to it.
+    async fn rebind(&self, r: &Record) -> Result<(), Status> {
+        let (staging, target) = (PathBuf::from(&r.staging), PathBuf::from(&r.target));
+        if !host::is_mount_point(&staging) {
+            // The daemon has not mounted it (yet): mounting is its job, it resumes mounts.
+            return Err(Status::unavailable(format!(
+                "workspace {:?} is not mounted at {} yet",
+                r.workspace, r.staging
+            )));
+        }
+        if host::same_mount(&staging, &target) {
+            return Ok(());
+        }
+        host::unbind(&target)?;
+        host::bind(&staging, &target, r.read_only)
+    }
+
+    async fn reconcile_once(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.state) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let Ok(b) = std::fs::read(e.path()) else {
+                continue;
+            };
+            let Ok(r) = serde_json::from_slice::<Record>(&b) else {
+                continue;
+            };
+            let lock = self.lock(&r.volume_id);
+            let _one = lock.lock().await;
+            let Some(r) = self.load(&r.volume_id) else {
+                continue;
+            };
+            let id = r.volume_id.clone();
+            let res = if r.published {
+                self.rebind(&r).await
+            } else {
+                self.undo(r).await
+            };
+            if let Err(e) = res {
+                tracing::warn!(volume_id = id, error = %e, "reconciling a published volume");
+            }
+        }
+    }
+}
+
+/// A mounted filesystem (ext4, the only one), any single-node access mode; block access is
+/// not offered.
+fn check_capability(c: Option<&pb::VolumeCapability>) -> Result<(), Status> {
+    let c = c.ok_or_else(|| invalid("volume_capability is required"))?;
+    match &c.access_type {
+        Some(volume_capability::AccessType::Mount(m)) => {
+            if !(m.fs_type.is_empty() || m.fs_type == "ext4") {
+                return Err(invalid(format!(
+                    "fs_type {:?}: only ext4 is offered",
+                    m.fs_type
+                )));
+            }
+        }
+        Some(volume_capability::AccessType::Block(_)) => {
+            return Err(invalid("block access is not offered (mount access only)"))
+        }
+        None => return Err(invalid("volume_capability.access_type is required")),
+    }
+    crate::controller::check_access_mode(c)
+}
+
+/// Runs a call in a task of its own: a CO that cancels the call does not cut it in half.
+async fn own<T: Send + 'static>(
+    f: impl std::future::Future<Output = Result<T, Status>> + Send + 'static,
+) -> Result<T, Status> {
+    tokio::spawn(f)
+        .await
+        .unwrap_or_else(|e| Err(Status::internal(format!("the call's task failed: {e}"))))
+}
+
+#[tonic::async_trait]
+impl pb::node_server::Node for Node {
+    async fn node_stage_volume(
+        &self,
+        _: Request<pb::NodeStageVolumeRequest>,
+    ) -> Result<Response<pb::NodeStageVolumeResponse>, Status> {
+        Err(Status::unimplemented("STAGE_UNSTAGE_VOLUME is not offered"))
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        _: Request<pb::NodeUnstageVolumeRequest>,
+    ) -> Result<Response<pb::NodeUnstageVolumeResponse>, Status> {
+        Err(Status::unimplemented("STAGE_UNSTAGE_VOLUME is not offered"))
+    }
+
+    async fn node_publish_volume(
+        &self,
+        req: Request<pb::NodePublishVolumeRequest>,
+    ) -> Result<Response<pb::NodePublishVolumeResponse>, Status> {
+        let inner = self.inner.clone();
+        let req = req.into_inner();
+        own(async move { inner.publish(req).await }).await?;
+        Ok(Response::new(pb::NodePublishVolumeResponse {}))
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        req: Request<pb::NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<pb::NodeUnpublishVolumeResponse>, Status> {
+        let inner = self.inner.clone();
+        let req = req.into_inner();
+        own(async move { inner.unpublish(req).await }).await?;
+        Ok(Response::new(pb::NodeUnpublishVolumeResponse {}))
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        req: Request<pb::NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<pb::NodeGetVolumeStatsResponse>, Status> {
+        let req = req.into_inner();
+        let volume_id = required("volume_id", &req.volume_id)?;
+        let path = required("volume_path", &req.volume_path)?;
+        let r = self
+            .inner
+            .load(volume_id)
+            .filter(|r| r.published && r.target == path)
+            .ok_or_else(|| {
+                Status::not_found(format!("volume {volume_id:?} is not published at {path}"))
+            })?;
+        let usage = host::usage(Path::new(&r.target))?;
+        Ok(Response::new(pb::NodeGetVolumeStatsResponse {
+            usage,
+            volume_condition: None,
+        }))
+    }
+
+    async fn node_expand_volume(
+        &self,
+        _: Request<pb::NodeExpandVolumeRequest>,
+    ) -> Result<Response<pb::NodeExpandVolumeResponse>, Status> {
+        Err(Status::unimplemented("EXPAND_VOLUME is not offered yet"))
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        _: Request<pb::NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<pb::NodeGetCapabilitiesResponse>, Status> {
+        use pb::node_service_capability::{rpc::Type, Rpc, Type as T};
+        let capabilities = [Type::GetVolumeStats]
+            .into_iter()
+            .map(|t| pb::NodeServiceCapability {
+                r#type: Some(T::Rpc(Rpc { r#type: t as i32 })),
+            })
+            .collect();
+        Ok(Response::new(pb::NodeGetCapabilitiesResponse {
+            capabilities,
+        }))
+    }
+
+    async fn node_get_info(
+        &self,
+        _: Request<pb::NodeGetInfoRequest>,
+    ) -> Result<Response<pb::NodeGetInfoResponse>, Status> {
+        Ok(Response::new(pb::NodeGetInfoResponse {
+            node_id: self.inner.node_id.clone(),
+            max_volumes_per_node: 0,
+            accessible_topology: None,
+        }))
+    }
+}
