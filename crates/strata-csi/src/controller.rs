@@ -137,7 +137,7 @@ impl Controller {
             .as_ref()
             .and_then(|s| s.r#type.clone());
         // What the workspace is made from, and how its `source` field reads once it is.
-        let (mut body, origin) = match &source {
+        let (mut body, origin, size) = match &source {
             Some(volume_content_source::Type::Snapshot(s)) => {
                 let (src, v) = parse_snapshot_id(&s.snapshot_id)
                     .ok_or_else(|| Status::not_found(format!("no snapshot {:?}", s.snapshot_id)))?;
@@ -148,26 +148,40 @@ impl Controller {
                 (
                     json!({ "name": ws, "from": format!("{src}@{v}") }),
                     Origin::Is(want),
+                    self.disk_size(&src).await?,
                 )
             }
             Some(volume_content_source::Type::Volume(s)) => {
                 let src = crate::workspace_of_id(&s.volume_id)?;
-                if self.daemon.workspace(&src).await?.is_none() {
-                    return Err(Status::not_found(format!("no volume {:?}", s.volume_id)));
-                }
+                let size = self.disk_size(&src).await?;
                 // Forked through the fork call, which cuts the current state (with the
                 // filesystem frozen if it is mounted here), not the last checkpoint.
                 let prefix = format!("ws:{src}@");
-                (json!({ "name": ws, "fork_of": src }), Origin::Under(prefix))
+                (
+                    json!({ "name": ws, "fork_of": src }),
+                    Origin::Under(prefix),
+                    size,
+                )
             }
             None => match &template {
                 Some(t) => {
                     let want = format!("template:{t}");
-                    (json!({ "name": ws, "template": t }), Origin::Is(want))
+                    strata_format::name::validate("template name", t)
+                        .map_err(|e| invalid(format!("template {t:?}: {e}")))?;
+                    let tpl = self
+                        .daemon
+                        .template(t)
+                        .await?
+                        .ok_or_else(|| Status::not_found(format!("no template {t:?}")))?;
+                    (
+                        json!({ "name": ws, "template": t }),
+                        Origin::Is(want),
+                        u64_of(&tpl, "disk_size"),
+                    )
                 }
                 None => {
                     let size = if required_bytes > 0 {
-                        required_bytes
+                        required_bytes.div_ceil(BLOCK) * BLOCK
                     } else if limit > 0 {
                         limit.min(DEFAULT_SIZE) / BLOCK * BLOCK
                     } else {
@@ -179,6 +193,7 @@ impl Controller {
                     (
                         json!({ "name": ws, "size": size }),
                         Origin::Is("empty".into()),
+                        size,
                     )
                 }
             },
@@ -190,6 +205,12 @@ impl Controller {
         }
         if let Some(m) = &mode {
             body["mode"] = json!(m);
+        }
+        let in_range = |size: u64| size >= required_bytes && (limit == 0 || size <= limit);
+        if !in_range(size) {
+            return Err(Status::out_of_range(format!(
+                "the volume's disk would be {size} bytes, outside the capacity range {required_bytes}..{limit} (growing a disk is not offered yet)"
+            )));
         }
         let made = match body.as_object_mut().and_then(|b| b.remove("fork_of")) {
             Some(src) => {
@@ -213,16 +234,17 @@ impl Controller {
                         w["source"]
                     )));
                 }
+                if !in_range(u64_of(&w, "disk_size")) {
+                    return Err(Status::already_exists(format!(
+                        "volume {name:?} exists with another size ({} bytes)",
+                        w["disk_size"]
+                    )));
+                }
                 w
             }
             Err(f) => return Err(f.into()),
         };
         let size = u64_of(&w, "disk_size");
-        if size < required_bytes || (limit > 0 && size > limit) {
-            return Err(Status::out_of_range(format!(
-                "the volume's disk is {size} bytes, outside the capacity range {required_bytes}..{limit}"
-            )));
-        }
         Ok(pb::CreateVolumeResponse {
             volume: Some(pb::Volume {
                 capacity_bytes: size as i64,
@@ -232,6 +254,16 @@ impl Controller {
                 accessible_topology: vec![],
             }),
         })
+    }
+
+    /// The disk size of an existing volume (`NOT_FOUND` if there is none).
+    async fn disk_size(&self, ws: &str) -> Result<u64, Status> {
+        let v = self
+            .daemon
+            .workspace(ws)
+            .await?
+            .ok_or_else(|| Status::not_found(format!("no volume {ws:?}")))?;
+        Ok(u64_of(&v["workspace"], "disk_size"))
     }
 
     /// The checkpoint `version` of `ws` if it is a CSI snapshot.
