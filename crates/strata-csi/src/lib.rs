@@ -105,10 +105,12 @@ pub(crate) fn snapshot_label(name: &str) -> String {
 }
 
 /// Serves the configured services on `endpoint` (`unix:///csi/csi.sock` or a path) until
-/// `stop` resolves. A stale socket file from an earlier run is replaced.
+/// `stop` resolves; `ready` is called once it listens. A stale socket file from an earlier run
+/// is replaced.
 pub async fn serve(
     endpoint: &str,
     cfg: Config,
+    ready: impl FnOnce(),
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let path = socket_path(endpoint)?;
@@ -120,8 +122,6 @@ pub async fn serve(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e.into()),
     }
-    let listener = tokio::net::UnixListener::bind(&path)?;
-    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
     let daemon = daemon::Daemon::new(&cfg.daemon_url, &cfg.token);
     let mut router =
         tonic::transport::Server::builder().add_service(pb::identity_server::IdentityServer::new(
@@ -137,6 +137,11 @@ pub async fn serve(
             controller::Controller::new(daemon.clone()),
         ));
     }
+    // Listening only now: a CO that reaches the socket finds every publish a restart
+    // interrupted undone (or bound again) by `reconcile`.
+    let listener = tokio::net::UnixListener::bind(&path)?;
+    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    ready();
     router.serve_with_incoming_shutdown(incoming, stop).await?;
     Ok(())
 }

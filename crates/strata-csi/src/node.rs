@@ -246,6 +246,10 @@ impl Inner {
             return Err(f.into());
         }
         host::bind(Path::new(&r.staging), Path::new(&r.target), r.read_only)?;
+        if std::env::var_os("STRATA_CSI_FAULT").is_some_and(|f| f == "abort-before-published") {
+            // Test-only: the plugin dies with every step done but the last record.
+            std::process::abort();
+        }
         r.published = true;
         self.save(r)
     }

@@ -74,12 +74,16 @@ pub async fn run(a: CsiArgs) -> anyhow::Result<()> {
             _ = term.recv() => {}
         }
     };
-    tracing::info!(endpoint = a.endpoint, "serving CSI");
-    println!(
-        "{}",
-        serde_json::json!({ "csi": a.endpoint, "driver": strata_csi::DRIVER_NAME })
-    );
-    strata_csi::serve(&a.endpoint, cfg, stop)
+    let endpoint = a.endpoint.clone();
+    // One JSON line on stdout once the socket listens (what a supervisor or a test waits for).
+    let ready = move || {
+        tracing::info!(endpoint, "serving CSI");
+        println!(
+            "{}",
+            serde_json::json!({ "csi": endpoint, "driver": strata_csi::DRIVER_NAME })
+        );
+    };
+    strata_csi::serve(&a.endpoint, cfg, ready, stop)
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))
 }

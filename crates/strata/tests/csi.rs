@@ -59,6 +59,10 @@ struct NodeUnder {
 }
 
 fn start_csi(dir: &Path, url: &str, token: &str, node_id: &str) -> Csi {
+    start_csi_env(dir, url, token, node_id, &[])
+}
+
+fn start_csi_env(dir: &Path, url: &str, token: &str, node_id: &str, env: &[(&str, &str)]) -> Csi {
     let sock = dir.join("csi.sock");
     let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
         .args(["csi", "--endpoint"])
@@ -69,6 +73,7 @@ fn start_csi(dir: &Path, url: &str, token: &str, node_id: &str) -> Csi {
         .arg("--staging-dir")
         .arg(dir.join("root/kube/csi"))
         .env("STRATA_TOKEN", token)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -77,13 +82,8 @@ fn start_csi(dir: &Path, url: &str, token: &str, node_id: &str) -> Csi {
     BufReader::new(child.stdout.as_mut().unwrap())
         .read_line(&mut line)
         .unwrap();
+    // Printed once it listens, after undoing or rebinding what a restart interrupted.
     assert!(line.contains("csi.strata.dev"), "{line:?}");
-    for _ in 0..100 {
-        if sock.exists() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
     Csi { child, sock }
 }
 
@@ -842,4 +842,76 @@ async fn csi_sanity_conformance() {
         out.status.success(),
         "csi-sanity failed (its output is above)"
     );
+}
+
+/// The plugin killed in the middle of a publish (every step done but the record that says so,
+/// `STRATA_CSI_FAULT`): at its next start it undoes the publish from its record, so the
+/// workspace it created, the daemon's mount and the target's bind are all gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_killed_mid_publish_undoes_it_at_start() {
+    if !can_host_mount() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let root = dir.join("root");
+    std::fs::create_dir_all(root.join("kube")).unwrap();
+    let daemon = serve(&dir.join("data"), &["--mount-root", root.to_str().unwrap()]);
+    let api = tenant(&daemon.url, "kube").await;
+    let mut faulty = start_csi_env(
+        dir,
+        &daemon.url,
+        &api.token,
+        "node-a",
+        &[("STRATA_CSI_FAULT", "abort-before-published")],
+    );
+    let ch = strata_csi::client::connect(&faulty.sock).await.unwrap();
+    let mut node = NodeClient::new(ch);
+    let parent = dir.join("kubelet/pods/p/volumes/kubernetes.io~csi/work");
+    std::fs::create_dir_all(&parent).unwrap();
+    let target = parent.join("mount").to_string_lossy().into_owned();
+    let r = node
+        .node_publish_volume(publish_req(
+            "csi-vol-k",
+            &target,
+            pod_ctx(&[("size", "64Mi")]),
+        ))
+        .await;
+    assert!(r.is_err(), "the plugin died during the call");
+    let _ = faulty.child.wait();
+    assert!(is_mount_point(&target), "killed after the bind");
+    assert_eq!(workspaces(&api).await, ["agents.run-7"]);
+    drop(faulty);
+
+    let csi = start_csi(dir, &daemon.url, &api.token, "node-a");
+    let ch = strata_csi::client::connect(&csi.sock).await.unwrap();
+    let mut node = NodeClient::new(ch);
+    assert!(!is_mount_point(&target), "the bind is undone at start");
+    assert!(
+        workspaces(&api).await.is_empty(),
+        "the workspace it created is deleted"
+    );
+    let (_, mounts) = api.get("/v1/mounts").await;
+    assert_eq!(
+        mounts,
+        serde_json::json!([]),
+        "the daemon's mount is undone"
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.join("csi-state")).unwrap().count(),
+        0,
+        "no record is left"
+    );
+    // The kubelet's retry then publishes it whole.
+    node.node_publish_volume(publish_req(
+        "csi-vol-k",
+        &target,
+        pod_ctx(&[("size", "64Mi")]),
+    ))
+    .await
+    .unwrap();
+    assert!(is_mount_point(&target));
+    node.node_unpublish_volume(unpublish_req("csi-vol-k", &target))
+        .await
+        .unwrap();
 }
