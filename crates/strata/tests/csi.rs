@@ -245,6 +245,8 @@ async fn csi_lifecycle_on_two_nodes() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
+    // Mounts a failed run leaves (its daemons die with them up) go with the test.
+    let _cleanup = Cleanup(tmp.path().to_path_buf());
     let (mut a, token) = node_under(&sh, &tmp.path().join("a"), "node-a", None).await;
     let api = a.daemon.api(&token);
 
@@ -816,6 +818,8 @@ async fn csi_sanity_conformance() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    // Mounts a failed run leaves (its daemons die with them up) go with the test.
+    let _cleanup = Cleanup(tmp.path().to_path_buf());
     let dir = tmp.path();
     let root = dir.join("root");
     std::fs::create_dir_all(root.join("kube")).unwrap();
@@ -853,6 +857,8 @@ async fn a_plugin_killed_mid_publish_undoes_it_at_start() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    // Mounts a failed run leaves (its daemons die with them up) go with the test.
+    let _cleanup = Cleanup(tmp.path().to_path_buf());
     let dir = tmp.path();
     let root = dir.join("root");
     std::fs::create_dir_all(root.join("kube")).unwrap();

@@ -428,3 +428,40 @@ impl Ledger {
         self.maybe[lba as usize].push(tag);
     }
 }
+
+/// Clears every mount and loop device under a test's directory when the test ends, passed or
+/// failed (a failed test's daemon dies with its mounts up). Declared after the tempdir, so it
+/// runs first.
+pub struct Cleanup(pub std::path::PathBuf);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let d = self.0.to_string_lossy().into_owned();
+        let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mut points: Vec<&str> = mi
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|p| p.starts_with(&d))
+            .collect();
+        points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+        for p in points {
+            let _ = std::process::Command::new("umount")
+                .args(["-l", p])
+                .status();
+        }
+        for e in std::fs::read_dir("/sys/block")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
+                if b.contains(&d) {
+                    let dev = format!("/dev/{}", e.file_name().to_string_lossy());
+                    let _ = std::process::Command::new("losetup")
+                        .args(["-d", &dev])
+                        .status();
+                }
+            }
+        }
+    }
+}
