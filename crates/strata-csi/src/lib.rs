@@ -70,10 +70,11 @@ pub(crate) fn required<'a>(what: &str, v: &'a str) -> Result<&'a str, Status> {
 }
 
 /// The workspace behind a CO-chosen name: the name itself when it is a valid workspace name
-/// (a provisioner's `pvc-UUID` is), otherwise `csi-` and a hash of it, so any name maps to
-/// one workspace, always the same.
+/// without dots (a provisioner's `pvc-UUID` is), otherwise `csi-` and a hash of it, so any
+/// name maps to one workspace, always the same, and never to an inline one.
 pub fn workspace_for_name(name: &str) -> String {
-    if strata_format::name::validate("workspace name", name).is_ok() {
+    // No dots: inline workspaces are `NAMESPACE.…`, and a volume name must not land on one.
+    if !name.contains('.') && strata_format::name::validate("workspace name", name).is_ok() {
         name.to_string()
     } else {
         format!("csi-{}", &blake3::hash(name.as_bytes()).to_hex()[..40])
@@ -172,6 +173,7 @@ mod tests {
         assert_eq!(odd, workspace_for_name("ns/claim with spaces"));
         assert_ne!(odd, workspace_for_name("ns/claim with spaces2"));
         assert!(strata_format::name::validate("w", &odd).is_ok());
+        assert!(workspace_for_name("agents.run-7").starts_with("csi-"));
         let long = "x".repeat(64);
         assert!(workspace_for_name(&long).starts_with("csi-"));
     }

@@ -38,8 +38,17 @@ struct Record {
     /// An inline ephemeral volume (its workspace is this pod's; unpublish applies the policy).
     ephemeral: bool,
     on_unpublish: OnUnpublish,
-    /// This publish created the workspace (undoing it deletes the workspace).
+    /// This publish created the workspace: undoing it deletes the workspace, but only if
+    /// nobody else has attached it since (see `delete_at`).
     created: bool,
+    /// Delete the workspace only while its lease epoch is still this one (every attach takes
+    /// a new epoch): the epoch after this publish's create, or after its own mount. Once
+    /// another pod has attached it, it is theirs, and it stays.
+    #[serde(default)]
+    delete_at: Option<u64>,
+    /// A discarding unpublish: the epoch its umount left (deleted only while still that).
+    #[serde(default)]
+    discard_at: Option<u64>,
     /// The daemon mounted it for this publish (undoing it unmounts).
     mounted: bool,
     /// Bound onto the target: the publish is complete.
@@ -158,23 +167,33 @@ impl Inner {
                 .join(key(&volume_id))
                 .to_string_lossy()
                 .into_owned(),
-            read_only: req.readonly,
+            // A reader-only access mode is published read-only whatever `readonly` says.
+            read_only: req.readonly || reader_only(req.volume_capability.as_ref()),
             ephemeral,
             on_unpublish: inline
                 .as_ref()
                 .map(|i| i.on_unpublish)
                 .unwrap_or(OnUnpublish::Keep),
             created: false,
+            delete_at: None,
+            discard_at: None,
             mounted: false,
             published: false,
         };
         if let Some(had) = self.load(&volume_id) {
+            if had.target != want.target {
+                return Err(Status::failed_precondition(format!(
+                    "volume {volume_id:?} is published at {} already (one target per volume)",
+                    had.target
+                )));
+            }
             let same = had.workspace == want.workspace
-                && had.target == want.target
-                && had.read_only == want.read_only;
+                && had.read_only == want.read_only
+                && had.ephemeral == want.ephemeral
+                && had.on_unpublish == want.on_unpublish;
             if !same {
                 return Err(Status::already_exists(format!(
-                    "volume {volume_id:?} is published at {} (workspace {:?}, read-only {}) already",
+                    "volume {volume_id:?} is published at {} already with other attributes (workspace {:?}, read-only {})",
                     had.target, had.workspace, had.read_only
                 )));
             }
@@ -210,14 +229,20 @@ impl Inner {
                     r.workspace
                 ))
             })?;
-            // Recorded before the call: a plugin killed right after it still deletes it.
+            // Recorded before the call: a plugin killed right after it still deletes it, if
+            // nobody has attached it since (a new workspace's lease epoch is 0).
             r.created = true;
-            self.save(r)?;
+            r.delete_at = Some(0);
+            if let Err(e) = self.save(r) {
+                r.created = false; // the call was never sent
+                return Err(e);
+            }
             match d.create_workspace(body).await {
                 Ok(_) => {}
                 // Created meanwhile by someone else: not ours to delete.
                 Err(f) if f.is_conflict() => {
                     r.created = false;
+                    r.delete_at = None;
                     self.save(r)?;
                 }
                 Err(f) => return Err(f.into()),
@@ -245,6 +270,11 @@ impl Inner {
             }
             return Err(f.into());
         }
+        if r.created {
+            // Our own attach took the next epoch: deleting stays ours until another's does.
+            r.delete_at = self.lease_epoch(&r.workspace).await?;
+            self.save(r)?;
+        }
         host::bind(Path::new(&r.staging), Path::new(&r.target), r.read_only)?;
         if std::env::var_os("STRATA_CSI_FAULT").is_some_and(|f| f == "abort-before-published") {
             // Test-only: the plugin dies with every step done but the last record.
@@ -254,19 +284,74 @@ impl Inner {
         self.save(r)
     }
 
+    /// Whether the daemon has the workspace mounted for this record (at its staging
+    /// directory): `Some(false)` when it is mounted for someone else (another pod's publish),
+    /// `None` when it is not mounted.
+    async fn mounted_here(&self, r: &Record) -> Result<Option<bool>, Status> {
+        let mounts = self.daemon.mounts().await?;
+        Ok(mounts
+            .iter()
+            .find(|m| m["workspace"].as_str() == Some(r.workspace.as_str()))
+            .map(|m| m["target"].as_str() == Some(r.staging.as_str())))
+    }
+
+    /// Unmounts the workspace if it is mounted for this record; never another pod's mount.
+    /// Returns whether the workspace is free of mounts now.
+    async fn umount_ours(&self, r: &Record) -> Result<bool, Status> {
+        match self.mounted_here(r).await? {
+            None => Ok(true),
+            Some(false) => Ok(false),
+            Some(true) => match self.daemon.umount(&r.workspace).await {
+                Ok(_) => Ok(true),
+                Err(f) if f.is_not_found() => Ok(true),
+                Err(f) => Err(f.into()),
+            },
+        }
+    }
+
+    async fn lease_epoch(&self, ws: &str) -> Result<Option<u64>, Status> {
+        Ok(self
+            .daemon
+            .workspace(ws)
+            .await?
+            .and_then(|v| v["lease"]["epoch"].as_u64()))
+    }
+
+    /// Deletes the workspace if its lease epoch is still `at` (nobody attached it since) and
+    /// nobody holds it (the catalog refuses a delete under a live lease). Otherwise someone
+    /// else has it now: it stays.
+    async fn delete_if_unchanged(&self, ws: &str, at: u64) -> Result<(), Status> {
+        let Some(epoch) = self.lease_epoch(ws).await? else {
+            return Ok(());
+        };
+        if epoch != at {
+            tracing::info!(
+                workspace = ws,
+                "not deleting a workspace another pod has attached since"
+            );
+            return Ok(());
+        }
+        match self.daemon.delete_workspace(ws).await {
+            Ok(()) => Ok(()),
+            Err(f) if f.is_conflict() => {
+                tracing::info!(workspace = ws, error = %f, "not deleting a workspace in use");
+                Ok(())
+            }
+            Err(f) => Err(f.into()),
+        }
+    }
+
     /// Undoes what the record says was done, in reverse, then forgets it.
     async fn undo(&self, r: Record) -> Result<(), Status> {
         host::unbind(Path::new(&r.target))?;
-        if r.mounted {
-            match self.daemon.umount(&r.workspace).await {
-                Ok(_) => {}
-                Err(f) if f.is_not_found() => {}
-                Err(f) => return Err(f.into()),
-            }
-        }
+        let free = if r.mounted {
+            self.umount_ours(&r).await?
+        } else {
+            !matches!(self.mounted_here(&r).await?, Some(false))
+        };
         let _ = std::fs::remove_dir(&r.staging);
-        if r.created {
-            self.daemon.delete_workspace(&r.workspace).await?;
+        if let (true, true, Some(at)) = (r.created, free, r.delete_at) {
+            self.delete_if_unchanged(&r.workspace, at).await?;
         }
         self.forget(&r.volume_id);
         Ok(())
@@ -285,10 +370,8 @@ impl Inner {
             return Ok(());
         };
         if r.target != target {
-            return Err(Status::not_found(format!(
-                "volume {volume_id:?} is published at {}, not at {target}",
-                r.target
-            )));
+            // Nothing of this volume is published there.
+            return Ok(());
         }
         if !r.published {
             return self.undo(r).await;
@@ -296,21 +379,30 @@ impl Inner {
         host::unbind(Path::new(&r.target))?;
         let _ = std::fs::remove_dir(&r.target);
         let d = &self.daemon;
-        // The unmount syncs the filesystem and detaches, which publishes the disk (a
-        // checkpoint: the head every other node resumes from).
-        let published = match d.umount(&r.workspace).await {
-            Ok(v) => v,
-            Err(f) if f.is_not_found() => serde_json::Value::Null,
-            Err(f) => return Err(f.into()),
-        };
+        let mut r = r;
+        let ours = self.mounted_here(&r).await? == Some(true);
+        if ours && r.on_unpublish == OnUnpublish::Discard && r.discard_at.is_none() {
+            // Read while this publish's attach still holds the lease: the epoch is ours.
+            r.discard_at = self.lease_epoch(&r.workspace).await?;
+            self.save(&r)?;
+        }
+        if ours && r.on_unpublish == OnUnpublish::Checkpoint {
+            // Cut while mounted (the filesystem frozen across it): a workspace in ephemeral
+            // mode publishes nothing at its detach, and the pod's work must outlive it.
+            d.checkpoint(&r.workspace, None).await?;
+        }
+        // The unmount syncs the filesystem and detaches, which publishes the disk (the head
+        // every other node resumes from).
+        let free = self.umount_ours(&r).await?;
         let _ = std::fs::remove_dir(&r.staging);
-        match r.on_unpublish {
-            OnUnpublish::Discard => d.delete_workspace(&r.workspace).await?,
-            OnUnpublish::Checkpoint if published.is_null() => {
-                // Nothing was published by the detach (an ephemeral-mode disk): cut one.
-                d.checkpoint(&r.workspace, None).await?;
+        if r.on_unpublish == OnUnpublish::Discard && free {
+            // Deleted only as this pod left it: a retry after another pod resumed and wrote
+            // to it finds a newer head and leaves it.
+            // Without an epoch read under our own mount (a retry after it was gone), it is
+            // not known to be as this pod left it: it stays.
+            if let Some(at) = r.discard_at {
+                self.delete_if_unchanged(&r.workspace, at).await?;
             }
-            OnUnpublish::Checkpoint | OnUnpublish::Keep => {}
         }
         self.forget(&volume_id);
         Ok(())
@@ -360,6 +452,12 @@ impl Inner {
             }
         }
     }
+}
+
+fn reader_only(c: Option<&pb::VolumeCapability>) -> bool {
+    use volume_capability::access_mode::Mode;
+    c.and_then(|c| c.access_mode.as_ref())
+        .is_some_and(|m| m.mode == Mode::SingleNodeReaderOnly as i32)
 }
 
 /// A mounted filesystem (ext4, the only one), any single-node access mode; block access is

@@ -450,9 +450,21 @@ async fn expire_checkpoint(
             format!("version {version} is the head of {name:?} (its current state): checkpoint it again first"),
         ));
     }
-    cat.expire_checkpoints(&t, &name, &[version])
+    let n = cat
+        .expire_checkpoints(&t, &name, &[version])
         .await
         .map_err(strata_engine::Error::from)?;
+    if n == 0 {
+        // Expired meanwhile, or the head now (a rollback to it raced this): say which.
+        cat.get_checkpoint(&t, &name, version)
+            .await
+            .map_err(strata_engine::Error::from)?;
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!("version {version} of {name:?} became its head: checkpoint it again first"),
+        ));
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 

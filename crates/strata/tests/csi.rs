@@ -383,7 +383,7 @@ async fn csi_lifecycle_on_two_nodes() {
         a.node
             .node_publish_volume(publish_req("csi-vol-1", &other, ctx.clone()))
             .await,
-        Code::AlreadyExists,
+        Code::FailedPrecondition,
         "the same volume at another target",
     );
     // Another pod naming the same workspace while it is in use: refused, and this
@@ -464,7 +464,7 @@ async fn csi_lifecycle_on_two_nodes() {
         .await
         .unwrap();
     assert_eq!(records(&a), 0);
-    let (_, v) = api.get("/v1/workspaces/ws-run-7").await;
+    let (_, v) = api.get("/v1/workspaces/agents.ws-run-7").await;
     assert_eq!(v["attached"], false, "{v}");
 
     // The same pod on another node: its files are there. Discarded at its end.
@@ -489,7 +489,9 @@ async fn csi_lifecycle_on_two_nodes() {
         .await
         .unwrap();
     assert!(
-        !workspaces(&api).await.contains(&"ws-run-7".to_string()),
+        !workspaces(&api)
+            .await
+            .contains(&"agents.ws-run-7".to_string()),
         "discarded"
     );
 
@@ -918,6 +920,69 @@ async fn a_plugin_killed_mid_publish_undoes_it_at_start() {
     .unwrap();
     assert!(is_mount_point(&target));
     node.node_unpublish_volume(unpublish_req("csi-vol-k", &target))
+        .await
+        .unwrap();
+    drop(csi);
+
+    // Killed again, and before it is back another pod attaches the workspace it created:
+    // the late undo must leave that workspace (it is theirs now), not delete it.
+    let mut faulty = start_csi_env(
+        dir,
+        &daemon.url,
+        &api.token,
+        "node-a",
+        &[("STRATA_CSI_FAULT", "abort-before-published")],
+    );
+    let mut node = NodeClient::new(strata_csi::client::connect(&faulty.sock).await.unwrap());
+    let ctx = pod_ctx(&[("size", "64Mi"), ("workspace", "other")]);
+    let r = node
+        .node_publish_volume(publish_req("csi-vol-y", &target, ctx))
+        .await;
+    assert!(r.is_err());
+    let _ = faulty.child.wait();
+    drop(faulty);
+    std::process::Command::new("umount")
+        .args(["-l", &target])
+        .status()
+        .unwrap();
+    let (s, v) = api.delete("/v1/workspaces/agents.other/mount").await;
+    assert!(s.is_success(), "{v}");
+    let (s, v) = api
+        .post("/v1/workspaces/agents.other/attach", serde_json::json!({}))
+        .await;
+    assert!(s.is_success(), "{v}");
+    let (s, v) = api
+        .post("/v1/workspaces/agents.other/detach", serde_json::json!({}))
+        .await;
+    assert!(s.is_success(), "{v}");
+    let csi = start_csi(dir, &daemon.url, &api.token, "node-a");
+    assert_eq!(
+        workspaces(&api).await,
+        ["agents.other", "agents.run-7"],
+        "a workspace another attach has used since is not deleted by a late undo (and run-7 was checkpointed, kept)"
+    );
+    assert_eq!(std::fs::read_dir(dir.join("csi-state")).unwrap().count(), 0);
+
+    // An ephemeral-mode workspace with the default onUnpublish keeps the pod's work (its
+    // detach publishes nothing; the unpublish's checkpoint does).
+    let mut node = NodeClient::new(strata_csi::client::connect(&csi.sock).await.unwrap());
+    let ctx = pod_ctx(&[
+        ("size", "64Mi"),
+        ("workspace", "eph"),
+        ("mode", "ephemeral"),
+    ]);
+    node.node_publish_volume(publish_req("csi-vol-e", &target, ctx.clone()))
+        .await
+        .unwrap();
+    let files = write_files(Path::new(&target), 3, 9);
+    node.node_unpublish_volume(unpublish_req("csi-vol-e", &target))
+        .await
+        .unwrap();
+    node.node_publish_volume(publish_req("csi-vol-e2", &target, ctx))
+        .await
+        .unwrap();
+    assert_eq!(read_files(Path::new(&target), &files), files, "kept");
+    node.node_unpublish_volume(unpublish_req("csi-vol-e2", &target))
         .await
         .unwrap();
 }

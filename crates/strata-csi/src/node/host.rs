@@ -72,13 +72,20 @@ pub fn bind(src: &Path, dst: &Path, read_only: bool) -> Result<(), Status> {
 }
 
 /// Removes every mount stacked at `target` (a busy one is an error: something still uses it).
+/// A reference held for a moment is waited out for up to a second (a process forked on the
+/// node while a file was open there holds it until its exec).
 pub fn unbind(target: &Path) -> Result<(), Status> {
+    let mut busy = 0;
     for _ in 0..64 {
         if !is_mount_point(target) {
             return Ok(());
         }
         match rustix::mount::unmount(target, UnmountFlags::NOFOLLOW) {
             Ok(()) | Err(rustix::io::Errno::INVAL) | Err(rustix::io::Errno::NOENT) => {}
+            Err(rustix::io::Errno::BUSY) if busy < 10 => {
+                busy += 1;
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
             Err(rustix::io::Errno::BUSY) => {
                 return Err(Status::failed_precondition(format!(
                     "{} is busy: something still uses it",

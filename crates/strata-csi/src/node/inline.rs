@@ -19,6 +19,9 @@ use tonic::Status;
 
 use crate::invalid;
 
+/// The largest empty disk a pod's attributes may ask for (1 TiB).
+pub const MAX_INLINE_SIZE: u64 = 1 << 40;
+
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum OnUnpublish {
@@ -75,6 +78,18 @@ impl Inline {
                 workspace = workspace.replace(placeholder, v);
             }
         }
+        // A pod reaches only its own namespace's inline workspaces: the name is always
+        // `NAMESPACE.…` (namespaces hold no dots), never another namespace's nor a
+        // controller volume's (those hold no dots either).
+        if !pattern.starts_with("{pod.namespace}.") {
+            let ns = ctx
+                .get("csi.storage.k8s.io/pod.namespace")
+                .filter(|v| !v.is_empty())
+                .ok_or_else(|| {
+                    invalid("the kubelet sent no csi.storage.k8s.io/pod.namespace (is podInfoOnMount set on the CSIDriver?)")
+                })?;
+            workspace = format!("{ns}.{workspace}");
+        }
         strata_format::name::validate("workspace name", &workspace).map_err(|e| {
             invalid(format!(
                 "workspace {workspace:?} (from {pattern:?}) is not a valid workspace name: {e}"
@@ -86,6 +101,12 @@ impl Inline {
                 .map_err(|e| invalid(format!("template {t:?}: {e}")))?;
         }
         let size = ctx.get("size").map(|s| parse_size(s)).transpose()?;
+        if size.is_some_and(|s| s > MAX_INLINE_SIZE) {
+            return Err(invalid(format!(
+                "size: an inline workspace is at most {} GiB",
+                MAX_INLINE_SIZE >> 30
+            )));
+        }
         if template.is_some() && size.is_some() {
             return Err(invalid(
                 "give template or size, not both (a template's disk has the template's size)",
@@ -188,11 +209,14 @@ mod tests {
         c.insert("workspace".into(), "ws-{pod.name}".into());
         c.insert("template".into(), "fs-7f3".into());
         let i = Inline::parse(&c).unwrap();
-        assert_eq!(i.workspace, "ws-run-7");
+        assert_eq!(
+            i.workspace, "agents.ws-run-7",
+            "always in the pod's namespace"
+        );
         assert_eq!(i.on_unpublish, OnUnpublish::Checkpoint);
         assert_eq!(
             i.create_body().unwrap(),
-            json!({"name": "ws-run-7", "template": "fs-7f3"})
+            json!({"name": "agents.ws-run-7", "template": "fs-7f3"})
         );
     }
 
@@ -205,6 +229,11 @@ mod tests {
         };
         assert!(with("tempalte", "x").is_err());
         assert!(with("workspace", "../etc").is_err());
+        // Another namespace's workspace by name: it lands in this pod's namespace.
+        let mut c = ctx(&POD);
+        c.insert("workspace".into(), "victims.run-1".into());
+        assert_eq!(Inline::parse(&c).unwrap().workspace, "agents.victims.run-1");
+        assert!(with("size", "2Ti").is_err(), "over the inline limit");
         assert!(with("workspace", "{pod.uid}").is_err(), "no pod.uid sent");
         assert!(with("template", "a/b").is_err());
         assert!(with("mode", "fast").is_err());
