@@ -805,6 +805,32 @@ async fn controller(a: &mut NodeUnder, api: &Api) {
     assert_eq!(records(a), 0);
 }
 
+/// One node on the embedded catalog and a local store, with tenant `kube`. Its fields drop in
+/// order: the daemon, then the mounts a failed run left, then the directory.
+struct OneNode {
+    daemon: Daemon,
+    api: Api,
+    _cleanup: Cleanup,
+    tmp: tempfile::TempDir,
+}
+
+async fn one_node() -> OneNode {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir_all(root.join("kube")).unwrap();
+    let daemon = serve(
+        &tmp.path().join("data"),
+        &["--mount-root", root.to_str().unwrap()],
+    );
+    let api = tenant(&daemon.url, "kube").await;
+    OneNode {
+        daemon,
+        api,
+        _cleanup: Cleanup(tmp.path().to_path_buf()),
+        tmp,
+    }
+}
+
 /// The CSI community's conformance suite against the driver on one node, when a `csi-sanity`
 /// binary is named by `STRATA_CSI_SANITY` (docs/CSI.md says how it was built here: it is Go,
 /// and nothing may be downloaded at test time, so CI cannot build it).
@@ -819,14 +845,8 @@ async fn csi_sanity_conformance() {
     if !can_host_mount() {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    // Mounts a failed run leaves (its daemons die with them up) go with the test.
-    let _cleanup = Cleanup(tmp.path().to_path_buf());
-    let dir = tmp.path();
-    let root = dir.join("root");
-    std::fs::create_dir_all(root.join("kube")).unwrap();
-    let daemon = serve(&dir.join("data"), &["--mount-root", root.to_str().unwrap()]);
-    let api = tenant(&daemon.url, "kube").await;
+    let one = one_node().await;
+    let (dir, daemon, api) = (one.tmp.path(), &one.daemon, &one.api);
     let csi = start_csi(dir, &daemon.url, &api.token, "node-a");
     let out = Command::new(bin)
         .arg(format!("--csi.endpoint=unix://{}", csi.sock.display()))
@@ -858,14 +878,8 @@ async fn a_plugin_killed_mid_publish_undoes_it_at_start() {
     if !can_host_mount() {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    // Mounts a failed run leaves (its daemons die with them up) go with the test.
-    let _cleanup = Cleanup(tmp.path().to_path_buf());
-    let dir = tmp.path();
-    let root = dir.join("root");
-    std::fs::create_dir_all(root.join("kube")).unwrap();
-    let daemon = serve(&dir.join("data"), &["--mount-root", root.to_str().unwrap()]);
-    let api = tenant(&daemon.url, "kube").await;
+    let one = one_node().await;
+    let (dir, daemon, api) = (one.tmp.path(), &one.daemon, &one.api);
     let mut faulty = start_csi_env(
         dir,
         &daemon.url,
@@ -888,7 +902,7 @@ async fn a_plugin_killed_mid_publish_undoes_it_at_start() {
     assert!(r.is_err(), "the plugin died during the call");
     let _ = faulty.child.wait();
     assert!(is_mount_point(&target), "killed after the bind");
-    assert_eq!(workspaces(&api).await, ["agents.run-7"]);
+    assert_eq!(workspaces(api).await, ["agents.run-7"]);
     drop(faulty);
 
     let csi = start_csi(dir, &daemon.url, &api.token, "node-a");
@@ -896,7 +910,7 @@ async fn a_plugin_killed_mid_publish_undoes_it_at_start() {
     let mut node = NodeClient::new(ch);
     assert!(!is_mount_point(&target), "the bind is undone at start");
     assert!(
-        workspaces(&api).await.is_empty(),
+        workspaces(api).await.is_empty(),
         "the workspace it created is deleted"
     );
     let (_, mounts) = api.get("/v1/mounts").await;
@@ -957,7 +971,7 @@ async fn a_plugin_killed_mid_publish_undoes_it_at_start() {
     assert!(s.is_success(), "{v}");
     let csi = start_csi(dir, &daemon.url, &api.token, "node-a");
     assert_eq!(
-        workspaces(&api).await,
+        workspaces(api).await,
         ["agents.other", "agents.run-7"],
         "a workspace another attach has used since is not deleted by a late undo (and run-7 was checkpointed, kept)"
     );
