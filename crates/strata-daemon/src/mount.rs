@@ -85,6 +85,15 @@ pub struct MountInfo {
     pub connections: Option<usize>,
 }
 
+/// What a mount asked of a node that has begun to stop gets.
+pub(crate) fn stopping_error() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "busy",
+        "this node is stopping",
+    )
+}
+
 /// A mount operation in progress (see [`Daemon::mount_op`]).
 pub(crate) struct MountOp<'a>(&'a Daemon);
 
@@ -210,17 +219,19 @@ impl Daemon {
         MountOp(self)
     }
 
-    /// Records a live mount, unless the node has begun to stop (checked under the same lock
-    /// the stop takes its list under): then the mount is handed back, for the caller to stop.
-    fn insert_unless_stopping(&self, k: Key, m: Mounted) -> Option<Mounted> {
-        let mut mounts = self.lock_mounts();
-        if self
-            .mounts_stopping
+    /// Whether the node has begun to stop (no new mounts).
+    pub(crate) fn stopping(&self) -> bool {
+        self.mounts_stopping
             .load(std::sync::atomic::Ordering::SeqCst)
-        {
+    }
+
+    /// Records a live mount, unless the node has begun to stop: then the mount is handed
+    /// back, for the caller to stop (the stop, waiting for this operation, does not list it).
+    fn insert_unless_stopping(&self, k: Key, m: Mounted) -> Option<Mounted> {
+        if self.stopping() {
             return Some(m);
         }
-        mounts.insert(k, m);
+        self.lock_mounts().insert(k, m);
         None
     }
 
@@ -356,12 +367,8 @@ impl Daemon {
                 };
             }
             let target = target.transpose()?;
-            if d.mounts_stopping.load(std::sync::atomic::Ordering::SeqCst) {
-                return Err(ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "busy",
-                    "this node is stopping",
-                ));
+            if d.stopping() {
+                return Err(stopping_error());
             }
             if d.has_mount_record(&t, &ws) {
                 return Err(conflict(format!(
@@ -413,11 +420,7 @@ impl Daemon {
                 if let Some(m) = self.insert_unless_stopping((t, ws), m) {
                     // The stop took its list before this mount finished: treat it as stop does.
                     self.stop_one(m).await;
-                    return Err(ApiError::new(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "busy",
-                        "this node is stopping",
-                    ));
+                    return Err(stopping_error());
                 }
                 Ok(out)
             }

@@ -204,7 +204,7 @@ impl Daemon {
             if !d.has_mount_record(&k.0, &k.1) || d.is_mounted(&k.0, &k.1) {
                 return Ok(());
             }
-            if d.mounts_stopping.load(std::sync::atomic::Ordering::SeqCst) {
+            if d.stopping() {
                 // The node is stopping (a background retry ran late): the device keeps
                 // holding requests for the next start.
                 return Ok(());
@@ -311,12 +311,8 @@ impl Daemon {
             let k = (info.tenant.clone(), info.workspace.clone());
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
-            if d.mounts_stopping.load(std::sync::atomic::Ordering::SeqCst) {
-                return Err(ApiError::new(
-                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
-                    "busy",
-                    "this node is stopping",
-                ));
+            if d.stopping() {
+                return Err(super::stopping_error());
             }
             let mut fresh = info.clone();
             fresh.device = None;
@@ -372,13 +368,8 @@ impl Daemon {
     /// under its op lock (a checkpoint's freeze finishes first), covers each target with a
     /// read-only placeholder, and keeps the records so that the next start mounts them again.
     pub(crate) async fn stop_all_mounts(&self) {
-        // Under the mounts lock: a mount that checks the flag under it either is in this list
-        // or sees the flag (and stops itself).
-        {
-            let _m = self.lock_mounts();
-            self.mounts_stopping
-                .store(true, std::sync::atomic::Ordering::SeqCst);
-        }
+        self.mounts_stopping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         // Mount operations already running finish first (a reattach retried late, a mount
         // whose client left): each either records its mount before the list below is taken,
         // or sees the flag and stops itself, and none serves a volume this stop has closed.
