@@ -11,7 +11,9 @@ use tonic::{Request, Response, Status};
 
 use crate::daemon::Daemon;
 use crate::pb::{self, controller_service_capability, volume_capability, volume_content_source};
-use crate::{invalid, parse_snapshot_id, required, snapshot_label, workspace_for_name};
+use crate::{
+    invalid, is_snapshot, parse_snapshot_id, required, snapshot_label, workspace_for_name,
+};
 
 /// The size of a volume whose request names none (1 GiB).
 const DEFAULT_SIZE: u64 = 1 << 30;
@@ -52,23 +54,29 @@ fn unsupported(caps: &[pb::VolumeCapability]) -> Option<String> {
     if caps.is_empty() {
         return Some("volume_capabilities is required".into());
     }
-    for c in caps {
-        match &c.access_type {
-            Some(volume_capability::AccessType::Mount(m))
-                if m.fs_type.is_empty() || m.fs_type == "ext4" => {}
-            Some(volume_capability::AccessType::Mount(m)) => {
-                return Some(format!("fs_type {:?}: only ext4 is offered", m.fs_type))
-            }
-            Some(volume_capability::AccessType::Block(_)) => {
-                return Some("block access is not offered (mount access only)".into())
-            }
-            None => return Some("volume_capability.access_type is required".into()),
+    caps.iter()
+        .find_map(|c| check_capability(c).err())
+        .map(|e| e.message().to_string())
+}
+
+/// A mounted filesystem (ext4, the only one) in a single-node access mode; block access is
+/// not offered.
+pub(crate) fn check_capability(c: &pb::VolumeCapability) -> Result<(), Status> {
+    match &c.access_type {
+        Some(volume_capability::AccessType::Mount(m))
+            if m.fs_type.is_empty() || m.fs_type == "ext4" => {}
+        Some(volume_capability::AccessType::Mount(m)) => {
+            return Err(invalid(format!(
+                "fs_type {:?}: only ext4 is offered",
+                m.fs_type
+            )))
         }
-        if let Err(e) = check_access_mode(c) {
-            return Some(e.message().to_string());
+        Some(volume_capability::AccessType::Block(_)) => {
+            return Err(invalid("block access is not offered (mount access only)"))
         }
+        None => return Err(invalid("volume_capability.access_type is required")),
     }
-    None
+    check_access_mode(c)
 }
 
 /// How a workspace's `source` reads when it was made as asked (idempotency by name).
@@ -136,8 +144,9 @@ impl Controller {
             .volume_content_source
             .as_ref()
             .and_then(|s| s.r#type.clone());
-        // What the workspace is made from, and how its `source` field reads once it is.
-        let (mut body, origin, size) = match &source {
+        // What the workspace is made from (created, or forked from a volume), how its `source`
+        // field reads once it is, and its disk size.
+        let (fork_of, mut body, origin, size) = match &source {
             Some(volume_content_source::Type::Snapshot(s)) => {
                 let (src, v) = parse_snapshot_id(&s.snapshot_id)
                     .ok_or_else(|| Status::not_found(format!("no snapshot {:?}", s.snapshot_id)))?;
@@ -146,6 +155,7 @@ impl Controller {
                     .ok_or_else(|| Status::not_found(format!("no snapshot {:?}", s.snapshot_id)))?;
                 let want = format!("ws:{src}@{v}");
                 (
+                    None,
                     json!({ "name": ws, "from": format!("{src}@{v}") }),
                     Origin::Is(want),
                     self.disk_size(&src).await?,
@@ -158,7 +168,8 @@ impl Controller {
                 // filesystem frozen if it is mounted here), not the last checkpoint.
                 let prefix = format!("ws:{src}@");
                 (
-                    json!({ "name": ws, "fork_of": src }),
+                    Some(src),
+                    json!({ "name": ws }),
                     Origin::Under(prefix),
                     size,
                 )
@@ -174,6 +185,7 @@ impl Controller {
                         .await?
                         .ok_or_else(|| Status::not_found(format!("no template {t:?}")))?;
                     (
+                        None,
                         json!({ "name": ws, "template": t }),
                         Origin::Is(want),
                         u64_of(&tpl, "disk_size"),
@@ -191,6 +203,7 @@ impl Controller {
                         return Err(Status::out_of_range("limit_bytes is under one block"));
                     }
                     (
+                        None,
                         json!({ "name": ws, "size": size }),
                         Origin::Is("empty".into()),
                         size,
@@ -212,11 +225,8 @@ impl Controller {
                 "the volume's disk would be {size} bytes, outside the capacity range {required_bytes}..{limit} (growing a disk is not offered yet)"
             )));
         }
-        let made = match body.as_object_mut().and_then(|b| b.remove("fork_of")) {
-            Some(src) => {
-                let src = src.as_str().unwrap_or_default().to_string();
-                self.daemon.fork(&src, body).await
-            }
+        let made = match &fork_of {
+            Some(src) => self.daemon.fork(src, body).await,
             None => self.daemon.create_workspace(body).await,
         };
         let w = match made {
@@ -273,12 +283,9 @@ impl Controller {
             Err(f) if f.is_not_found() => return Ok(None),
             Err(f) => return Err(f.into()),
         };
-        Ok(log.into_iter().find(|c| {
-            u64_of(c, "version") == version
-                && c["label"]
-                    .as_str()
-                    .is_some_and(|l| l.starts_with(&snapshot_label("")))
-        }))
+        Ok(log
+            .into_iter()
+            .find(|c| u64_of(c, "version") == version && is_snapshot(c)))
     }
 
     /// Every CSI snapshot of the tenant: (workspace, its disk size, checkpoint).
@@ -292,14 +299,11 @@ impl Controller {
                 Err(f) if f.is_not_found() => continue, // deleted meanwhile
                 Err(f) => return Err(f.into()),
             };
-            for c in log {
-                if c["label"]
-                    .as_str()
-                    .is_some_and(|l| l.starts_with(&snapshot_label("")))
-                {
-                    out.push((name.clone(), size, c));
-                }
-            }
+            out.extend(
+                log.into_iter()
+                    .filter(is_snapshot)
+                    .map(|c| (name.clone(), size, c)),
+            );
         }
         Ok(out)
     }
@@ -344,11 +348,7 @@ impl Controller {
                 });
             }
         }
-        let w = self
-            .daemon
-            .workspace(&src)
-            .await?
-            .ok_or_else(|| Status::not_found(format!("no volume {src:?}")))?;
+        let size = self.disk_size(&src).await?;
         let p = self.daemon.checkpoint(&src, Some(&label)).await?;
         let version = u64_of(&p, "version");
         let c = self
@@ -356,11 +356,7 @@ impl Controller {
             .await?
             .unwrap_or_else(|| json!({ "version": version, "created_ms": 0 }));
         Ok(pb::CreateSnapshotResponse {
-            snapshot: Some(Self::snapshot_of(
-                &src,
-                u64_of(&w["workspace"], "disk_size"),
-                &c,
-            )),
+            snapshot: Some(Self::snapshot_of(&src, size, &c)),
         })
     }
 

@@ -53,6 +53,15 @@ impl From<Failure> for tonic::Status {
     }
 }
 
+/// A reply, or `None` for a 404.
+fn found(r: Result<Value, Failure>) -> Result<Option<Value>, Failure> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(f) if f.is_not_found() => Ok(None),
+        Err(f) => Err(f),
+    }
+}
+
 /// A client of one daemon with one tenant's token.
 #[derive(Clone)]
 pub struct Daemon {
@@ -126,11 +135,7 @@ impl Daemon {
 
     /// The workspace's view, or `None` if it does not exist.
     pub async fn workspace(&self, name: &str) -> Result<Option<Value>, Failure> {
-        match self.call(Method::GET, &ws_path(name, ""), None).await {
-            Ok(v) => Ok(Some(v)),
-            Err(f) if f.is_not_found() => Ok(None),
-            Err(f) => Err(f),
-        }
+        found(self.call(Method::GET, &ws_path(name, ""), None).await)
     }
 
     pub async fn workspaces(&self) -> Result<Vec<Value>, Failure> {
@@ -151,11 +156,7 @@ impl Daemon {
 
     /// Deletes a workspace; one that is already gone is not an error.
     pub async fn delete_workspace(&self, name: &str) -> Result<(), Failure> {
-        match self.call(Method::DELETE, &ws_path(name, ""), None).await {
-            Ok(_) => Ok(()),
-            Err(f) if f.is_not_found() => Ok(()),
-            Err(f) => Err(f),
-        }
+        found(self.call(Method::DELETE, &ws_path(name, ""), None).await).map(drop)
     }
 
     pub async fn mount(&self, name: &str, body: Value) -> Result<Value, Failure> {
@@ -200,13 +201,9 @@ impl Daemon {
     }
 
     pub async fn template(&self, name: &str) -> Result<Option<Value>, Failure> {
-        match self
-            .call(Method::GET, &format!("/v1/templates/{name}"), None)
-            .await
-        {
-            Ok(v) => Ok(Some(v)),
-            Err(f) if f.is_not_found() => Ok(None),
-            Err(f) => Err(f),
-        }
+        found(
+            self.call(Method::GET, &format!("/v1/templates/{name}"), None)
+                .await,
+        )
     }
 }

@@ -102,7 +102,16 @@ pub(crate) fn parse_snapshot_id(id: &str) -> Option<(String, u64)> {
 
 /// The checkpoint label that marks a CSI snapshot and carries its name (idempotency by name).
 pub(crate) fn snapshot_label(name: &str) -> String {
-    format!("csi-snapshot:{name}")
+    format!("{SNAPSHOT_LABEL}{name}")
+}
+
+const SNAPSHOT_LABEL: &str = "csi-snapshot:";
+
+/// Whether a checkpoint (as the daemon's log lists it) is a CSI snapshot.
+pub(crate) fn is_snapshot(checkpoint: &serde_json::Value) -> bool {
+    checkpoint["label"]
+        .as_str()
+        .is_some_and(|l| l.starts_with(SNAPSHOT_LABEL))
 }
 
 /// Serves the configured services on `endpoint` (`unix:///csi/csi.sock` or a path) until

@@ -147,7 +147,11 @@ impl Inner {
     async fn publish(&self, req: pb::NodePublishVolumeRequest) -> Result<(), Status> {
         let volume_id = required("volume_id", &req.volume_id)?.to_string();
         let target = host::check_target(required("target_path", &req.target_path)?)?;
-        check_capability(req.volume_capability.as_ref())?;
+        crate::controller::check_capability(
+            req.volume_capability
+                .as_ref()
+                .ok_or_else(|| invalid("volume_capability is required"))?,
+        )?;
         let ctx = &req.volume_context;
         let ephemeral = ctx.get("csi.storage.k8s.io/ephemeral").map(String::as_str) == Some("true");
         let (workspace, inline) = if ephemeral {
@@ -458,27 +462,6 @@ fn reader_only(c: Option<&pb::VolumeCapability>) -> bool {
     use volume_capability::access_mode::Mode;
     c.and_then(|c| c.access_mode.as_ref())
         .is_some_and(|m| m.mode == Mode::SingleNodeReaderOnly as i32)
-}
-
-/// A mounted filesystem (ext4, the only one), any single-node access mode; block access is
-/// not offered.
-fn check_capability(c: Option<&pb::VolumeCapability>) -> Result<(), Status> {
-    let c = c.ok_or_else(|| invalid("volume_capability is required"))?;
-    match &c.access_type {
-        Some(volume_capability::AccessType::Mount(m)) => {
-            if !(m.fs_type.is_empty() || m.fs_type == "ext4") {
-                return Err(invalid(format!(
-                    "fs_type {:?}: only ext4 is offered",
-                    m.fs_type
-                )));
-            }
-        }
-        Some(volume_capability::AccessType::Block(_)) => {
-            return Err(invalid("block access is not offered (mount access only)"))
-        }
-        None => return Err(invalid("volume_capability.access_type is required")),
-    }
-    crate::controller::check_access_mode(c)
 }
 
 /// Runs a call in a task of its own: a CO that cancels the call does not cut it in half.

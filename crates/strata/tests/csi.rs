@@ -286,81 +286,72 @@ async fn csi_lifecycle_on_two_nodes() {
     // Bad publishes: the spec's codes, and nothing left behind.
     let t0 = kubelet_target(&a, "bad");
     let good = || publish_req("csi-vol-bad", &t0, pod_ctx(&[("template", "fs-7f3")]));
-    let mut r = good();
-    r.volume_id.clear();
-    code(
-        a.node.node_publish_volume(r).await,
-        Code::InvalidArgument,
-        "no volume id",
-    );
-    let mut r = good();
-    r.target_path.clear();
-    code(
-        a.node.node_publish_volume(r).await,
-        Code::InvalidArgument,
-        "no target",
-    );
-    let mut r = good();
-    r.target_path = "relative/mount".into();
-    code(
-        a.node.node_publish_volume(r).await,
-        Code::InvalidArgument,
-        "relative target",
-    );
-    let mut r = good();
-    r.volume_capability = None;
-    code(
-        a.node.node_publish_volume(r).await,
-        Code::InvalidArgument,
-        "no capability",
-    );
-    let mut r = good();
-    r.volume_capability = Some(pb::VolumeCapability {
-        access_mode: writer().access_mode,
-        access_type: Some(pb::volume_capability::AccessType::Block(Default::default())),
-    });
-    code(
-        a.node.node_publish_volume(r).await,
-        Code::InvalidArgument,
-        "block access",
-    );
-    let mut r = good();
-    r.volume_capability = Some(mount_cap(
-        pb::volume_capability::access_mode::Mode::MultiNodeMultiWriter,
-    ));
-    code(
-        a.node.node_publish_volume(r).await,
-        Code::InvalidArgument,
-        "multi-node writer",
-    );
-    let r = publish_req("csi-vol-bad", &t0, pod_ctx(&[("tempalte", "fs-7f3")]));
-    code(
-        a.node.node_publish_volume(r).await,
-        Code::InvalidArgument,
-        "misspelt attribute",
-    );
-    let r = publish_req("csi-vol-bad", &t0, pod_ctx(&[("workspace", "../../etc")]));
-    code(
-        a.node.node_publish_volume(r).await,
-        Code::InvalidArgument,
-        "a path as workspace",
-    );
-    let r = publish_req("csi-vol-bad", &t0, pod_ctx(&[]));
-    code(
-        a.node.node_publish_volume(r).await,
-        Code::InvalidArgument,
-        "nothing to create from",
-    );
-    let r = publish_req(
-        "csi-vol-bad",
-        &t0,
-        pod_ctx(&[("template", "no-such-template")]),
-    );
-    code(
-        a.node.node_publish_volume(r).await,
-        Code::NotFound,
-        "a missing template",
-    );
+    let with = |f: &dyn Fn(&mut pb::NodePublishVolumeRequest)| {
+        let mut r = good();
+        f(&mut r);
+        r
+    };
+    let attrs = |kv: &[(&str, &str)]| publish_req("csi-vol-bad", &t0, pod_ctx(kv));
+    let bad = [
+        (
+            "no volume id",
+            Code::InvalidArgument,
+            with(&|r| r.volume_id.clear()),
+        ),
+        (
+            "no target",
+            Code::InvalidArgument,
+            with(&|r| r.target_path.clear()),
+        ),
+        (
+            "relative target",
+            Code::InvalidArgument,
+            with(&|r| r.target_path = "relative/mount".into()),
+        ),
+        (
+            "no capability",
+            Code::InvalidArgument,
+            with(&|r| r.volume_capability = None),
+        ),
+        (
+            "block access",
+            Code::InvalidArgument,
+            with(&|r| {
+                r.volume_capability = Some(pb::VolumeCapability {
+                    access_mode: writer().access_mode,
+                    access_type: Some(pb::volume_capability::AccessType::Block(Default::default())),
+                })
+            }),
+        ),
+        (
+            "multi-node writer",
+            Code::InvalidArgument,
+            with(&|r| {
+                r.volume_capability = Some(mount_cap(
+                    pb::volume_capability::access_mode::Mode::MultiNodeMultiWriter,
+                ))
+            }),
+        ),
+        (
+            "misspelt attribute",
+            Code::InvalidArgument,
+            attrs(&[("tempalte", "fs-7f3")]),
+        ),
+        (
+            "a path as workspace",
+            Code::InvalidArgument,
+            attrs(&[("workspace", "../../etc")]),
+        ),
+        ("nothing to create from", Code::InvalidArgument, attrs(&[])),
+        (
+            "a missing template",
+            Code::NotFound,
+            attrs(&[("template", "no-such-template")]),
+        ),
+    ];
+    for (what, want, r) in bad {
+        code(a.node.node_publish_volume(r).await, want, what);
+    }
     assert!(
         workspaces(&api).await.is_empty(),
         "a failed publish creates nothing"

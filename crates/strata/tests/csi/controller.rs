@@ -31,24 +31,10 @@ pub(crate) async fn controller(a: &mut NodeUnder, api: &Api) {
     assert_eq!(caps.get_ref().capabilities.len(), 4);
 
     // From a template; again; the same name from elsewhere; bad requests.
-    let v1 = a
-        .ctl
-        .create_volume(cv("pvc-1", &[("template", "fs-7f3")], None))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let v1 = made(&mut a.ctl, cv("pvc-1", &[("template", "fs-7f3")], None)).await;
     assert_eq!(v1.volume_id, "pvc-1");
     assert_eq!(v1.capacity_bytes, 64 << 20);
-    let again = a
-        .ctl
-        .create_volume(cv("pvc-1", &[("template", "fs-7f3")], None))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let again = made(&mut a.ctl, cv("pvc-1", &[("template", "fs-7f3")], None)).await;
     assert_eq!(again.volume_id, v1.volume_id);
     code(
         a.ctl.create_volume(cv("pvc-1", &[], None)).await,
@@ -133,32 +119,18 @@ pub(crate) async fn controller(a: &mut NodeUnder, api: &Api) {
         name: "snapshot-1".into(),
         ..Default::default()
     };
-    let snap = a
-        .ctl
-        .create_snapshot(snap_req.clone())
-        .await
-        .unwrap()
-        .into_inner()
-        .snapshot
-        .unwrap();
+    let snap = snapped(&mut a.ctl, snap_req.clone()).await;
     assert!(snap.ready_to_use);
     assert_eq!(snap.source_volume_id, "pvc-1");
-    let snap2 = a
-        .ctl
-        .create_snapshot(snap_req.clone())
-        .await
-        .unwrap()
-        .into_inner()
-        .snapshot
-        .unwrap();
+    let snap2 = snapped(&mut a.ctl, snap_req.clone()).await;
     assert_eq!(snap2.snapshot_id, snap.snapshot_id);
     // Written after the snapshot: not in it.
     std::fs::write(Path::new(&t1).join("later"), b"after the snapshot").unwrap();
 
     // From the snapshot and from the volume: identical files.
-    let from_snap = a
-        .ctl
-        .create_volume(cv(
+    let from_snap = made(
+        &mut a.ctl,
+        cv(
             "pvc-2",
             &[],
             Some(pb::volume_content_source::Type::Snapshot(
@@ -166,12 +138,9 @@ pub(crate) async fn controller(a: &mut NodeUnder, api: &Api) {
                     snapshot_id: snap.snapshot_id.clone(),
                 },
             )),
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+        ),
+    )
+    .await;
     let t2 = kubelet_target(a, "pvc2-pod");
     a.node
         .node_publish_volume(publish_req(&from_snap.volume_id, &t2, HashMap::new()))
@@ -183,9 +152,9 @@ pub(crate) async fn controller(a: &mut NodeUnder, api: &Api) {
         "from the snapshot"
     );
     assert!(!Path::new(&t2).join("later").exists());
-    let clone = a
-        .ctl
-        .create_volume(cv(
+    let clone = made(
+        &mut a.ctl,
+        cv(
             "pvc-3",
             &[],
             Some(pb::volume_content_source::Type::Volume(
@@ -193,12 +162,9 @@ pub(crate) async fn controller(a: &mut NodeUnder, api: &Api) {
                     volume_id: "pvc-1".into(),
                 },
             )),
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+        ),
+    )
+    .await;
     let t3 = kubelet_target(a, "pvc3-pod");
     let mut ro = publish_req(&clone.volume_id, &t3, HashMap::new());
     ro.readonly = true;
@@ -313,4 +279,25 @@ pub(crate) async fn controller(a: &mut NodeUnder, api: &Api) {
     let left = workspaces(api).await;
     assert!(left.is_empty(), "{left:?}");
     assert_eq!(records(a), 0);
+}
+
+async fn made(ctl: &mut ControllerClient<Channel>, r: pb::CreateVolumeRequest) -> pb::Volume {
+    ctl.create_volume(r)
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap()
+}
+
+async fn snapped(
+    ctl: &mut ControllerClient<Channel>,
+    r: pb::CreateSnapshotRequest,
+) -> pb::Snapshot {
+    ctl.create_snapshot(r)
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshot
+        .unwrap()
 }
