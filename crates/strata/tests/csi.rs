@@ -10,7 +10,7 @@ mod common;
 #[path = "csi/controller.rs"]
 mod controller;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -176,40 +176,6 @@ fn unpublish_req(volume_id: &str, target: &str) -> pb::NodeUnpublishVolumeReques
         volume_id: volume_id.into(),
         target_path: target.into(),
     }
-}
-
-fn write_files(dir: &Path, n: usize, seed: u64) -> BTreeMap<String, String> {
-    use std::io::Write;
-    let mut out = BTreeMap::new();
-    for i in 0..n {
-        let data: Vec<u8> = (0..(i * 7919 + 1000))
-            .map(|j| (j as u64 * 31 + seed + i as u64) as u8)
-            .collect();
-        let name = format!("w{seed}-{i}");
-        let mut f = std::fs::File::create(dir.join(&name)).unwrap();
-        f.write_all(&data).unwrap();
-        f.sync_all().unwrap();
-        out.insert(name, blake3::hash(&data).to_hex().to_string());
-    }
-    std::fs::File::open(dir).unwrap().sync_all().unwrap();
-    out
-}
-
-fn read_files(dir: &Path, names: &BTreeMap<String, String>) -> BTreeMap<String, String> {
-    names
-        .keys()
-        .map(|n| {
-            let b = std::fs::read(dir.join(n)).unwrap_or_default();
-            (n.clone(), blake3::hash(&b).to_hex().to_string())
-        })
-        .collect()
-}
-
-fn is_mount_point(p: &str) -> bool {
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .lines()
-        .any(|l| l.split(' ').nth(4) == Some(p))
 }
 
 #[track_caller]
@@ -389,7 +355,7 @@ async fn csi_lifecycle_on_two_nodes() {
         "a workspace in use by another pod",
     );
     assert!(is_mount_point(&target));
-    assert_eq!(read_files(Path::new(&target), &files), files);
+    assert_eq!(hashes(Path::new(&target), &files), files);
 
     let stats = a
         .node
@@ -429,7 +395,7 @@ async fn csi_lifecycle_on_two_nodes() {
     let mut back = false;
     for _ in 0..60 {
         // A new filesystem at the target (the old one's cache would still read).
-        if dev(&target) != before && read_files(Path::new(&target), &files) == files {
+        if dev(&target) != before && hashes(Path::new(&target), &files) == files {
             back = true;
             break;
         }
@@ -472,11 +438,7 @@ async fn csi_lifecycle_on_two_nodes() {
         .node_publish_volume(publish_req("csi-vol-7", &tb, ctx_b))
         .await
         .unwrap();
-    assert_eq!(
-        read_files(Path::new(&tb), &files),
-        files,
-        "resumed on node B"
-    );
+    assert_eq!(hashes(Path::new(&tb), &files), files, "resumed on node B");
     b.node
         .node_unpublish_volume(unpublish_req("csi-vol-7", &tb))
         .await
@@ -682,7 +644,7 @@ async fn a_plugin_killed_mid_publish_undoes_it_at_start() {
     node.node_publish_volume(publish_req("csi-vol-e2", &target, ctx))
         .await
         .unwrap();
-    assert_eq!(read_files(Path::new(&target), &files), files, "kept");
+    assert_eq!(hashes(Path::new(&target), &files), files, "kept");
     node.node_unpublish_volume(unpublish_req("csi-vol-e2", &target))
         .await
         .unwrap();

@@ -40,50 +40,6 @@ fn can_host_mount() -> bool {
     ok
 }
 
-/// Writes `n` files of assorted sizes under `dir`, each fsync'd (and the directory), and
-/// returns their contents' hashes.
-fn write_files(dir: &Path, n: usize, seed: u64) -> BTreeMap<String, String> {
-    use std::io::Write;
-    std::fs::create_dir_all(dir).unwrap();
-    let mut out = BTreeMap::new();
-    let mut x = seed | 1;
-    for i in 0..n {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let len = (x % (2 << 20)) as usize + 1;
-        let mut data = vec![0u8; len];
-        for (j, b) in data.iter_mut().enumerate() {
-            *b = (x.wrapping_add(j as u64 * 0x9E37_79B9)).to_le_bytes()[j % 8];
-        }
-        let name = format!("f{seed}-{i}");
-        let mut f = std::fs::File::create(dir.join(&name)).unwrap();
-        f.write_all(&data).unwrap();
-        f.sync_all().unwrap();
-        out.insert(name, blake3::hash(&data).to_hex().to_string());
-    }
-    std::fs::File::open(dir).unwrap().sync_all().unwrap();
-    out
-}
-
-fn hashes(dir: &Path, names: &BTreeMap<String, String>) -> BTreeMap<String, String> {
-    names
-        .keys()
-        .map(|n| {
-            let h = std::fs::read(dir.join(n))
-                .map(|d| blake3::hash(&d).to_hex().to_string())
-                .unwrap_or_else(|e| format!("unreadable: {e}"));
-            (n.clone(), h)
-        })
-        .collect()
-}
-
-fn is_mount_point(p: &Path) -> bool {
-    let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    let p = p.to_string_lossy();
-    mi.lines().any(|l| l.split(' ').nth(4) == Some(p.as_ref()))
-}
-
 /// Mount points and loop devices anything under `data` still holds.
 fn leftovers(data: &Path) -> Vec<String> {
     let d = data.to_string_lossy().into_owned();
@@ -429,7 +385,7 @@ async fn mount_refusals() {
         .spawn();
     let (s, v) = api.delete("/v1/workspaces/w/mount").await;
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
-    assert!(is_mount_point(&mine.join("ok")));
+    assert!(is_mount_point(mine.join("ok")));
     if let Ok(mut c) = cwd {
         let _ = c.kill();
         let _ = c.wait();
@@ -449,7 +405,7 @@ async fn mount_refusals() {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let (s, v) = api.delete("/v1/workspaces/w/mount").await;
         assert_eq!(s, StatusCode::CONFLICT, "{v}");
-        assert!(is_mount_point(&mine.join("ok")), "not mounted back");
+        assert!(is_mount_point(mine.join("ok")), "not mounted back");
         let _ = ns.kill();
         let _ = ns.wait();
     }

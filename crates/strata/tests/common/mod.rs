@@ -465,3 +465,51 @@ impl Drop for Cleanup {
         }
     }
 }
+
+/// Writes `n` files of assorted sizes under `dir`, each fsync'd (and the directory), and
+/// returns their contents' hashes.
+pub fn write_files(dir: &Path, n: usize, seed: u64) -> std::collections::BTreeMap<String, String> {
+    use std::io::Write;
+    std::fs::create_dir_all(dir).unwrap();
+    let mut out = std::collections::BTreeMap::new();
+    let mut x = seed | 1;
+    for i in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let len = (x % (2 << 20)) as usize + 1;
+        let mut data = vec![0u8; len];
+        for (j, b) in data.iter_mut().enumerate() {
+            *b = (x.wrapping_add(j as u64 * 0x9E37_79B9)).to_le_bytes()[j % 8];
+        }
+        let name = format!("f{seed}-{i}");
+        let mut f = std::fs::File::create(dir.join(&name)).unwrap();
+        f.write_all(&data).unwrap();
+        f.sync_all().unwrap();
+        out.insert(name, blake3::hash(&data).to_hex().to_string());
+    }
+    std::fs::File::open(dir).unwrap().sync_all().unwrap();
+    out
+}
+
+pub fn hashes(
+    dir: &Path,
+    names: &std::collections::BTreeMap<String, String>,
+) -> std::collections::BTreeMap<String, String> {
+    names
+        .keys()
+        .map(|n| {
+            let h = std::fs::read(dir.join(n))
+                .map(|d| blake3::hash(&d).to_hex().to_string())
+                .unwrap_or_else(|e| format!("unreadable: {e}"));
+            (n.clone(), h)
+        })
+        .collect()
+}
+
+/// Whether `p` is a mount point (as mountinfo spells it).
+pub fn is_mount_point(p: impl AsRef<Path>) -> bool {
+    let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let p = p.as_ref().to_string_lossy();
+    mi.lines().any(|l| l.split(' ').nth(4) == Some(p.as_ref()))
+}

@@ -146,11 +146,7 @@ pub(crate) async fn controller(a: &mut NodeUnder, api: &Api) {
         .node_publish_volume(publish_req(&from_snap.volume_id, &t2, HashMap::new()))
         .await
         .unwrap();
-    assert_eq!(
-        read_files(Path::new(&t2), &files),
-        files,
-        "from the snapshot"
-    );
+    assert_eq!(hashes(Path::new(&t2), &files), files, "from the snapshot");
     assert!(!Path::new(&t2).join("later").exists());
     let clone = made(
         &mut a.ctl,
@@ -169,7 +165,7 @@ pub(crate) async fn controller(a: &mut NodeUnder, api: &Api) {
     let mut ro = publish_req(&clone.volume_id, &t3, HashMap::new());
     ro.readonly = true;
     a.node.node_publish_volume(ro).await.unwrap();
-    assert_eq!(read_files(Path::new(&t3), &files), files, "the clone");
+    assert_eq!(hashes(Path::new(&t3), &files), files, "the clone");
     assert!(
         Path::new(&t3).join("later").exists(),
         "a clone has the volume's current state"
@@ -255,7 +251,7 @@ pub(crate) async fn controller(a: &mut NodeUnder, api: &Api) {
         .into_inner();
     assert!(of1.entries.is_empty(), "deleted: {of1:?}");
     // The volume made from it is its own: still there, still whole.
-    assert_eq!(read_files(Path::new(&t2), &files), files);
+    assert_eq!(hashes(Path::new(&t2), &files), files);
 
     // Deleting a volume in use is refused; unpublished, it goes (twice).
     let dv = |id: &str| pb::DeleteVolumeRequest {
