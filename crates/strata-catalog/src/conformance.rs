@@ -28,6 +28,7 @@ fn new_ws(tenant: &str, name: &str, m: Hash) -> NewWorkspace {
 fn cp(m: Hash, label: Option<&str>) -> NewCheckpoint {
     NewCheckpoint {
         manifest: m,
+        disk_size: 1 << 30,
         label: label.map(Into::into),
         kind: CheckpointKind::Checkpoint,
         bytes: 10,
@@ -406,6 +407,29 @@ async fn heads_move_only_by_cas_with_the_current_lease(cat: &dyn Catalog) {
         cat.get_checkpoint("acme", "w1", 9).await,
         Err(CatalogError::NotFound { .. })
     ));
+    // A version on a larger disk moves the workspace's size in the same CAS; a smaller one is
+    // refused and moves nothing.
+    let grown = NewCheckpoint {
+        disk_size: 2 << 30,
+        kind: CheckpointKind::Resize,
+        ..cp(h(5), None)
+    };
+    assert_eq!(
+        cat.advance_head("acme", "w1", 2, &g, &grown).await.unwrap(),
+        3
+    );
+    let w = cat.get_workspace("acme", "w1").await.unwrap();
+    assert_eq!((w.head_version, w.disk_size), (3, 2 << 30));
+    assert_eq!(
+        cat.get_checkpoint("acme", "w1", 3).await.unwrap().kind,
+        CheckpointKind::Resize
+    );
+    assert!(matches!(
+        cat.advance_head("acme", "w1", 3, &g, &cp(h(6), None)).await,
+        Err(CatalogError::InUse(_))
+    ));
+    let w = cat.get_workspace("acme", "w1").await.unwrap();
+    assert_eq!((w.head_version, w.disk_size), (3, 2 << 30));
     // Delete is refused while the lease is live, and allowed after release.
     assert!(matches!(
         cat.delete_workspace("acme", "w1").await,

@@ -48,6 +48,14 @@ pub enum CatalogError {
     Backend(String),
 }
 
+/// What a head CAS that would make a disk smaller gets: sizes only grow (a mounted filesystem
+/// must never find its end gone).
+pub(crate) fn shrink(current: u64, asked: u64) -> CatalogError {
+    CatalogError::InUse(format!(
+        "a workspace's disk never shrinks: it has {current} bytes, the new version {asked}"
+    ))
+}
+
 impl CatalogError {
     pub fn is_retryable(&self) -> bool {
         matches!(self, CatalogError::Backend(_))

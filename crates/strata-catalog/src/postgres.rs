@@ -332,12 +332,15 @@ impl Catalog for PostgresCatalog {
                 actual: ws.head_version,
             });
         }
+        if cp.disk_size < ws.disk_size {
+            return Err(crate::shrink(ws.disk_size, cp.disk_size));
+        }
         let v = (expected + 1) as i64;
         let m = cp.manifest.to_hex();
         let k = tx
             .execute(
-                "UPDATE workspaces SET head_version = $3, head_manifest = $4 WHERE tenant = $1 AND name = $2 AND head_version = $5",
-                &[&tenant, &workspace, &v, &m, &(expected as i64)],
+                "UPDATE workspaces SET head_version = $3, head_manifest = $4, disk_size = $6 WHERE tenant = $1 AND name = $2 AND head_version = $5",
+                &[&tenant, &workspace, &v, &m, &(expected as i64), &(cp.disk_size as i64)],
             )
             .await
             .map_err(be)?;

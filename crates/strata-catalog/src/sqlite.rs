@@ -291,10 +291,13 @@ impl Catalog for SqliteCatalog {
             if ws.head_version != expected {
                 return Err(CatalogError::Conflict { expected, actual: ws.head_version });
             }
+            if cp.disk_size < ws.disk_size {
+                return Err(shrink(ws.disk_size, cp.disk_size));
+            }
             let v = expected + 1;
             tx.execute(
-                "UPDATE workspaces SET head_version = ?3, head_manifest = ?4 WHERE tenant = ?1 AND name = ?2 AND head_version = ?5",
-                params![t, n, v as i64, cp.manifest.to_hex(), expected as i64],
+                "UPDATE workspaces SET head_version = ?3, head_manifest = ?4, disk_size = ?6 WHERE tenant = ?1 AND name = ?2 AND head_version = ?5",
+                params![t, n, v as i64, cp.manifest.to_hex(), expected as i64, cp.disk_size as i64],
             )
             .map_err(be)?;
             tx.execute(

@@ -65,6 +65,8 @@ pub enum CheckpointKind {
     Detach,
     /// The same data, rewritten out of sparse objects (compaction).
     Compact,
+    /// Everything acknowledged so far, on a larger disk.
+    Resize,
 }
 
 impl CheckpointKind {
@@ -77,6 +79,7 @@ impl CheckpointKind {
             CheckpointKind::Rollback => "rollback",
             CheckpointKind::Detach => "detach",
             CheckpointKind::Compact => "compact",
+            CheckpointKind::Resize => "resize",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
@@ -88,6 +91,7 @@ impl CheckpointKind {
             "rollback" => CheckpointKind::Rollback,
             "detach" => CheckpointKind::Detach,
             "compact" => CheckpointKind::Compact,
+            "resize" => CheckpointKind::Resize,
             _ => return None,
         })
     }
@@ -133,6 +137,9 @@ pub struct Workspace {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NewCheckpoint {
     pub manifest: Hash,
+    /// The manifest's disk size: the workspace's size from this version on (never smaller
+    /// than the current one: a disk grows, it does not shrink).
+    pub disk_size: u64,
     pub label: Option<String>,
     pub kind: CheckpointKind,
     /// Bytes uploaded to publish this version.

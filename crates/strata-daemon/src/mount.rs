@@ -27,6 +27,7 @@ pub(crate) mod host;
 pub(crate) mod kernel;
 mod netlink;
 mod recover;
+pub(crate) mod resize;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -557,6 +558,12 @@ impl Daemon {
                     .map_err(|e| {
                         ApiError::internal(format!("mounting {FSTYPE} from {dev}: {e}"))
                     })?;
+            }
+            if !info.read_only && !(blank && mkfs) {
+                // A disk grown while it was not mounted here: its filesystem follows now.
+                if let Err(e) = resize::grow_filesystem(&dev).await {
+                    tracing::warn!(workspace = %info.workspace, error = %e.message, "growing the filesystem onto its disk failed");
+                }
             }
             if let Some(t) = &info.target {
                 let (tenant, t, src) = (info.tenant.clone(), t.clone(), fs_dir.clone());

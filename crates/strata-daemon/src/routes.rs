@@ -72,6 +72,7 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/workspaces/{name}/checkpoint", post(checkpoint))
         .route("/v1/workspaces/{name}/fork", post(fork))
         .route("/v1/workspaces/{name}/rollback", post(rollback))
+        .route("/v1/workspaces/{name}/resize", post(resize))
         .route("/v1/workspaces/{name}/log", get(log))
         .route(
             "/v1/workspaces/{name}/checkpoints/{version}",
@@ -415,6 +416,17 @@ async fn mount(
     };
     d.engine.workspace(&t, &name).await?;
     Ok(Json(d.mount_workspace(&t, &name, b).await?))
+}
+
+async fn resize(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+    b: Result<Json<crate::mount::resize::ResizeRequest>, JsonRejection>,
+) -> R<crate::mount::resize::Resized> {
+    let b = body(b)?;
+    d.engine.workspace(&t, &name).await?;
+    Ok(Json(d.resize_workspace(&t, &name, b.size).await?))
 }
 
 async fn umount(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Option<Published>> {

@@ -200,10 +200,16 @@ impl Engine {
                 )
             }
             Source::Checkpoint { workspace, version } => {
-                let (cp, w) = self.resolve_checkpoint(tenant, &workspace, version).await?;
+                let (cp, _) = self.resolve_checkpoint(tenant, &workspace, version).await?;
+                // That version's size: the source may have grown since.
+                let m = self
+                    .reader
+                    .store()
+                    .get_manifest(tenant, &cp.manifest)
+                    .await?;
                 (
                     cp.manifest,
-                    w.disk_size,
+                    m.disk_size,
                     format!("ws:{workspace}@{}", cp.version),
                     CheckpointKind::Fork,
                 )
@@ -502,6 +508,16 @@ impl Engine {
         .await
     }
 
+    /// Grows the workspace's disk to `size` bytes (see [`Volume::grow`]); attaches it for the
+    /// call if it is not attached here. Returns the disk's size afterwards.
+    pub async fn grow(self: &Arc<Self>, tenant: &str, ws: &str, size: u64) -> Result<u64> {
+        self.with_volume(tenant, ws, async |v| {
+            v.grow(size).await?;
+            Ok(v.size())
+        })
+        .await
+    }
+
     /// Rolls back to `version` as a new head version; the current state is kept in history.
     pub async fn rollback(
         self: &Arc<Self>,
@@ -617,7 +633,7 @@ impl Engine {
         out: &Path,
     ) -> Result<u64> {
         use std::os::unix::fs::FileExt;
-        let (cp, w) = self.resolve_checkpoint(tenant, ws, version).await?;
+        let (cp, _) = self.resolve_checkpoint(tenant, ws, version).await?;
         let m = self
             .reader
             .store()
@@ -625,7 +641,7 @@ impl Engine {
             .await?;
         let f =
             std::fs::File::create(out).map_err(Error::io(format!("creating {}", out.display())))?;
-        f.set_len(w.disk_size).map_err(Error::io("sizing export"))?;
+        f.set_len(m.disk_size).map_err(Error::io("sizing export"))?;
         for e in &m.extents {
             let o = m.objects[e.object as usize];
             let mut buf = vec![0u8; e.len as usize * strata_format::BLOCK_SIZE as usize];
@@ -638,7 +654,7 @@ impl Engine {
                 .map_err(Error::io("writing export"))?;
         }
         f.sync_all().map_err(Error::io("syncing export"))?;
-        Ok(w.disk_size)
+        Ok(m.disk_size)
     }
 }
 

@@ -148,7 +148,11 @@ pub struct Volume {
     tenant: String,
     name: String,
     mode: Mode,
-    disk_size: u64,
+    /// The disk's size as committed in the catalog: writes end here. Grows (never shrinks)
+    /// when a version on a larger disk commits.
+    disk_size: AtomicU64,
+    /// The size the next publish gives its manifest ([`Volume::grow`] raises it first).
+    grow_to: AtomicU64,
     flush_honoured: bool,
     dir: PathBuf,
     fs: Arc<dyn Fs>,
@@ -233,7 +237,7 @@ impl Volume {
         self.mode
     }
     pub fn size(&self) -> u64 {
-        self.disk_size
+        self.disk_size.load(SeqCst)
     }
     /// Whether FLUSH does anything (false for ephemeral and for `STRATA_VOLUME_CACHE_UNSAFE=1`).
     pub fn flush_honoured(&self) -> bool {
@@ -306,13 +310,10 @@ impl Volume {
     }
 
     fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        let size = self.size();
         match offset.checked_add(len) {
-            Some(end) if end <= self.disk_size => Ok(()),
-            _ => Err(Error::OutOfRange {
-                offset,
-                len,
-                size: self.disk_size,
-            }),
+            Some(end) if end <= size => Ok(()),
+            _ => Err(Error::OutOfRange { offset, len, size }),
         }
     }
 

@@ -376,7 +376,6 @@ impl Server {
         let budget = Arc::new(Semaphore::new(self.cfg.max_inflight_bytes as usize));
         let mut tasks = JoinSet::new();
         let dev = neg.export.device.clone();
-        let size = dev.size();
         let ro = dev.read_only();
         let structured = neg.structured;
         let mut stop = self.stopped();
@@ -463,9 +462,16 @@ impl Server {
                     break Err(e.into());
                 }
             }
-            if let Some((errno, msg)) =
-                validate(&req, size, ro, structured, neg.meta, self.cfg.max_request)
-            {
+            // The device's size now, not at the handshake: a disk grown since is usable by
+            // a client told of it (the kernel's, after a RECONFIGURE of its size).
+            if let Some((errno, msg)) = validate(
+                &req,
+                dev.size(),
+                ro,
+                structured,
+                neg.meta,
+                self.cfg.max_request,
+            ) {
                 let mut r: Reply = error_reply(structured, &req, errno, msg).into();
                 r.permit = Some(permit);
                 let _ = tx.send(r).await;

@@ -196,6 +196,12 @@ enum WsCmd {
         ws: String,
         version: u64,
     },
+    /// Grows the disk to SIZE (never shrinks it); mounted, its filesystem grows too.
+    Resize {
+        ws: String,
+        #[arg(value_parser = units::parse_size)]
+        size: u64,
+    },
     Delete {
         ws: String,
     },
@@ -564,6 +570,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     let p = e.rollback(t, &ws, version).await?;
                     print(g.json, &p, |p| {
                         format!("{ws} rolled back to v{version}: now v{}", p.version)
+                    });
+                }
+                WsCmd::Resize { ws, size } => {
+                    let n = e.grow(t, &ws, size).await?;
+                    print(g.json, &serde_json::json!({"disk_size": n}), |_| {
+                        format!("{ws}: disk is {}", units::fmt_size(n))
                     });
                 }
                 WsCmd::Delete { ws } => {

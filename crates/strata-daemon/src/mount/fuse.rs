@@ -80,6 +80,14 @@ impl FuseDisk {
         })
     }
 
+    /// What makes the kernel read the file's size again, for use without this handle.
+    pub fn size_refresh(&self) -> SizeRefresh {
+        SizeRefresh {
+            notifier: self.session.as_ref().map(|s| s.notifier()),
+            file: self.file.clone(),
+        }
+    }
+
     /// Unmounts and waits for the session thread (blocking: call from a blocking thread).
     pub fn unmount(mut self) {
         self.stop()
@@ -103,6 +111,26 @@ impl FuseDisk {
 impl Drop for FuseDisk {
     fn drop(&mut self) {
         self.stop()
+    }
+}
+
+/// Makes the kernel read the disk file's size again (after the volume grew): its cached
+/// attributes are dropped and fetched anew, so a loop device then asked to re-read its backing
+/// file's size (`LOOP_SET_CAPACITY`) finds the new one.
+#[derive(Clone)]
+pub struct SizeRefresh {
+    notifier: Option<fuser::Notifier>,
+    file: PathBuf,
+}
+
+impl SizeRefresh {
+    /// Blocking (the kernel asks this daemon's session thread): call from a blocking thread.
+    /// Returns the size the kernel now sees.
+    pub fn refresh(&self) -> std::io::Result<u64> {
+        if let Some(n) = &self.notifier {
+            n.inval_inode(FILE, -1, 0)?;
+        }
+        Ok(std::fs::metadata(&self.file)?.len())
     }
 }
 

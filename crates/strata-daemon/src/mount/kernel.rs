@@ -172,6 +172,12 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| io::Error::other(format!("blocking task: {e}")))?
 }
 
+/// Gives connected device `index` (of `backend`) a disk of `size` bytes (after the volume
+/// grew); the kernel applies it at once.
+pub async fn resize(index: u32, backend: String, size: u64) -> io::Result<()> {
+    blocking(move || Netlink::open()?.resize(index, &backend, size, BLOCK)).await
+}
+
 /// Hands the kernel one fresh connection for a dead slot of `index`. Whether a slot took it
 /// shows only on our end: a socket the kernel dropped (no slot was dead yet) closes at once.
 async fn swap_in(index: u32, backend: &str) -> io::Result<tokio::net::UnixStream> {

@@ -231,6 +231,21 @@ impl Netlink {
         .map(|_| ())
     }
 
+    /// Tells a connected device its disk is now `size` bytes: the kernel sets the new
+    /// capacity at once and announces it (a mounted filesystem can then grow onto it).
+    pub fn resize(&self, index: u32, backend: &str, size: u64, block_size: u64) -> io::Result<()> {
+        self.call(
+            Cmd::Reconfigure,
+            vec![
+                attr(Attr::Index, index)?,
+                attr(Attr::BackendIdentifier, backend)?,
+                attr(Attr::SizeBytes, size)?,
+                attr(Attr::BlockSizeBytes, block_size)?,
+            ],
+        )
+        .map(|_| ())
+    }
+
     /// Disconnects a device: the kernel shuts its sockets; requests not answered fail.
     pub fn disconnect(&self, index: u32) -> io::Result<()> {
         self.call(Cmd::Disconnect, vec![attr(Attr::Index, index)?])

@@ -114,6 +114,7 @@ impl Volume {
                 base_version,
                 &NewCheckpoint {
                     manifest: id,
+                    disk_size: m.disk_size,
                     label: None,
                     kind: CheckpointKind::Compact,
                     bytes: uploaded,

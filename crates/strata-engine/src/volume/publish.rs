@@ -68,6 +68,31 @@ impl Volume {
             .map(Some)
     }
 
+    /// Grows the disk to `size` bytes (rounded up to whole blocks): a `resize` version holding
+    /// everything acknowledged so far on the larger disk, its size committed with the head CAS.
+    /// Writes past the old end are accepted once it has committed. None when the disk is
+    /// already that large; a smaller size is refused (disks never shrink). A grow that fails
+    /// may still take effect with a later publish: retrying it tells.
+    pub async fn grow(&self, size: u64) -> Result<Option<Published>> {
+        let size = size
+            .checked_next_multiple_of(BLOCK_SIZE)
+            .filter(|s| *s <= strata_format::manifest::MAX_DISK_SIZE)
+            .ok_or_else(|| Error::Invalid(format!("disk size {size} is above 1 PiB")))?;
+        let now = self.size();
+        if size < now {
+            return Err(Error::Invalid(format!(
+                "the disk has {now} bytes: a disk grows, it never shrinks (asked for {size})"
+            )));
+        }
+        if size == now {
+            return Ok(None);
+        }
+        self.usable()?;
+        self.grow_to.fetch_max(size, SeqCst);
+        let p = self.publish_kind(CheckpointKind::Resize).await?;
+        Ok(Some(p))
+    }
+
     pub(crate) async fn publish_kind(&self, kind: CheckpointKind) -> Result<Published> {
         self.publish_inner(kind, (None, None), None).await
     }
@@ -216,6 +241,9 @@ impl Volume {
         cut: u64,
         bytes: u64,
     ) {
+        // Writes may reach the end of the disk this version describes from now on.
+        self.grow_to.fetch_max(m.disk_size, SeqCst);
+        self.disk_size.fetch_max(m.disk_size, SeqCst);
         {
             let mut st = self.st_mut();
             st.base = m;
@@ -369,8 +397,9 @@ impl Volume {
         .await;
         self.publish_total.store(0, SeqCst);
         let packed = packed?;
-        // 3. The new cumulative manifest.
-        let m = base.apply(&packed.changes)?;
+        // 3. The new cumulative manifest, on the larger disk if a grow asked for one.
+        let mut m = base.apply(&packed.changes)?;
+        m.disk_size = m.disk_size.max(self.grow_to.load(SeqCst));
         let id = self.reader.store().put_manifest(&self.tenant, &m).await?;
         self.catalog
             .record_manifest(&self.tenant, id, &m.objects)
@@ -389,6 +418,7 @@ impl Volume {
         // 4 + 5. Move the head (expected version, lease epoch) and record the receipt.
         let cp = NewCheckpoint {
             manifest: id,
+            disk_size: m.disk_size,
             label,
             kind,
             bytes: packed.bytes_uploaded,
@@ -501,15 +531,26 @@ impl Volume {
         let _p = self.publish_lock.lock().await;
         self.usable()?;
         let started = Instant::now();
-        let m = self
+        let mut m = self
             .reader
             .store()
             .get_manifest(&self.tenant, &target.manifest)
             .await?;
+        // A disk never shrinks (a mounted filesystem must not find its end gone): an older,
+        // smaller version comes back on today's disk, its new end reading as zeros.
+        let mut manifest = target.manifest;
+        if m.disk_size < self.size() {
+            m.disk_size = self.size();
+            manifest = self.reader.store().put_manifest(&self.tenant, &m).await?;
+            self.catalog
+                .record_manifest(&self.tenant, manifest, &m.objects)
+                .await?;
+        }
         let base_version = self.st().base_version;
         let cut = self.acked_seq.load(SeqCst);
         let cp = NewCheckpoint {
-            manifest: target.manifest,
+            manifest,
+            disk_size: m.disk_size,
             label: Some(format!("rollback to v{version}")),
             kind: CheckpointKind::Rollback,
             bytes: 0,
@@ -529,21 +570,21 @@ impl Volume {
         {
             let mut st = self.st_mut();
             st.base = Arc::new(m);
-            st.base_id = target.manifest;
+            st.base_id = manifest;
             st.base_version = new_version;
         }
         self.published_seq.fetch_max(cut, SeqCst);
         // The head and its receipt (journal, cut) are committed: a failed local record only
         // costs a replay that the receipt resolves (see `open.rs`).
         if let Err(e) = self
-            .local_state(new_version, target.manifest, cut)
+            .local_state(new_version, manifest, cut)
             .store(&*self.fs, &self.dir)
         {
             tracing::warn!(tenant = %self.tenant, workspace = %self.name, error = %e, "recording the rollback locally failed");
         }
         Ok(Published {
             version: new_version,
-            manifest: target.manifest,
+            manifest,
             cut_seq: cut,
             bytes_uploaded: 0,
             stall: Duration::ZERO,
