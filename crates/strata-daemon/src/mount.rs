@@ -559,7 +559,8 @@ impl Daemon {
                         ApiError::internal(format!("mounting {FSTYPE} from {dev}: {e}"))
                     })?;
             }
-            if !info.read_only && !(blank && mkfs) {
+            let made_now = blank && mkfs;
+            if !info.read_only && !made_now {
                 // A disk grown while it was not mounted here: its filesystem follows now.
                 if let Err(e) = resize::grow_filesystem(&dev).await {
                     tracing::warn!(workspace = %info.workspace, error = %e.message, "growing the filesystem onto its disk failed");
