@@ -543,6 +543,11 @@ impl Daemon {
             write_record(&record, &info).map_err(io_err("mount record"))?;
             if blank && mkfs {
                 run("mkfs.ext4", &["-q", "-F", &dev]).await?;
+            } else if !info.read_only {
+                // A disk grown while it was not mounted: its filesystem follows it now.
+                if let Err(e) = resize::grow_unmounted(&dev).await {
+                    tracing::warn!(workspace = %info.workspace, error = %e.message, "not growing the filesystem onto its disk");
+                }
             }
             let flags = rustix::mount::MountFlags::NOSUID
                 | rustix::mount::MountFlags::NODEV
@@ -559,13 +564,7 @@ impl Daemon {
                         ApiError::internal(format!("mounting {FSTYPE} from {dev}: {e}"))
                     })?;
             }
-            let made_now = blank && mkfs;
-            if !info.read_only && !made_now {
-                // A disk grown while it was not mounted here: its filesystem follows now.
-                if let Err(e) = resize::grow_filesystem(&dev).await {
-                    tracing::warn!(workspace = %info.workspace, error = %e.message, "growing the filesystem onto its disk failed");
-                }
-            }
+
             if let Some(t) = &info.target {
                 let (tenant, t, src) = (info.tenant.clone(), t.clone(), fs_dir.clone());
                 blocking(move || {

@@ -537,3 +537,172 @@ async fn mount_survives_kill_and_stress() {
         "after kill -9, restarts and stress, e2fsck -f:\n{out}"
     );
 }
+
+/// Bytes `df` reports for the filesystem at `dir`.
+fn df_size(dir: &Path) -> u64 {
+    let out = std::process::Command::new("df")
+        .args(["-B1", "--output=size"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines().nth(1).unwrap().trim().parse().unwrap()
+}
+
+/// Whether this process may grow a mounted ext4 (the kernel asks for CAP_SYS_RESOURCE).
+fn can_resize_online() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
+        .unwrap_or(0);
+    eff & (1 << 24) != 0
+}
+
+/// Writes `mib` MiB into `path` and fsyncs it.
+async fn write_big(path: PathBuf, mib: usize) {
+    tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&path).unwrap();
+        let chunk = vec![0x5au8; 1 << 20];
+        for _ in 0..mib {
+            f.write_all(&chunk).unwrap();
+        }
+        f.sync_all().unwrap();
+    })
+    .await
+    .unwrap()
+}
+
+/// A mounted workspace grows while a writer keeps writing: its disk and device at once, its
+/// ext4 online where the daemon may (CAP_SYS_RESOURCE), else at the next mount (offline,
+/// before the kernel sees it). Afterwards it holds more than its old size, comes back clean
+/// with every file; one grown while not mounted has its filesystem grown at its next mount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mount_grows_online_and_offline() {
+    if !can_host_mount() {
+        return;
+    }
+    const MIB: u64 = 1 << 20;
+    let tmp = tempfile::tempdir().unwrap();
+    let _cleanup = Cleanup(tmp.path().to_path_buf());
+    let (data, root) = (tmp.path().join("data"), tmp.path().join("root"));
+    let a = root.join("t/a");
+    std::fs::create_dir_all(&a).unwrap();
+    let d = serve(&data, &["--mount-root", root.to_str().unwrap()]);
+    let api = tenant(&d.url, "t").await;
+    let (s, v) = api
+        .post("/v1/workspaces", json!({"name": "w", "size": 64 * MIB}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    mount(&api, "w", &a, true).await;
+    let before = df_size(&a);
+    assert!(before < 64 * MIB);
+    let files = {
+        let a = a.clone();
+        tokio::task::spawn_blocking(move || write_files(&a.join("files"), 20, 3))
+            .await
+            .unwrap()
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (stop, dir) = (stop.clone(), a.join("busy"));
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(SeqCst) {
+                write_files(&dir, 4, 1000 + n % 8);
+                n += 1;
+            }
+            n
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (s, v) = api
+        .post("/v1/workspaces/w/resize", json!({"size": 160 * MIB}))
+        .await;
+    stop.store(true, SeqCst);
+    assert!(writer.join().unwrap() > 0, "the writer made no progress");
+    let (_, w) = api.get("/v1/workspaces/w").await;
+    assert_eq!(w["workspace"]["disk_size"].as_u64(), Some(160 * MIB), "{w}");
+    let dev = {
+        let (_, m) = api.get("/v1/mounts").await;
+        m[0]["device"].as_str().unwrap().to_string()
+    };
+    let out = std::process::Command::new("blockdev")
+        .args(["--getsize64", &dev])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        (160 * MIB).to_string(),
+        "{dev} did not grow"
+    );
+    if can_resize_online() {
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(
+            (
+                v["disk_size"].as_u64(),
+                v["device_size"].as_u64(),
+                v["filesystem_size"].as_u64()
+            ),
+            (Some(160 * MIB), Some(160 * MIB), Some(160 * MIB)),
+            "{v}"
+        );
+    } else {
+        eprintln!(
+            "SKIPPED: growing a mounted ext4 online (this machine withholds CAP_SYS_RESOURCE; \
+             the guest test grows one): checking the refusal and the growth at the next mount"
+        );
+        assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR, "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("CAP_SYS_RESOURCE"),
+            "{v}"
+        );
+        umount(&api, "w").await;
+        mount(&api, "w", &a, false).await;
+    }
+    let grown = df_size(&a);
+    assert!(
+        grown > before + 80 * MIB,
+        "df says {grown} bytes, was {before}"
+    );
+    // More data than the old disk could hold.
+    write_big(a.join("big"), 80).await;
+    // The same size again changes nothing; smaller is refused.
+    let (s, v) = api
+        .post("/v1/workspaces/w/resize", json!({"size": 160 * MIB}))
+        .await;
+    assert_eq!(
+        (s, v["disk_size"].as_u64()),
+        (StatusCode::OK, Some(160 * MIB)),
+        "{v}"
+    );
+    for bad in [json!({"size": 64 * MIB}), json!({"size": "big"}), json!({})] {
+        let (s, v) = api.post("/v1/workspaces/w/resize", bad).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    }
+    umount(&api, "w").await;
+    let (code, out, recovery) = fsck(&api, "w", None, tmp.path()).await;
+    assert!(code == 0 && !recovery, "after a grow:\n{out}");
+
+    // Offline: the disk grows now, its filesystem at the next mount.
+    let (s, v) = api
+        .post("/v1/workspaces/w/resize", json!({"size": 256 * MIB}))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["disk_size"].as_u64(), Some(256 * MIB), "{v}");
+    assert!(v.get("device_size").is_none(), "{v}");
+    mount(&api, "w", &a, false).await;
+    let offline = df_size(&a);
+    assert!(
+        offline > grown + 80 * MIB,
+        "df says {offline} bytes, was {grown}"
+    );
+    assert_eq!(hashes(&a.join("files"), &files), files);
+    assert_eq!(std::fs::metadata(a.join("big")).unwrap().len(), 80 * MIB);
+    umount(&api, "w").await;
+    assert_eq!(leftovers(&data), Vec::<String>::new());
+    let (code, out, recovery) = fsck(&api, "w", None, tmp.path()).await;
+    assert!(code == 0 && !recovery, "after an offline grow:\n{out}");
+}

@@ -146,30 +146,79 @@ impl Daemon {
     }
 }
 
-/// Grows the ext4 mounted from `dev` onto the whole device (online) unless it already fills
-/// it; returns its size afterwards. The superblock is read through the device, whose cache
-/// the mounted filesystem shares: what the kernel has just changed, not yet written back.
+/// (bytes the ext4 on `dev` spans, the device's size), read through the device: its cache
+/// is the mounted filesystem's, so this is what the kernel has just changed, not yet written.
+async fn sizes(dev: &str) -> Result<(Option<u64>, u64), ApiError> {
+    let d = dev.to_string();
+    blocking(move || {
+        use std::os::unix::fs::FileExt;
+        let mut sb = vec![0u8; 1024];
+        std::fs::File::open(&d)?.read_exact_at(&mut sb, 1024)?;
+        Ok::<_, std::io::Error>((ext4_bytes(&sb), device_size(&d)?))
+    })
+    .await?
+    .map_err(|e| ApiError::internal(format!("reading the superblock on {dev}: {e}")))
+}
+
+/// Grows the ext4 mounted from `dev` onto the whole device, online, unless it already fills
+/// it; returns its size afterwards. The kernel allows online growth only to a process with
+/// CAP_SYS_RESOURCE: without it the disk has grown and the filesystem grows at its next mount.
 pub(crate) async fn grow_filesystem(dev: &str) -> Result<u64, ApiError> {
-    let fs_bytes = async || {
-        let d = dev.to_string();
-        blocking(move || {
-            use std::os::unix::fs::FileExt;
-            let mut sb = vec![0u8; 1024];
-            std::fs::File::open(&d)?.read_exact_at(&mut sb, 1024)?;
-            Ok::<_, std::io::Error>((ext4_bytes(&sb), device_size(&d)?))
-        })
-        .await?
-        .map_err(|e| ApiError::internal(format!("reading the superblock on {dev}: {e}")))
-    };
-    let (Some(before), size) = fs_bytes().await? else {
+    let (Some(before), size) = sizes(dev).await? else {
         return Err(ApiError::internal(format!("no ext4 superblock on {dev}")));
     };
     if before >= size {
         return Ok(before);
     }
-    run("resize2fs", &[dev]).await?;
-    match fs_bytes().await? {
+    if let Err(e) = run("resize2fs", &[dev]).await {
+        if e.message.contains("Permission denied") {
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "unsupported",
+                format!(
+                    "the disk and {dev} grew, but growing a mounted ext4 needs CAP_SYS_RESOURCE, \
+                     which this daemon lacks: the filesystem grows at its next mount ({})",
+                    e.message
+                ),
+            ));
+        }
+        return Err(e);
+    }
+    match sizes(dev).await? {
         (Some(after), _) => Ok(after),
         _ => Err(ApiError::internal(format!("no ext4 superblock on {dev}"))),
     }
+}
+
+/// Before a mount: grows an ext4 left smaller than its device (a disk grown while it was not
+/// mounted) offline, after `e2fsck -fp` (which resize2fs requires, and which replays a
+/// journal the mount would have). A filesystem e2fsck cannot preen is mounted as it is.
+pub(crate) async fn grow_unmounted(dev: &str) -> Result<(), ApiError> {
+    let (Some(before), size) = sizes(dev).await? else {
+        return Ok(());
+    };
+    if before >= size {
+        return Ok(());
+    }
+    let fsck = tokio::process::Command::new("e2fsck")
+        .args(["-f", "-p", dev])
+        .kill_on_drop(true)
+        .output()
+        .await
+        .map_err(|e| ApiError::internal(format!("e2fsck: {e} (is it installed?)")))?;
+    // 0: clean; 1: errors corrected. Anything else: leave the filesystem to the kernel.
+    if !matches!(fsck.status.code(), Some(0 | 1)) {
+        return Err(ApiError::internal(format!(
+            "e2fsck -fp {dev} before growing: {}",
+            String::from_utf8_lossy(&fsck.stdout).trim()
+        )));
+    }
+    run("resize2fs", &[dev]).await?;
+    tracing::info!(
+        device = dev,
+        from = before,
+        to = size,
+        "grew the filesystem onto its disk"
+    );
+    Ok(())
 }
