@@ -219,10 +219,12 @@ impl Controller {
         if let Some(m) = &mode {
             body["mode"] = json!(m);
         }
-        let in_range = |size: u64| size >= required_bytes && (limit == 0 || size <= limit);
+        // A source smaller than asked for is grown once made; one larger than the limit is
+        // out of range (a disk never shrinks).
+        let in_range = |size: u64| limit == 0 || size <= limit;
         if !in_range(size) {
             return Err(Status::out_of_range(format!(
-                "the volume's disk would be {size} bytes, outside the capacity range {required_bytes}..{limit} (growing a disk is not offered yet)"
+                "the volume's disk would be {size} bytes, over the limit of {limit} (a disk never shrinks)"
             )));
         }
         let made = match &fork_of {
@@ -244,7 +246,11 @@ impl Controller {
                         w["source"]
                     )));
                 }
-                if !in_range(u64_of(&w, "disk_size")) {
+                // An empty disk is made at its size; only a volume made from a smaller
+                // source may still be short of it (the grow below finishes it).
+                let size = u64_of(&w, "disk_size");
+                let sourced = source.is_some() || template.is_some();
+                if !in_range(size) || (!sourced && size < required_bytes) {
                     return Err(Status::already_exists(format!(
                         "volume {name:?} exists with another size ({} bytes)",
                         w["disk_size"]
@@ -254,7 +260,18 @@ impl Controller {
             }
             Err(f) => return Err(f.into()),
         };
-        let size = u64_of(&w, "disk_size");
+        let mut size = u64_of(&w, "disk_size");
+        if size < required_bytes {
+            // Made (now, or by an earlier attempt that stopped here) from a smaller source.
+            let want = crate::expanded_size(
+                &pb::CapacityRange {
+                    required_bytes: required_bytes as i64,
+                    limit_bytes: limit as i64,
+                },
+                size,
+            )?;
+            size = u64_of(&self.daemon.resize(&ws, want).await?, "disk_size");
+        }
         Ok(pb::CreateVolumeResponse {
             volume: Some(pb::Volume {
                 capacity_bytes: size as i64,
@@ -263,6 +280,34 @@ impl Controller {
                 content_source: req.volume_content_source.clone(),
                 accessible_topology: vec![],
             }),
+        })
+    }
+
+    /// Grows the volume's disk. Attached on no node, or on the node of this controller's
+    /// daemon, it grows here; attached on another node (its lease is held there), the node's
+    /// NodeExpandVolume grows it, disk and filesystem, where it is mounted. Either way the
+    /// node is asked to grow the filesystem.
+    async fn expand_volume(
+        &self,
+        req: pb::ControllerExpandVolumeRequest,
+    ) -> Result<pb::ControllerExpandVolumeResponse, Status> {
+        let ws = crate::workspace_of_id(required("volume_id", &req.volume_id)?)?;
+        let range = req
+            .capacity_range
+            .as_ref()
+            .ok_or_else(|| invalid("capacity_range is required"))?;
+        if let Some(c) = &req.volume_capability {
+            check_capability(c)?;
+        }
+        let want = crate::expanded_size(range, self.disk_size(&ws).await?)?;
+        let capacity = match self.daemon.resize(&ws, want).await {
+            Ok(r) => u64_of(&r, "disk_size"),
+            Err(f) if f.is_conflict() => want,
+            Err(f) => return Err(f.into()),
+        };
+        Ok(pb::ControllerExpandVolumeResponse {
+            capacity_bytes: capacity as i64,
+            node_expansion_required: true,
         })
     }
 
@@ -508,6 +553,7 @@ impl pb::controller_server::Controller for Controller {
             Type::CreateDeleteSnapshot,
             Type::ListSnapshots,
             Type::CloneVolume,
+            Type::ExpandVolume,
         ]
         .into_iter()
         .map(|t| pb::ControllerServiceCapability {
@@ -571,9 +617,11 @@ impl pb::controller_server::Controller for Controller {
 
     async fn controller_expand_volume(
         &self,
-        _: Request<pb::ControllerExpandVolumeRequest>,
+        req: Request<pb::ControllerExpandVolumeRequest>,
     ) -> Result<Response<pb::ControllerExpandVolumeResponse>, Status> {
-        unimplemented("EXPAND_VOLUME (not yet)")
+        Ok(Response::new(
+            Controller::expand_volume(self, req.into_inner()).await?,
+        ))
     }
 
     async fn controller_get_volume(

@@ -184,6 +184,17 @@ impl Daemon {
         .await
     }
 
+    /// Grows a workspace's disk to `size` bytes (mounted on this node: its device and
+    /// filesystem too). Returns the daemon's `Resized`.
+    pub async fn resize(&self, name: &str, size: u64) -> Result<Value, Failure> {
+        self.call(
+            Method::POST,
+            &ws_path(name, "/resize"),
+            Some(json!({ "size": size })),
+        )
+        .await
+    }
+
     /// Lets retention expire a labelled checkpoint (its label is dropped; the head stays).
     pub async fn release_checkpoint(&self, name: &str, version: u64) -> Result<Value, Failure> {
         self.call(

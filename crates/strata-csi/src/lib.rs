@@ -58,6 +58,29 @@ pub(crate) fn invalid(m: impl Into<String>) -> Status {
     Status::invalid_argument(m.into())
 }
 
+/// The disk size an expansion asks for: `required_bytes` rounded up to whole blocks, never
+/// below `current` (a disk does not shrink), within `limit_bytes` (`OUT_OF_RANGE` if not).
+pub(crate) fn expanded_size(range: &pb::CapacityRange, current: u64) -> Result<u64, Status> {
+    const BLOCK: u64 = 4096;
+    if range.required_bytes < 0 || range.limit_bytes < 0 {
+        return Err(Status::out_of_range("capacity_range is negative"));
+    }
+    let (required, limit) = (range.required_bytes as u64, range.limit_bytes as u64);
+    if limit > 0 && required > limit {
+        return Err(Status::out_of_range("required_bytes is over limit_bytes"));
+    }
+    let mut want = required.div_ceil(BLOCK).saturating_mul(BLOCK).max(current);
+    if limit > 0 && want > limit {
+        want = limit / BLOCK * BLOCK;
+    }
+    if want < required || want < current {
+        return Err(Status::out_of_range(format!(
+            "the disk has {current} bytes: it cannot be within {required}..{limit} bytes (a disk never shrinks)"
+        )));
+    }
+    Ok(want)
+}
+
 /// A required string field: present, not absurdly long.
 pub(crate) fn required<'a>(what: &str, v: &'a str) -> Result<&'a str, Status> {
     if v.is_empty() {

@@ -412,6 +412,51 @@ impl Inner {
         Ok(())
     }
 
+    /// Grows a volume published here: its disk (when the controller could not, the lease
+    /// being held here), device and filesystem, through the daemon that mounts it. Idempotent:
+    /// again, it finishes whatever is left. Returns the disk's size.
+    async fn expand(&self, req: pb::NodeExpandVolumeRequest) -> Result<i64, Status> {
+        let volume_id = required("volume_id", &req.volume_id)?;
+        let path = required("volume_path", &req.volume_path)?;
+        if let Some(c) = &req.volume_capability {
+            crate::controller::check_capability(c)?;
+        }
+        let lock = self.lock(volume_id);
+        let _one = lock.lock().await;
+        let r = self
+            .load(volume_id)
+            .filter(|r| r.published && (r.target == path || r.staging == path))
+            .ok_or_else(|| {
+                Status::not_found(format!("volume {volume_id:?} is not published at {path}"))
+            })?;
+        let d = &self.daemon;
+        let current = d
+            .workspace(&r.workspace)
+            .await?
+            .and_then(|v| v["workspace"]["disk_size"].as_u64())
+            .ok_or_else(|| Status::not_found(format!("no volume {volume_id:?}")))?;
+        let want = match &req.capacity_range {
+            Some(range) => crate::expanded_size(range, current)?,
+            None => current,
+        };
+        let got = d.resize(&r.workspace, want).await?;
+        if r.read_only {
+            return Ok(got["disk_size"].as_i64().unwrap_or(0));
+        }
+        // Only a filesystem this node's daemon has mounted can grow here.
+        let disk = got["disk_size"].as_u64().unwrap_or(0);
+        match (got["filesystem_size"].as_u64(), got["filesystem_pending"].as_str()) {
+            (_, Some(why)) => Err(Status::internal(format!(
+                "the disk grew to {disk} bytes, its filesystem did not: {why}"
+            ))),
+            (Some(_), None) => Ok(disk as i64),
+            (None, None) => Err(Status::failed_precondition(format!(
+                "workspace {:?} is not mounted by this node's daemon: its filesystem grows at its next mount",
+                r.workspace
+            ))),
+        }
+    }
+
     /// Binds a published target onto its staging mount again if it is not bound to it.
     async fn rebind(&self, r: &Record) -> Result<(), Status> {
         let (staging, target) = (PathBuf::from(&r.staging), PathBuf::from(&r.target));
@@ -532,9 +577,14 @@ impl pb::node_server::Node for Node {
 
     async fn node_expand_volume(
         &self,
-        _: Request<pb::NodeExpandVolumeRequest>,
+        req: Request<pb::NodeExpandVolumeRequest>,
     ) -> Result<Response<pb::NodeExpandVolumeResponse>, Status> {
-        Err(Status::unimplemented("EXPAND_VOLUME is not offered yet"))
+        let inner = self.inner.clone();
+        let req = req.into_inner();
+        let capacity_bytes = own(async move { inner.expand(req).await }).await?;
+        Ok(Response::new(pb::NodeExpandVolumeResponse {
+            capacity_bytes,
+        }))
     }
 
     async fn node_get_capabilities(
@@ -542,7 +592,7 @@ impl pb::node_server::Node for Node {
         _: Request<pb::NodeGetCapabilitiesRequest>,
     ) -> Result<Response<pb::NodeGetCapabilitiesResponse>, Status> {
         use pb::node_service_capability::{rpc::Type, Rpc, Type as T};
-        let capabilities = [Type::GetVolumeStats]
+        let capabilities = [Type::GetVolumeStats, Type::ExpandVolume]
             .into_iter()
             .map(|t| pb::NodeServiceCapability {
                 r#type: Some(T::Rpc(Rpc { r#type: t as i32 })),

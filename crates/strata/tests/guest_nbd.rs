@@ -359,6 +359,7 @@ fn kernel_nbd_mount_survives_daemon_restart_and_power_cut_in_a_real_guest() {
     g.expect("STEP daemon stopped cleanly", Duration::from_secs(120));
     g.expect("STEP clean restart", Duration::from_secs(300));
     g.expect("STEP umount, mount", Duration::from_secs(180));
+    g.expect("STEP grown to 512 MiB", Duration::from_secs(300));
     g.expect("STEP checkpoint and live fork", Duration::from_secs(240));
     g.expect(
         "STEP devices reused",

@@ -4,8 +4,10 @@
 //! resize ─▶ op lock ─▶ Volume::grow: a `resize` version, the catalog's size moving with the head
 //!          mounted here ─▶ the device learns the size (FUSE: cached attributes dropped, then
 //!          the loop device's LOOP_SET_CAPACITY; kernel NBD: RECONFIGURE with the size)
-//!          ─▶ resize2fs, online (a read-only mount keeps its filesystem as it is)
-//!          not attached here ─▶ attached for the call; the filesystem grows at its next mount
+//!          ─▶ resize2fs, online (a read-only mount keeps its filesystem as it is; one the
+//!          kernel will not grow, for want of CAP_SYS_RESOURCE, is reported pending)
+//!          not attached here ─▶ attached for the call
+//! mount ─▶ an ext4 smaller than its disk grows first, offline (e2fsck -fp, resize2fs)
 //! ```
 //!
 //! A disk only grows: a mounted filesystem must never find its end gone. Every step is
@@ -33,6 +35,9 @@ pub struct Resized {
     /// Mounted here and writable: the filesystem's size now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub filesystem_size: Option<u64>,
+    /// Why the mounted filesystem did not grow with its disk (it grows at its next mount).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filesystem_pending: Option<String>,
 }
 
 /// How a mounted disk learns its new size.
@@ -95,6 +100,7 @@ impl Daemon {
                     disk_size,
                     device_size: None,
                     filesystem_size: None,
+                    filesystem_pending: None,
                 });
             };
             if d.stopping() {
@@ -131,15 +137,22 @@ impl Daemon {
                     "{dev} has {device_size} bytes after the resize, the volume {disk_size}"
                 )));
             }
-            let filesystem_size = if info.read_only {
-                None
-            } else {
-                Some(grow_filesystem(&dev).await?)
-            };
+            let (mut filesystem_size, mut filesystem_pending) = (None, None);
+            if !info.read_only {
+                match grow_filesystem(&dev).await {
+                    Ok(n) => filesystem_size = Some(n),
+                    Err(e) => {
+                        tracing::warn!(workspace = %info.workspace, error = %e.message, "the mounted filesystem did not grow");
+                        filesystem_size = sizes(&dev).await?.0;
+                        filesystem_pending = Some(e.message);
+                    }
+                }
+            }
             Ok(Resized {
                 disk_size,
                 device_size: Some(device_size),
                 filesystem_size,
+                filesystem_pending,
             })
         })
         .await
@@ -172,15 +185,10 @@ pub(crate) async fn grow_filesystem(dev: &str) -> Result<u64, ApiError> {
     }
     if let Err(e) = run("resize2fs", &[dev]).await {
         if e.message.contains("Permission denied") {
-            return Err(ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "unsupported",
-                format!(
-                    "the disk and {dev} grew, but growing a mounted ext4 needs CAP_SYS_RESOURCE, \
-                     which this daemon lacks: the filesystem grows at its next mount ({})",
-                    e.message
-                ),
-            ));
+            return Err(ApiError::internal(format!(
+                "growing a mounted ext4 needs CAP_SYS_RESOURCE, which this daemon lacks ({})",
+                e.message
+            )));
         }
         return Err(e);
     }

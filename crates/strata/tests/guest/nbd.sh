@@ -2,7 +2,7 @@
 # Runs inside the guest (Debian's kernel, the host's userspace over 9p, chrooted): the daemon
 # here drives the guest kernel's nbd.ko over netlink. Phase 1: mount over kernel NBD with 4
 # connections, fsync'd files, fio verify across a daemon kill -9 and restart, umount and
-# remount, device reuse; then files fsync'd and writes in flight when the host kills QEMU.
+# remount, an online grow of disk, device and ext4, device reuse; then files fsync'd and writes in flight when the host kills QEMU.
 # Phase 2 (the next boot, same data disk): the restarted daemon remounts from its record,
 # every fsync'd file is intact, the exported disk checks clean. Lines "STEP …" and "FAIL …"
 # go to the serial console, which the host test reads.
@@ -92,6 +92,23 @@ if [ "$phase" = 1 ]; then
   "$S" --tenant acme ws mount box $T --backend nbd >/dev/null || fail "ws mount again"
   (cd $T/a && sha256sum -c --quiet $W/sums-a) || fail "files differ after umount and mount"
   step "umount, mount: files intact"
+
+  # Grown while mounted and written to: the kernel's device learns its size (RECONFIGURE), the
+  # ext4 grows online (df sees it; the phase-2 e2fsck checks it), the files stay.
+  dev=$(nbd_dev)
+  (for i in $(seq 1 6); do
+     dd if=/dev/urandom of=$T/r$i bs=64k count=8 conv=fsync status=none || echo "FAIL dd r$i during the resize"
+   done) &
+  DD=$!
+  "$S" --tenant acme --json ws resize box 512MiB >$W/resize.out 2>&1 || { cat $W/resize.out; fail "ws resize"; }
+  wait $DD
+  [ "$(cat /sys/block/$dev/size)" = $((512 * 2048)) ] || fail "$dev has $(cat /sys/block/$dev/size) sectors after the resize"
+  grep -q '"filesystem_size": *536870912' $W/resize.out || { cat $W/resize.out; fail "the filesystem did not grow"; }
+  sz=$(df -B1 --output=size $T | tail -1)
+  [ "$sz" -gt $((450 * 1048576)) ] || fail "df says $sz bytes after the resize"
+  (cd $T/a && sha256sum -c --quiet $W/sums-a) || fail "files differ after the resize"
+  dmesg | grep -i -E "I/O error|EXT4-fs error|Buffer I/O" && fail "the kernel saw I/O errors across the resize"
+  step "grown to 512 MiB while mounted: device and ext4 online, df says $sz bytes"
 
   # A checkpoint and a live fork of the mounted workspace (each freezes the filesystem over
   # the kernel device), the fork mounted read-only on a second device at once (ext4 mounts
