@@ -5,7 +5,7 @@
 //! write-zeroes, flush, on disjoint block ranges): `d` in durable mode and `s` in sync mode.
 //! Node B shares A's catalog and object store. While the clients run, the nemesis does one of:
 //! checkpoint; checkpoint whose client gives up at a random moment; fork of the live workspace;
-//! rollback to an earlier checkpoint; detach and attach; freeze and thaw; a GC pass with a short
+//! rollback to an earlier checkpoint; a grow of the disk; detach and attach; freeze and thaw; a GC pass with a short
 //! grace (which also compacts); kill -9 and restart of A; object-store faults for the round (on
 //! an S3 store through the fault proxy); SIGSTOP of A past its lease while B takes `s` over,
 //! then SIGCONT (and later `s` moves back).
@@ -37,6 +37,8 @@ use reqwest::StatusCode;
 use serde_json::json;
 use strata_nbd::client::Client;
 
+#[path = "nemesis/grow.rs"]
+mod grow;
 #[path = "nemesis/model.rs"]
 mod model;
 use model::*;
@@ -154,6 +156,8 @@ struct Campaign {
     n: u64,
     step: u64,
     takeover: bool,
+    /// The largest disk size a grow of each workspace reported: sizes never go down.
+    grown: HashMap<&'static str, u64>,
 }
 
 impl Campaign {
@@ -184,6 +188,14 @@ impl Campaign {
             }
         }
         for name in ["d", "s"] {
+            let (_, v) = self
+                .api_for(name)
+                .get(&format!("/v1/workspaces/{name}"))
+                .await;
+            let size = v["workspace"]["disk_size"].as_u64().unwrap_or(0);
+            if size < self.grown.get(name).copied().unwrap_or(0) {
+                self.fail(format!("{name}: the disk shrank to {size}: {v}"));
+            }
             let w = self.ws[name].clone();
             let sock = lock(&w.socket).clone();
             let Some(sock) = sock else {
@@ -357,6 +369,8 @@ impl Campaign {
                     fork: None,
                 });
             }
+        } else if roll < 21 {
+            self.grow(name, &api).await;
         } else if roll < 26 {
             self.count("checkpoint (client cut off)");
             let starts = lock(&w.model).starts();
@@ -713,6 +727,7 @@ async fn nemesis() {
         n: 0,
         step: 0,
         takeover: pg.is_some(),
+        grown: HashMap::new(),
     };
     let started = Instant::now();
     for step in 0..ops {
