@@ -1,6 +1,6 @@
 //! Property test: random sequences of write / trim / write-zeroes / flush / checkpoint / fork /
-//! rollback / restore-on-another-node / reopen against an in-memory model disk. Every read and
-//! every final image must match the model exactly.
+//! rollback / grow (and writes at the grown end) / restore-on-another-node / reopen against an
+//! in-memory model disk. Every read and every final image must match the model exactly.
 
 mod common;
 
@@ -54,6 +54,16 @@ enum Op {
     Restore {
         ws: usize,
     },
+    /// Grows the disk by `blocks` blocks.
+    Grow {
+        ws: usize,
+        blocks: u64,
+    },
+    /// Writes the disk's last block (past the first size once grown).
+    WriteEnd {
+        ws: usize,
+        byte: u8,
+    },
     Reopen,
 }
 
@@ -78,6 +88,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (ws.clone(), any::<usize>()).prop_map(|(ws, pick)| Op::Fork { ws, pick }),
         1 => (ws.clone(), any::<usize>()).prop_map(|(ws, pick)| Op::Rollback { ws, pick }),
         1 => ws.clone().prop_map(|ws| Op::Restore { ws }),
+        1 => (ws.clone(), 1..8u64).prop_map(|(ws, blocks)| Op::Grow { ws, blocks }),
+        1 => (ws.clone(), any::<u8>()).prop_map(|(ws, byte)| Op::WriteEnd { ws, byte }),
         1 => Just(Op::Reopen),
     ]
 }
@@ -200,13 +212,34 @@ impl World {
             Op::Rollback { ws, pick } => {
                 let name = self.names[ws].clone();
                 let h = &self.history[&name];
-                let (version, image) = h[pick % h.len()].clone();
+                let (version, mut image) = h[pick % h.len()].clone();
+                // An older, smaller version comes back on today's disk: its new end is zeros.
+                image.resize(image.len().max(self.disks[ws].len()), 0);
                 let p = self.node.rollback(TENANT, &name, version).await.unwrap();
                 self.history
                     .get_mut(&name)
                     .unwrap()
                     .push((p.version, image.clone()));
                 self.disks[ws] = image;
+            }
+            Op::Grow { ws, blocks } => {
+                let to = self.disks[ws].len() as u64 + blocks * 4096;
+                let p = self.vol(ws).await.grow(to).await.unwrap().unwrap();
+                self.disks[ws].resize(to as usize, 0);
+                self.history
+                    .get_mut(&self.names[ws])
+                    .unwrap()
+                    .push((p.version, self.disks[ws].clone()));
+            }
+            Op::WriteEnd { ws, byte } => {
+                let off = self.disks[ws].len() - 4096;
+                let data = vec![byte | 1; 4096];
+                self.vol(ws)
+                    .await
+                    .write(off as u64, &data, false)
+                    .await
+                    .unwrap();
+                self.disks[ws][off..].copy_from_slice(&data);
             }
             Op::Restore { ws } => {
                 // Detach here (publishing), restore on a fresh node, compare, come back.
@@ -234,7 +267,8 @@ impl World {
                     Arc::new(SimFs::new()),
                 );
                 let v = b.attach(TENANT, &name).await.unwrap();
-                let got = v.read(0, DISK).await.unwrap();
+                assert_eq!(v.size(), self.disks[ws].len() as u64);
+                let got = v.read(0, v.size()).await.unwrap();
                 assert!(
                     got == self.disks[ws],
                     "restore of {name} on another node differs"
@@ -278,7 +312,9 @@ proptest! {
                 w.apply(op).await;
             }
             for ws in 0..3 {
-                let got = w.vol(ws).await.read(0, DISK).await.unwrap();
+                let v = w.vol(ws).await;
+                assert_eq!(v.size(), w.disks[ws].len() as u64, "size of {}", w.names[ws]);
+                let got = v.read(0, v.size()).await.unwrap();
                 assert!(got == w.disks[ws], "final image of {} differs", w.names[ws]);
             }
         });
