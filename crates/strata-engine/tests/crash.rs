@@ -1,7 +1,8 @@
 //! Power-loss crash tests through the simulated file system.
 //!
 //! Each seeded case attaches a durable workspace, runs random writes, trims, flushes and the
-//! occasional checkpoint, then "loses power" at a random point: everything not fsync'd is
+//! occasional checkpoint or grow of the disk (writes then reach the new end), then "loses
+//! power" at a random point: everything not fsync'd is
 //! dropped, except a random subset of un-synced writes, some torn. A new process (engine)
 //! recovers. The recovered disk must equal the disk after some prefix of the operations that is
 //! at least as long as the last completed flush: every write acknowledged before a completed
@@ -19,6 +20,8 @@ use strata_engine::{Mode, Source};
 
 const BLOCKS: u64 = 64;
 const DISK: u64 = BLOCKS * 4096;
+/// A case's disk may grow once, to this many blocks.
+const GROWN: u64 = 2 * BLOCKS;
 
 fn cases() -> u64 {
     std::env::var("STRATA_CRASH_CASES")
@@ -46,8 +49,9 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
     .unwrap();
     let vol = node.attach(TENANT, &name).await.unwrap();
 
-    // states[k] = disk (as tags) after the first k operations.
-    let mut states: Vec<Vec<u64>> = vec![vec![0; BLOCKS as usize]];
+    // states[k] = disk (as tags) after the first k operations, over the largest disk.
+    let mut states: Vec<Vec<u64>> = vec![vec![0; GROWN as usize]];
+    let mut blocks = BLOCKS;
     let mut flushed = 0usize;
     let mut flushes = 0;
     let n_ops = rng.random_range(1..40);
@@ -58,8 +62,8 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
             eprintln!("op {i}: r={r}");
         }
         if r < 65 {
-            let lba = rng.random_range(0..BLOCKS);
-            let n = rng.random_range(1..=(BLOCKS - lba).min(6));
+            let lba = rng.random_range(0..blocks);
+            let n = rng.random_range(1..=(blocks - lba).min(6));
             let tag = (seed << 16) | (i as u64 + 1);
             let mut data = Vec::new();
             for b in lba..lba + n {
@@ -77,8 +81,8 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
                 flushed = states.len() - 1;
             }
         } else if r < 75 {
-            let lba = rng.random_range(0..BLOCKS);
-            let n = rng.random_range(1..=(BLOCKS - lba).min(8));
+            let lba = rng.random_range(0..blocks);
+            let n = rng.random_range(1..=(blocks - lba).min(8));
             vol.trim(lba * 4096, n * 4096).await.unwrap();
             for b in lba..lba + n {
                 next[b as usize] = 0;
@@ -95,6 +99,11 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
         } else if r < 94 {
             // A prepared (zero-filled) segment file, and a rotation onto it.
             vol.prepare_journal().await.unwrap();
+        } else if blocks == BLOCKS && rng.random_bool(0.4) {
+            // A grow: a publish whose version carries the larger size (committed when it
+            // returns, so the recovered disk has it).
+            vol.grow(GROWN * 4096).await.unwrap();
+            blocks = GROWN;
         } else {
             // A checkpoint exercises publish, local state and segment deletion.
             node.checkpoint(TENANT, &name, None).await.unwrap();
@@ -109,16 +118,20 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
     fs.power_loss(seed, true);
     let node2 = cluster.node_with(cfg, fs.clone());
     let vol = node2.attach(TENANT, &name).await.unwrap();
-    let img = vol.read(0, DISK).await.unwrap();
-    let got: Vec<u64> = (0..BLOCKS)
+    assert_eq!(vol.size(), blocks * 4096, "seed {seed}: the disk's size");
+    let img = vol.read(0, vol.size()).await.unwrap();
+    let got: Vec<u64> = (0..GROWN)
         .map(|b| {
+            if b >= blocks {
+                return 0;
+            }
             tag_of(&img[(b * 4096) as usize..((b + 1) * 4096) as usize], b)
                 .unwrap_or_else(|| panic!("seed {seed}: block {b} is torn or foreign"))
         })
         .collect();
     let ok = (flushed..states.len()).any(|k| states[k] == got);
     if !ok {
-        let lost: Vec<u64> = (0..BLOCKS)
+        let lost: Vec<u64> = (0..GROWN)
             .filter(|&b| got[b as usize] != states[flushed][b as usize])
             .collect();
         panic!(
@@ -133,7 +146,7 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
     fs.power_loss(seed ^ 0xdead, true);
     let node3 = cluster.node_with(cluster.config("crash"), fs.clone());
     let vol = node3.attach(TENANT, &name).await.unwrap();
-    let img2 = vol.read(0, DISK).await.unwrap();
+    let img2 = vol.read(0, vol.size()).await.unwrap();
     assert_eq!(
         tag_of(&img2[..4096], 0),
         Some(1),
