@@ -154,11 +154,12 @@ impl Controller {
                     .await?
                     .ok_or_else(|| Status::not_found(format!("no snapshot {:?}", s.snapshot_id)))?;
                 let want = format!("ws:{src}@{v}");
+                // The snapshot's own size is known once the volume is made (checked then).
                 (
                     None,
                     json!({ "name": ws, "from": format!("{src}@{v}") }),
                     Origin::Is(want),
-                    self.disk_size(&src).await?,
+                    0,
                 )
             }
             Some(volume_content_source::Type::Volume(s)) => {
@@ -232,7 +233,17 @@ impl Controller {
             None => self.daemon.create_workspace(body).await,
         };
         let w = match made {
-            Ok(w) => w,
+            Ok(w) => {
+                if !in_range(u64_of(&w, "disk_size")) {
+                    // From a snapshot larger than the limit: undone, nothing left behind.
+                    self.daemon.delete_workspace(&ws).await?;
+                    return Err(Status::out_of_range(format!(
+                        "the snapshot's disk is {} bytes, over the limit of {limit} (a disk never shrinks)",
+                        w["disk_size"]
+                    )));
+                }
+                w
+            }
             Err(f) if f.is_conflict() => {
                 // The same name again: the same volume if it was made from the same source.
                 let v =
@@ -302,13 +313,25 @@ impl Controller {
         let want = crate::expanded_size(range, self.disk_size(&ws).await?)?;
         let capacity = match self.daemon.resize(&ws, want).await {
             Ok(r) => u64_of(&r, "disk_size"),
-            Err(f) if f.is_conflict() => want,
+            Err(f) if f.is_conflict() && self.attached_elsewhere(&ws).await? => want,
             Err(f) => return Err(f.into()),
         };
         Ok(pb::ControllerExpandVolumeResponse {
             capacity_bytes: capacity as i64,
             node_expansion_required: true,
         })
+    }
+
+    /// Whether another node holds the volume's lease (attached there, not by this daemon).
+    async fn attached_elsewhere(&self, ws: &str) -> Result<bool, Status> {
+        let v = self
+            .daemon
+            .workspace(ws)
+            .await?
+            .ok_or_else(|| Status::not_found(format!("no volume {ws:?}")))?;
+        let held = v["lease"]["holder"].is_string()
+            && v["lease"]["expires_ms"].as_u64().unwrap_or(0) > crate::now_ms();
+        Ok(held && v["attached"] != true)
     }
 
     /// The disk size of an existing volume (`NOT_FOUND` if there is none).

@@ -43,6 +43,14 @@ impl pb::identity_server::Identity for Identity {
                 )),
             });
         }
+        // Volumes grow while published: the node grows a mounted filesystem.
+        capabilities.push(pb::PluginCapability {
+            r#type: Some(plugin_capability::Type::VolumeExpansion(
+                plugin_capability::VolumeExpansion {
+                    r#type: plugin_capability::volume_expansion::Type::Online as i32,
+                },
+            )),
+        });
         Ok(Response::new(pb::GetPluginCapabilitiesResponse {
             capabilities,
         }))

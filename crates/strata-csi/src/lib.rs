@@ -58,6 +58,14 @@ pub(crate) fn invalid(m: impl Into<String>) -> Status {
     Status::invalid_argument(m.into())
 }
 
+/// Milliseconds since the Unix epoch.
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 /// The disk size an expansion asks for: `required_bytes` rounded up to whole blocks, never
 /// below `current` (a disk does not shrink), within `limit_bytes` (`OUT_OF_RANGE` if not).
 pub(crate) fn expanded_size(range: &pb::CapacityRange, current: u64) -> Result<u64, Status> {
@@ -68,6 +76,10 @@ pub(crate) fn expanded_size(range: &pb::CapacityRange, current: u64) -> Result<u
     let (required, limit) = (range.required_bytes as u64, range.limit_bytes as u64);
     if limit > 0 && required > limit {
         return Err(Status::out_of_range("required_bytes is over limit_bytes"));
+    }
+    const MAX: u64 = 1 << 50;
+    if required > MAX {
+        return Err(Status::out_of_range("a disk is at most 1 PiB"));
     }
     let mut want = required.div_ceil(BLOCK).saturating_mul(BLOCK).max(current);
     if limit > 0 && want > limit {

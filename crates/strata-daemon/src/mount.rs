@@ -543,8 +543,13 @@ impl Daemon {
             write_record(&record, &info).map_err(io_err("mount record"))?;
             if blank && mkfs {
                 run("mkfs.ext4", &["-q", "-F", &dev]).await?;
-            } else if !info.read_only {
-                // A disk grown while it was not mounted: its filesystem follows it now.
+            }
+            // A disk grown while it was not mounted: its filesystem follows it, offline here
+            // only where the kernel would refuse online growth (not at a restart's remount,
+            // which must not wait on it).
+            let made_now = blank && mkfs;
+            let grow = !(info.read_only || made_now || again);
+            if grow && !resize::can_grow_online() {
                 if let Err(e) = resize::grow_unmounted(&dev).await {
                     tracing::warn!(workspace = %info.workspace, error = %e.message, "not growing the filesystem onto its disk");
                 }
@@ -565,6 +570,11 @@ impl Daemon {
                     })?;
             }
 
+            if grow && resize::can_grow_online() {
+                if let Err(e) = resize::grow_filesystem(&dev).await {
+                    tracing::warn!(workspace = %info.workspace, error = %e.message, "not growing the filesystem onto its disk");
+                }
+            }
             if let Some(t) = &info.target {
                 let (tenant, t, src) = (info.tenant.clone(), t.clone(), fs_dir.clone());
                 blocking(move || {

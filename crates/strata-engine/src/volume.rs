@@ -151,7 +151,7 @@ pub struct Volume {
     /// The disk's size as committed in the catalog: writes end here. Grows (never shrinks)
     /// when a version on a larger disk commits.
     disk_size: AtomicU64,
-    /// The size the next publish gives its manifest ([`Volume::grow`] raises it first).
+    /// A grow's size, taken (reset to 0) by the next publish's manifest ([`Volume::grow`]).
     grow_to: AtomicU64,
     flush_honoured: bool,
     dir: PathBuf,

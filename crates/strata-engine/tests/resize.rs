@@ -146,11 +146,68 @@ async fn a_crash_after_a_grow_replays_the_writes_past_the_old_end() {
             Some(lba + 1)
         );
     }
-    // Another node, after this one is lost too: what the last publish (the grow) holds.
-    v.grow(3 * MIB).await.unwrap();
+    // Grown again (a publish of the replayed writes with it); this node is lost too: another
+    // node's export of the head has the size and the writes past the first end.
+    v.grow(4 * MIB).await.unwrap().expect("a new version");
     drop(v);
     a.abandon().await;
     let b = c.node("b");
     let out = c.path("w.raw");
-    assert_eq!(b.export(TENANT, "w", None, &out).await.unwrap(), 3 * MIB);
+    assert_eq!(b.export(TENANT, "w", None, &out).await.unwrap(), 4 * MIB);
+    let img = std::fs::read(&out).unwrap();
+    for lba in [0u64, 256, 700] {
+        let at = (lba * 4096) as usize;
+        assert_eq!(tag_of(&img[at..at + 4096], lba), Some(lba + 1));
+    }
+}
+
+/// A grow whose head CAS committed but whose reply was lost, with the catalog unreadable
+/// meanwhile: the grow fails and the size stays (nothing past the old end is accepted); once
+/// the catalog answers, the next publish adopts the committed version and its size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grow_whose_reply_is_lost_is_adopted_later() {
+    use common::faults::LossyCatalog;
+    let c = Cluster::new().await;
+    let lossy = LossyCatalog::new(c.catalog.clone());
+    let a = strata_engine::Engine::open_with(
+        c.config("a"),
+        lossy.clone(),
+        c.store.clone(),
+        Arc::new(strata_engine::fs::RealFs),
+    )
+    .unwrap();
+    let v = empty_volume(&a, "w", MIB, Mode::Durable).await;
+    v.write(0, &tagged(1, 0), false).await.unwrap();
+    lossy.lose_next_cas_reply.store(true, SeqCst);
+    lossy.blind.store(true, SeqCst);
+    assert!(v.grow(2 * MIB).await.is_err());
+    assert_eq!(v.size(), MIB);
+    assert!(matches!(
+        v.write(300 * 4096, &tagged(2, 300), false).await,
+        Err(Error::OutOfRange { .. })
+    ));
+    lossy.blind.store(false, SeqCst);
+    assert_eq!(
+        c.catalog
+            .get_workspace(TENANT, "w")
+            .await
+            .unwrap()
+            .disk_size,
+        2 * MIB
+    );
+    v.checkpoint(None).await.unwrap();
+    assert_eq!(v.size(), 2 * MIB);
+    v.write(300 * 4096, &tagged(2, 300), false).await.unwrap();
+    v.flush().await.unwrap();
+    assert_eq!(tag_of(&v.read(0, 4096).await.unwrap(), 0), Some(1));
+    // A grow with nothing left pending: a later publish keeps the size it has.
+    v.checkpoint(None).await.unwrap();
+    assert_eq!(
+        c.catalog
+            .get_workspace(TENANT, "w")
+            .await
+            .unwrap()
+            .disk_size,
+        2 * MIB
+    );
 }

@@ -232,8 +232,8 @@ async fn csi_lifecycle_on_two_nodes() {
             .unwrap();
     assert_eq!(
         caps.get_ref().capabilities.len(),
-        1,
-        "the controller service"
+        2,
+        "the controller service, online volume expansion"
     );
     let ni = a
         .node

@@ -121,6 +121,11 @@ async fn lifecycle_isolation_and_bad_input() {
             Some(json!({"version": 1})),
         ),
         ("POST", "/v1/workspaces/w1/freeze", Some(json!({}))),
+        (
+            "POST",
+            "/v1/workspaces/w1/resize",
+            Some(json!({"size": 1u64 << 40})),
+        ),
         ("DELETE", "/v1/workspaces/w1", None),
         ("GET", "/v1/templates/base", None),
         ("DELETE", "/v1/templates/base", None),

@@ -7,12 +7,19 @@
 //!          ─▶ resize2fs, online (a read-only mount keeps its filesystem as it is; one the
 //!          kernel will not grow, for want of CAP_SYS_RESOURCE, is reported pending)
 //!          not attached here ─▶ attached for the call
-//! mount ─▶ an ext4 smaller than its disk grows first, offline (e2fsck -fp, resize2fs)
+//! mount ─▶ an ext4 smaller than its disk grows: online once mounted, or (where the kernel
+//!          refuses online growth) offline before (e2fsck -fp, resize2fs)
 //! ```
 //!
-//! A disk only grows: a mounted filesystem must never find its end gone. Every step is
-//! idempotent, so a retry after a failure finishes what is left (the device and filesystem
-//! catch up even when the volume had already grown).
+//! A disk only grows: a mounted filesystem must never find its end gone. A retry after a
+//! failure finishes what is left (the device and filesystem catch up even when the volume had
+//! already grown). A daemon killed during an offline resize2fs leaves it half done; the next
+//! mount's `e2fsck -p` repairs that or, failing, the filesystem is mounted as it is.
+//!
+//! The host's e2fsck and resize2fs read a filesystem a tenant wrote: each is killed after
+//! [`TOOL_TIMEOUT`] and never runs during a restart's remounts. The full `e2fsck -f` runs only
+//! where online growth is not allowed (a daemon without CAP_SYS_RESOURCE); online, resize2fs
+//! reads the superblock and group descriptors and the kernel does the rest.
 
 use super::*;
 
@@ -112,31 +119,41 @@ impl Daemon {
                 .device
                 .clone()
                 .ok_or_else(|| ApiError::internal("a mount without a device"))?;
-            match refresh {
-                Refresh::Fuse(r) => {
-                    let seen = blocking(move || r.refresh()).await?.map_err(|e| {
-                        ApiError::internal(format!("re-reading the disk size: {e}"))
-                    })?;
-                    if seen != disk_size {
-                        return Err(ApiError::internal(format!(
-                            "the kernel sees a {seen}-byte disk file, the volume has {disk_size}"
-                        )));
-                    }
-                    run("losetup", &["--set-capacity", &dev]).await?;
+            // The kernel may keep a stale file size when a write completes during the
+            // attribute fetch: tried again until the device has the volume's size.
+            let mut dev_size = 0;
+            for attempt in 0..20 {
+                if attempt > 0 {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 }
-                Refresh::Nbd(index, backend) => kernel::resize(index, backend, disk_size)
-                    .await
-                    .map_err(|e| ApiError::internal(format!("nbd reconfigure: {e}")))?,
+                match &refresh {
+                    Refresh::Fuse(r) => {
+                        let r = r.clone();
+                        blocking(move || r.refresh()).await?.map_err(|e| {
+                            ApiError::internal(format!("re-reading the disk size: {e}"))
+                        })?;
+                        run("losetup", &["--set-capacity", &dev]).await?;
+                    }
+                    Refresh::Nbd(index, backend) => {
+                        kernel::resize(*index, backend.clone(), disk_size)
+                            .await
+                            .map_err(|e| ApiError::internal(format!("nbd reconfigure: {e}")))?
+                    }
+                }
+                let d2 = dev.clone();
+                dev_size = blocking(move || device_size(&d2)).await?.map_err(|e| {
+                    ApiError::internal(format!("reading the size of {dev}: {e}"))
+                })?;
+                if dev_size == disk_size {
+                    break;
+                }
             }
-            let d2 = dev.clone();
-            let device_size = blocking(move || device_size(&d2))
-                .await?
-                .map_err(|e| ApiError::internal(format!("reading the size of {dev}: {e}")))?;
-            if device_size != disk_size {
+            if dev_size != disk_size {
                 return Err(ApiError::internal(format!(
-                    "{dev} has {device_size} bytes after the resize, the volume {disk_size}"
+                    "{dev} has {dev_size} bytes after the resize, the volume {disk_size}"
                 )));
             }
+            let device_size = dev_size;
             let (mut filesystem_size, mut filesystem_pending) = (None, None);
             if !info.read_only {
                 match grow_filesystem(&dev).await {
@@ -157,6 +174,53 @@ impl Daemon {
         })
         .await
     }
+}
+
+/// How long e2fsck or resize2fs may take on a tenant's filesystem before it is killed (a
+/// crafted filesystem must not hold the workspace's lock, or a stop, for ever).
+const TOOL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Whether this process may grow a mounted ext4 (the kernel asks for CAP_SYS_RESOURCE).
+pub(crate) fn can_grow_online() -> bool {
+    static CAN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CAN.get_or_init(|| {
+        const CAP_SYS_RESOURCE: u32 = 24;
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                let hex = s
+                    .lines()
+                    .find_map(|l| l.strip_prefix("CapEff:"))?
+                    .trim()
+                    .to_string();
+                u64::from_str_radix(&hex, 16).ok()
+            })
+            .is_some_and(|eff| eff & (1 << CAP_SYS_RESOURCE) != 0)
+    })
+}
+
+/// A host tool run on a tenant's filesystem, killed past [`TOOL_TIMEOUT`]: its exit code and
+/// output.
+async fn tool(cmd: &str, args: &[&str]) -> Result<(Option<i32>, String), ApiError> {
+    let child = tokio::process::Command::new(cmd)
+        .args(args)
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(TOOL_TIMEOUT, child)
+        .await
+        .map_err(|_| {
+            ApiError::internal(format!(
+                "{cmd} {}: killed after {TOOL_TIMEOUT:?}",
+                args.join(" ")
+            ))
+        })?
+        .map_err(|e| ApiError::internal(format!("{cmd}: {e} (is it installed?)")))?;
+    let text = format!(
+        "{} {}",
+        String::from_utf8_lossy(&out.stdout).trim(),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok((out.status.code(), text))
 }
 
 /// (bytes the ext4 on `dev` spans, the device's size), read through the device: its cache
@@ -183,14 +247,14 @@ pub(crate) async fn grow_filesystem(dev: &str) -> Result<u64, ApiError> {
     if before >= size {
         return Ok(before);
     }
-    if let Err(e) = run("resize2fs", &[dev]).await {
-        if e.message.contains("Permission denied") {
-            return Err(ApiError::internal(format!(
-                "growing a mounted ext4 needs CAP_SYS_RESOURCE, which this daemon lacks ({})",
-                e.message
-            )));
-        }
-        return Err(e);
+    if !can_grow_online() {
+        return Err(ApiError::internal(
+            "growing a mounted ext4 needs CAP_SYS_RESOURCE, which this daemon lacks",
+        ));
+    }
+    match tool("resize2fs", &[dev]).await? {
+        (Some(0), _) => {}
+        (_, out) => return Err(ApiError::internal(format!("resize2fs {dev}: {out}"))),
     }
     match sizes(dev).await? {
         (Some(after), _) => Ok(after),
@@ -198,9 +262,10 @@ pub(crate) async fn grow_filesystem(dev: &str) -> Result<u64, ApiError> {
     }
 }
 
-/// Before a mount: grows an ext4 left smaller than its device (a disk grown while it was not
-/// mounted) offline, after `e2fsck -fp` (which resize2fs requires, and which replays a
-/// journal the mount would have). A filesystem e2fsck cannot preen is mounted as it is.
+/// Before a mount, where online growth is not allowed: grows an ext4 left smaller than its
+/// device (a disk grown while it was not mounted) offline, after `e2fsck -fp` (which resize2fs
+/// requires, and which replays a journal the mount would have). A filesystem e2fsck cannot
+/// preen is mounted as it is.
 pub(crate) async fn grow_unmounted(dev: &str) -> Result<(), ApiError> {
     let (Some(before), size) = sizes(dev).await? else {
         return Ok(());
@@ -208,20 +273,19 @@ pub(crate) async fn grow_unmounted(dev: &str) -> Result<(), ApiError> {
     if before >= size {
         return Ok(());
     }
-    let fsck = tokio::process::Command::new("e2fsck")
-        .args(["-f", "-p", dev])
-        .kill_on_drop(true)
-        .output()
-        .await
-        .map_err(|e| ApiError::internal(format!("e2fsck: {e} (is it installed?)")))?;
     // 0: clean; 1: errors corrected. Anything else: leave the filesystem to the kernel.
-    if !matches!(fsck.status.code(), Some(0 | 1)) {
-        return Err(ApiError::internal(format!(
-            "e2fsck -fp {dev} before growing: {}",
-            String::from_utf8_lossy(&fsck.stdout).trim()
-        )));
+    match tool("e2fsck", &["-f", "-p", dev]).await? {
+        (Some(0 | 1), _) => {}
+        (_, out) => {
+            return Err(ApiError::internal(format!(
+                "e2fsck -fp {dev} before growing: {out}"
+            )))
+        }
     }
-    run("resize2fs", &[dev]).await?;
+    match tool("resize2fs", &[dev]).await? {
+        (Some(0), _) => {}
+        (_, out) => return Err(ApiError::internal(format!("resize2fs {dev}: {out}"))),
+    }
     tracing::info!(
         device = dev,
         from = before,

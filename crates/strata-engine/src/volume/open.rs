@@ -134,7 +134,7 @@ impl Volume {
             name: p.name,
             mode: ws.mode,
             disk_size: AtomicU64::new(ws.disk_size),
-            grow_to: AtomicU64::new(ws.disk_size),
+            grow_to: AtomicU64::new(0),
             flush_honoured,
             dir: p.dir,
             fs: p.fs,

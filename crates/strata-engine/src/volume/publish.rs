@@ -71,8 +71,10 @@ impl Volume {
     /// Grows the disk to `size` bytes (rounded up to whole blocks): a `resize` version holding
     /// everything acknowledged so far on the larger disk, its size committed with the head CAS.
     /// Writes past the old end are accepted once it has committed. None when the disk is
-    /// already that large; a smaller size is refused (disks never shrink). A grow that fails
-    /// may still take effect with a later publish: retrying it tells.
+    /// already that large; a smaller size is refused (disks never shrink). The request is
+    /// taken by the next publish (this one, or one already waiting for the publish lock); if
+    /// that publish fails, the grow fails and nothing is left pending (a head CAS whose reply
+    /// was lost is adopted later, as for any publish).
     pub async fn grow(&self, size: u64) -> Result<Option<Published>> {
         let size = size
             .checked_next_multiple_of(BLOCK_SIZE)
@@ -90,6 +92,13 @@ impl Volume {
         self.usable()?;
         self.grow_to.fetch_max(size, SeqCst);
         let p = self.publish_kind(CheckpointKind::Resize).await?;
+        if self.size() < size {
+            // Another publish took the request and failed.
+            return Err(Error::Unavailable(
+                self.name.clone(),
+                "the grow's publish failed; retry".into(),
+            ));
+        }
         Ok(Some(p))
     }
 
@@ -242,7 +251,6 @@ impl Volume {
         bytes: u64,
     ) {
         // Writes may reach the end of the disk this version describes from now on.
-        self.grow_to.fetch_max(m.disk_size, SeqCst);
         self.disk_size.fetch_max(m.disk_size, SeqCst);
         {
             let mut st = self.st_mut();
@@ -398,8 +406,9 @@ impl Volume {
         self.publish_total.store(0, SeqCst);
         let packed = packed?;
         // 3. The new cumulative manifest, on the larger disk if a grow asked for one.
+        // A grow's request is taken by this publish: if it fails, the grow fails with it.
         let mut m = base.apply(&packed.changes)?;
-        m.disk_size = m.disk_size.max(self.grow_to.load(SeqCst));
+        m.disk_size = m.disk_size.max(self.grow_to.swap(0, SeqCst));
         let id = self.reader.store().put_manifest(&self.tenant, &m).await?;
         self.catalog
             .record_manifest(&self.tenant, id, &m.objects)
