@@ -25,9 +25,12 @@
 pub(crate) mod fuse;
 pub(crate) mod host;
 pub(crate) mod kernel;
+mod loopdev;
 mod netlink;
 mod recover;
 pub(crate) mod resize;
+
+use loopdev::{loop_backing, loop_detach, loop_detach_within};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -152,43 +155,6 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("blocking task: {e}")))
 }
 
-/// The loop device's backing file as the kernel reports it.
-fn loop_backing(dev: &str) -> Option<PathBuf> {
-    let name = Path::new(dev).file_name()?.to_str()?;
-    let s = std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file")).ok()?;
-    Some(PathBuf::from(
-        s.trim_end_matches('\n').trim_end_matches(" (deleted)"),
-    ))
-}
-
-async fn loop_detach(dev: &str, file: &Path) {
-    loop_detach_within(dev, file, 250).await
-}
-
-/// Detaches, then waits up to `polls` × 20 ms for the kernel to release the file. A device
-/// still held (a dead mount at a target pins it until that target is unmounted) is left to
-/// autoclear.
-async fn loop_detach_within(dev: &str, file: &Path, polls: u32) {
-    // Only a device still backed by our file: after a crash the number may be someone else's.
-    if loop_backing(dev).as_deref() != Some(file) {
-        return;
-    }
-    if let Err(e) = run("losetup", &["-d", dev]).await {
-        tracing::warn!(device = dev, error = %e.message, "detaching loop device failed");
-    }
-    // The kernel releases the file asynchronously; wait for it (bounded).
-    for _ in 0..polls {
-        if loop_backing(dev).as_deref() != Some(file) {
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    tracing::info!(
-        device = dev,
-        "loop device still held after detach: it clears when its last user goes"
-    );
-}
-
 fn unmount_now(dir: &Path) -> std::io::Result<()> {
     match rustix::mount::unmount(dir, rustix::mount::UnmountFlags::NOFOLLOW) {
         Ok(()) | Err(rustix::io::Errno::INVAL) | Err(rustix::io::Errno::NOENT) => Ok(()),
@@ -218,6 +184,16 @@ impl Daemon {
     pub(crate) fn mount_op(&self) -> MountOp<'_> {
         self.mount_ops.send_modify(|n| *n += 1);
         MountOp(self)
+    }
+
+    /// A mount operation on `k`: counted (a stop waits for it), then under the workspace's op
+    /// lock.
+    pub(crate) async fn mount_op_on(
+        &self,
+        k: &Key,
+    ) -> (MountOp<'_>, tokio::sync::OwnedMutexGuard<()>) {
+        let running = self.mount_op();
+        (running, self.op_lock(k).lock_owned().await)
     }
 
     /// Whether the node has begun to stop (no new mounts).
@@ -349,10 +325,8 @@ impl Daemon {
         };
         let (d, t, ws) = (self.clone(), t.to_string(), ws.to_string());
         own_task(async move {
-            let _running = d.mount_op();
             let k = (t.clone(), ws.clone());
-            let lock = d.op_lock(&k);
-            let _op = lock.lock().await;
+            let (_running, _op) = d.mount_op_on(&k).await;
             if let Some(m) = d.lock_mounts().get(&k) {
                 // The same request again (its target is a mount point now, so it no longer
                 // passes the check: compare what was asked).
@@ -660,10 +634,8 @@ impl Daemon {
         own_task(async move {
             // Counted: a stop waits for it, so a umount that fails and puts the mount back
             // does so before the stop takes its list.
-            let _running = d.mount_op();
             let k = (t.clone(), ws.clone());
-            let lock = d.op_lock(&k);
-            let _op = lock.lock().await;
+            let (_running, _op) = d.mount_op_on(&k).await;
             let Some(mut m) = d.lock_mounts().remove(&k) else {
                 return d.clear_down_mount(&t, &ws).await;
             };

@@ -104,6 +104,22 @@ async fn fsck(api: &Api, ws: &str, version: Option<u64>, tmp: &Path) -> (i32, St
     (out.status.code().unwrap_or(-1), text, recovery)
 }
 
+/// A thread writing rounds of 4 files into `dir` (round `n` as seed `1000 + n % seeds`) until
+/// told to stop; it returns the rounds it wrote.
+fn busy_writer(dir: PathBuf, seeds: u64) -> (Arc<AtomicBool>, std::thread::JoinHandle<u64>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let s = stop.clone();
+    let writer = std::thread::spawn(move || {
+        let mut n = 0u64;
+        while !s.load(SeqCst) {
+            write_files(&dir, 4, 1000 + n % seeds);
+            n += 1;
+        }
+        n
+    });
+    (stop, writer)
+}
+
 async fn mount(api: &Api, ws: &str, target: &Path, mkfs: bool) {
     let (s, v) = api
         .post(
@@ -154,18 +170,7 @@ async fn mount_checkpoint_fork() {
     };
     // A writer that never stops while the checkpoint runs: without the freeze, the cut
     // lands mid-transaction and the image needs journal recovery.
-    let stop = Arc::new(AtomicBool::new(false));
-    let writer = {
-        let (stop, dir) = (stop.clone(), a.join("busy"));
-        std::thread::spawn(move || {
-            let mut n = 0u64;
-            while !stop.load(SeqCst) {
-                write_files(&dir, 4, 1000 + n);
-                n += 1;
-            }
-            n
-        })
-    };
+    let (stop, writer) = busy_writer(a.join("busy"), u64::MAX);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut frozen = vec![];
     for _ in 0..3 {
@@ -538,28 +543,6 @@ async fn mount_survives_kill_and_stress() {
     );
 }
 
-/// Bytes `df` reports for the filesystem at `dir`.
-fn df_size(dir: &Path) -> u64 {
-    let out = std::process::Command::new("df")
-        .args(["-B1", "--output=size"])
-        .arg(dir)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines().nth(1).unwrap().trim().parse().unwrap()
-}
-
-/// Whether this process may grow a mounted ext4 (the kernel asks for CAP_SYS_RESOURCE).
-fn can_resize_online() -> bool {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let eff = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
-        .unwrap_or(0);
-    eff & (1 << 24) != 0
-}
-
 /// Writes `mib` MiB into `path` and fsyncs it.
 async fn write_big(path: PathBuf, mib: usize) {
     tokio::task::spawn_blocking(move || {
@@ -605,18 +588,7 @@ async fn mount_grows_online_and_offline() {
             .await
             .unwrap()
     };
-    let stop = Arc::new(AtomicBool::new(false));
-    let writer = {
-        let (stop, dir) = (stop.clone(), a.join("busy"));
-        std::thread::spawn(move || {
-            let mut n = 0u64;
-            while !stop.load(SeqCst) {
-                write_files(&dir, 4, 1000 + n % 8);
-                n += 1;
-            }
-            n
-        })
-    };
+    let (stop, writer) = busy_writer(a.join("busy"), 8);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let (s, v) = api
         .post("/v1/workspaces/w/resize", json!({"size": 160 * MIB}))

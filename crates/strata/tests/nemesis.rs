@@ -375,16 +375,12 @@ impl Campaign {
             self.count("checkpoint (client cut off)");
             let starts = lock(&w.model).starts();
             let label = format!("n{step}");
-            let quick = reqwest::Client::builder()
-                .timeout(Duration::from_millis(self.rng.random_range(1..120)))
-                .build()
-                .unwrap();
-            let _ = quick
-                .post(format!("{}/v1/workspaces/{name}/checkpoint", api.url))
-                .bearer_auth(&self.token)
-                .json(&json!({"label": label}))
-                .send()
-                .await;
+            self.post_cut_off(
+                &api,
+                &format!("/v1/workspaces/{name}/checkpoint"),
+                json!({ "label": label }),
+            )
+            .await;
             // It may still complete: judged at the end of the step, by its label.
             tokio::time::sleep(Duration::from_millis(self.rng.random_range(0..300))).await;
             self.pending.push(Pending {

@@ -197,10 +197,8 @@ impl Daemon {
         // In a task of its own (like every operation): a caller that goes away does not cut
         // it between the attach and the record of the mount.
         let r = tokio::spawn(async move {
-            let _running = d.mount_op();
             let k = (info.tenant.clone(), info.workspace.clone());
-            let lock = d.op_lock(&k);
-            let _op = lock.lock().await;
+            let (_running, _op) = d.mount_op_on(&k).await;
             if !d.has_mount_record(&k.0, &k.1) || d.is_mounted(&k.0, &k.1) {
                 return Ok(());
             }
@@ -307,10 +305,8 @@ impl Daemon {
     async fn remount(self: &Arc<Self>, info: &MountInfo) -> Result<MountInfo, ApiError> {
         let (d, info) = (self.clone(), info.clone());
         own_task(async move {
-            let _running = d.mount_op();
             let k = (info.tenant.clone(), info.workspace.clone());
-            let lock = d.op_lock(&k);
-            let _op = lock.lock().await;
+            let (_running, _op) = d.mount_op_on(&k).await;
             if d.stopping() {
                 return Err(super::stopping_error());
             }

@@ -89,10 +89,8 @@ impl Daemon {
         let (d, t, ws) = (self.clone(), t.to_string(), ws.to_string());
         own_task(async move {
             // Counted and under the op lock: the mount can neither go nor be stopped under it.
-            let _running = d.mount_op();
             let k = (t.clone(), ws.clone());
-            let lock = d.op_lock(&k);
-            let _op = lock.lock().await;
+            let (_running, _op) = d.mount_op_on(&k).await;
             let mounted = d.lock_mounts().get(&k).map(|m| {
                 let refresh = match (&m.fuse, &m.kernel) {
                     (Some(f), _) => Some(Refresh::Fuse(f.size_refresh())),

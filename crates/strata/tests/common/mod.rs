@@ -513,3 +513,25 @@ pub fn is_mount_point(p: impl AsRef<Path>) -> bool {
     let p = p.as_ref().to_string_lossy();
     mi.lines().any(|l| l.split(' ').nth(4) == Some(p.as_ref()))
 }
+
+/// Bytes `df` reports for the filesystem at `dir`.
+pub fn df_size(dir: impl AsRef<Path>) -> u64 {
+    let out = std::process::Command::new("df")
+        .args(["-B1", "--output=size"])
+        .arg(dir.as_ref())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines().nth(1).unwrap().trim().parse().unwrap()
+}
+
+/// Whether this process may grow a mounted ext4 (the kernel asks for CAP_SYS_RESOURCE).
+pub fn can_resize_online() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
+        .unwrap_or(0);
+    eff & (1 << 24) != 0
+}

@@ -300,27 +300,6 @@ pub(crate) async fn controller(a: &mut NodeUnder, api: &Api) {
     assert_eq!(records(a), 0);
 }
 
-/// Bytes `df` reports for the filesystem at `dir`.
-fn df_size(dir: &str) -> u64 {
-    let out = std::process::Command::new("df")
-        .args(["-B1", "--output=size", dir])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines().nth(1).unwrap().trim().parse().unwrap()
-}
-
-/// Whether this process may grow a mounted ext4 (the kernel asks for CAP_SYS_RESOURCE).
-fn can_resize_online() -> bool {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let eff = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
-        .unwrap_or(0);
-    eff & (1 << 24) != 0
-}
-
 /// pvc-2 (64 MiB, published at `t2`) expanded to 160 MiB: the controller grows the disk, the
 /// node the filesystem (online where the kernel lets this process; else the node says why
 /// and the next publish grows it); then it holds more than the old disk. Again changes

@@ -1,4 +1,5 @@
-//! The nemesis's grow of a disk (its checker asserts that no size ever goes down).
+//! The nemesis's grow of a disk (its checker asserts that no size ever goes down), and its
+//! requests whose client gives up.
 
 use std::time::Duration;
 
@@ -22,16 +23,7 @@ impl Campaign {
         let path = format!("/v1/workspaces/{name}/resize");
         if self.rng.random_bool(0.3) {
             self.count("grow the disk (client cut off)");
-            let quick = reqwest::Client::builder()
-                .timeout(Duration::from_millis(self.rng.random_range(1..120)))
-                .build()
-                .unwrap();
-            let _ = quick
-                .post(format!("{}{path}", api.url))
-                .bearer_auth(&self.token)
-                .json(&json!({ "size": to }))
-                .send()
-                .await;
+            self.post_cut_off(api, &path, json!({ "size": to })).await;
             tokio::time::sleep(Duration::from_millis(self.rng.random_range(0..300))).await;
             return;
         }
@@ -42,5 +34,19 @@ impl Campaign {
         }
         let g = self.grown.entry(name).or_default();
         *g = (*g).max(to);
+    }
+
+    /// POSTs `body` to `path` with a client that gives up after 1 to 119 ms.
+    pub(crate) async fn post_cut_off(&mut self, api: &Api, path: &str, body: serde_json::Value) {
+        let quick = reqwest::Client::builder()
+            .timeout(Duration::from_millis(self.rng.random_range(1..120)))
+            .build()
+            .unwrap();
+        let _ = quick
+            .post(format!("{}{path}", api.url))
+            .bearer_auth(&self.token)
+            .json(&body)
+            .send()
+            .await;
     }
 }
