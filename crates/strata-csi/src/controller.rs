@@ -222,6 +222,9 @@ impl Controller {
         }
         // A source smaller than asked for is grown once made; one larger than the limit is
         // out of range (a disk never shrinks).
+        if required_bytes > 1 << 50 {
+            return Err(Status::out_of_range("a disk is at most 1 PiB"));
+        }
         let in_range = |size: u64| limit == 0 || size <= limit;
         if !in_range(size) {
             return Err(Status::out_of_range(format!(
@@ -261,6 +264,13 @@ impl Controller {
                 // source may still be short of it (the grow below finishes it).
                 let size = u64_of(&w, "disk_size");
                 let sourced = source.is_some() || template.is_some();
+                if sourced && !in_range(size) && matches!(&origin, Origin::Is(_)) {
+                    // Made from a source larger than the limit (a call that stopped before
+                    // undoing it, or one asking another limit): not this volume either.
+                    return Err(Status::out_of_range(format!(
+                        "volume {name:?} is {size} bytes, over the limit of {limit}"
+                    )));
+                }
                 if !in_range(size) || (!sourced && size < required_bytes) {
                     return Err(Status::already_exists(format!(
                         "volume {name:?} exists with another size ({} bytes)",

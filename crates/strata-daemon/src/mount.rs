@@ -524,9 +524,8 @@ impl Daemon {
             let made_now = blank && mkfs;
             let grow = !(info.read_only || made_now || again);
             if grow && !resize::can_grow_online() {
-                if let Err(e) = resize::grow_unmounted(&dev).await {
-                    tracing::warn!(workspace = %info.workspace, error = %e.message, "not growing the filesystem onto its disk");
-                }
+                // A filesystem e2fsck or resize2fs failed on (or was killed in) is not mounted.
+                resize::grow_unmounted(&dev).await?;
             }
             let flags = rustix::mount::MountFlags::NOSUID
                 | rustix::mount::MountFlags::NODEV

@@ -13,8 +13,8 @@
 //!
 //! A disk only grows: a mounted filesystem must never find its end gone. A retry after a
 //! failure finishes what is left (the device and filesystem catch up even when the volume had
-//! already grown). A daemon killed during an offline resize2fs leaves it half done; the next
-//! mount's `e2fsck -p` repairs that or, failing, the filesystem is mounted as it is.
+//! already grown). An offline e2fsck or resize2fs that fails, is killed past its timeout, or
+//! dies with the daemon refuses that mount; the next mount tries again.
 //!
 //! The host's e2fsck and resize2fs read a filesystem a tenant wrote: each is killed after
 //! [`TOOL_TIMEOUT`] and never runs during a restart's remounts. The full `e2fsck -f` runs only
@@ -119,8 +119,10 @@ impl Daemon {
                 .ok_or_else(|| ApiError::internal("a mount without a device"))?;
             // The kernel may keep a stale file size when a write completes during the
             // attribute fetch: tried again until the device has the volume's size.
-            let mut dev_size = 0;
+            let (mut dev_size, mut disk_size) = (0, disk_size);
             for attempt in 0..20 {
+                // A publish adopting an earlier grow may have grown it further meanwhile.
+                disk_size = vol.size();
                 if attempt > 0 {
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 }
@@ -262,8 +264,9 @@ pub(crate) async fn grow_filesystem(dev: &str) -> Result<u64, ApiError> {
 
 /// Before a mount, where online growth is not allowed: grows an ext4 left smaller than its
 /// device (a disk grown while it was not mounted) offline, after `e2fsck -fp` (which resize2fs
-/// requires, and which replays a journal the mount would have). A filesystem e2fsck cannot
-/// preen is mounted as it is.
+/// requires, and which replays a journal the mount would have). An error (e2fsck cannot preen
+/// it, or a tool failed or was killed part way) refuses the mount: the filesystem may be half
+/// repaired or half grown.
 pub(crate) async fn grow_unmounted(dev: &str) -> Result<(), ApiError> {
     let (Some(before), size) = sizes(dev).await? else {
         return Ok(());
@@ -271,18 +274,27 @@ pub(crate) async fn grow_unmounted(dev: &str) -> Result<(), ApiError> {
     if before >= size {
         return Ok(());
     }
-    // 0: clean; 1: errors corrected. Anything else: leave the filesystem to the kernel.
-    match tool("e2fsck", &["-f", "-p", dev]).await? {
+    let refuse = |what: String| {
+        ApiError::new(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!("not mounting: growing its filesystem onto the grown disk failed: {what}"),
+        )
+    };
+    // 0: clean; 1: errors corrected.
+    match tool("e2fsck", &["-f", "-p", dev])
+        .await
+        .map_err(|e| refuse(e.message))?
+    {
         (Some(0 | 1), _) => {}
-        (_, out) => {
-            return Err(ApiError::internal(format!(
-                "e2fsck -fp {dev} before growing: {out}"
-            )))
-        }
+        (_, out) => return Err(refuse(format!("e2fsck -fp: {out}"))),
     }
-    match tool("resize2fs", &[dev]).await? {
+    match tool("resize2fs", &[dev])
+        .await
+        .map_err(|e| refuse(e.message))?
+    {
         (Some(0), _) => {}
-        (_, out) => return Err(ApiError::internal(format!("resize2fs {dev}: {out}"))),
+        (_, out) => return Err(refuse(format!("resize2fs: {out}"))),
     }
     tracing::info!(
         device = dev,

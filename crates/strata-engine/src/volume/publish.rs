@@ -72,9 +72,9 @@ impl Volume {
     /// everything acknowledged so far on the larger disk, its size committed with the head CAS.
     /// Writes past the old end are accepted once it has committed. None when the disk is
     /// already that large; a smaller size is refused (disks never shrink). The request is
-    /// taken by the next publish (this one, or one already waiting for the publish lock); if
-    /// that publish fails, the grow fails and nothing is left pending (a head CAS whose reply
-    /// was lost is adopted later, as for any publish).
+    /// taken by the next publish's manifest (this one's, or one already waiting for the publish
+    /// lock); a grow whose publish fails withdraws it, so nothing is left pending (a head CAS
+    /// whose reply was lost is adopted later, as for any publish).
     pub async fn grow(&self, size: u64) -> Result<Option<Published>> {
         let size = size
             .checked_next_multiple_of(BLOCK_SIZE)
@@ -91,7 +91,15 @@ impl Volume {
         }
         self.usable()?;
         self.grow_to.fetch_max(size, SeqCst);
-        let p = self.publish_kind(CheckpointKind::Resize).await?;
+        let p = match self.publish_kind(CheckpointKind::Resize).await {
+            Ok(p) => p,
+            Err(e) => {
+                // Failed before its manifest took the request: withdrawn (unless a larger
+                // grow has raised it since, whose own publish then carries it).
+                let _ = self.grow_to.compare_exchange(size, 0, SeqCst, SeqCst);
+                return Err(e);
+            }
+        };
         if self.size() < size {
             // Another publish took the request and failed.
             return Err(Error::Unavailable(
