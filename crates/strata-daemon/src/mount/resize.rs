@@ -248,7 +248,10 @@ pub(crate) async fn grow_filesystem(dev: &str) -> Result<u64, ApiError> {
         return Ok(before);
     }
     if !can_grow_online() {
-        return Err(ApiError::internal(
+        // Expected on such a host, and reported as pending: not logged as a failure.
+        return Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
             "growing a mounted ext4 needs CAP_SYS_RESOURCE, which this daemon lacks",
         ));
     }
