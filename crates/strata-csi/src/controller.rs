@@ -115,16 +115,7 @@ impl Controller {
         if let Some(why) = unsupported(&req.volume_capabilities) {
             return Err(invalid(why));
         }
-        let (required_bytes, limit) = match &req.capacity_range {
-            Some(r) if r.required_bytes < 0 || r.limit_bytes < 0 => {
-                return Err(Status::out_of_range("capacity_range is negative"))
-            }
-            Some(r) if r.limit_bytes > 0 && r.required_bytes > r.limit_bytes => {
-                return Err(Status::out_of_range("required_bytes is over limit_bytes"))
-            }
-            Some(r) => (r.required_bytes as u64, r.limit_bytes as u64),
-            None => (0, 0),
-        };
+        let (required_bytes, limit) = crate::capacity_range(req.capacity_range.as_ref())?;
         let mut template = None;
         let mut mode = None;
         for (k, v) in &req.parameters {
@@ -222,9 +213,6 @@ impl Controller {
         }
         // A source smaller than asked for is grown once made; one larger than the limit is
         // out of range (a disk never shrinks).
-        if required_bytes > 1 << 50 {
-            return Err(Status::out_of_range("a disk is at most 1 PiB"));
-        }
         let in_range = |size: u64| limit == 0 || size <= limit;
         if !in_range(size) {
             return Err(Status::out_of_range(format!(
@@ -284,13 +272,7 @@ impl Controller {
         let mut size = u64_of(&w, "disk_size");
         if size < required_bytes {
             // Made (now, or by an earlier attempt that stopped here) from a smaller source.
-            let want = crate::expanded_size(
-                &pb::CapacityRange {
-                    required_bytes: required_bytes as i64,
-                    limit_bytes: limit as i64,
-                },
-                size,
-            )?;
+            let want = crate::expanded_size((required_bytes, limit), size)?;
             size = u64_of(&self.daemon.resize(&ws, want).await?, "disk_size");
         }
         Ok(pb::CreateVolumeResponse {
@@ -320,7 +302,10 @@ impl Controller {
         if let Some(c) = &req.volume_capability {
             check_capability(c)?;
         }
-        let want = crate::expanded_size(range, self.disk_size(&ws).await?)?;
+        let want = crate::expanded_size(
+            crate::capacity_range(Some(range))?,
+            self.disk_size(&ws).await?,
+        )?;
         let capacity = match self.daemon.resize(&ws, want).await {
             Ok(r) => u64_of(&r, "disk_size"),
             Err(f) if f.is_conflict() && self.attached_elsewhere(&ws).await? => want,

@@ -66,21 +66,28 @@ pub(crate) fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// The disk size an expansion asks for: `required_bytes` rounded up to whole blocks, never
-/// below `current` (a disk does not shrink), within `limit_bytes` (`OUT_OF_RANGE` if not).
-pub(crate) fn expanded_size(range: &pb::CapacityRange, current: u64) -> Result<u64, Status> {
-    const BLOCK: u64 = 4096;
-    if range.required_bytes < 0 || range.limit_bytes < 0 {
+/// A request's capacity range as (required_bytes, limit_bytes), (0, 0) without one;
+/// `OUT_OF_RANGE` if negative, crossed, or asking for more than 1 PiB.
+pub(crate) fn capacity_range(r: Option<&pb::CapacityRange>) -> Result<(u64, u64), Status> {
+    let Some(r) = r else { return Ok((0, 0)) };
+    if r.required_bytes < 0 || r.limit_bytes < 0 {
         return Err(Status::out_of_range("capacity_range is negative"));
     }
-    let (required, limit) = (range.required_bytes as u64, range.limit_bytes as u64);
+    let (required, limit) = (r.required_bytes as u64, r.limit_bytes as u64);
     if limit > 0 && required > limit {
         return Err(Status::out_of_range("required_bytes is over limit_bytes"));
     }
-    const MAX: u64 = 1 << 50;
-    if required > MAX {
+    if required > 1 << 50 {
         return Err(Status::out_of_range("a disk is at most 1 PiB"));
     }
+    Ok((required, limit))
+}
+
+/// The disk size an expansion to a checked `(required, limit)` asks for: `required` rounded up
+/// to whole blocks, never below `current` (a disk does not shrink), within `limit`
+/// (`OUT_OF_RANGE` if not).
+pub(crate) fn expanded_size((required, limit): (u64, u64), current: u64) -> Result<u64, Status> {
+    const BLOCK: u64 = 4096;
     let mut want = required.div_ceil(BLOCK).saturating_mul(BLOCK).max(current);
     if limit > 0 && want > limit {
         want = limit / BLOCK * BLOCK;

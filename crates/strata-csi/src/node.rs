@@ -435,10 +435,8 @@ impl Inner {
             .await?
             .and_then(|v| v["workspace"]["disk_size"].as_u64())
             .ok_or_else(|| Status::not_found(format!("no volume {volume_id:?}")))?;
-        let want = match &req.capacity_range {
-            Some(range) => crate::expanded_size(range, current)?,
-            None => current,
-        };
+        let want =
+            crate::expanded_size(crate::capacity_range(req.capacity_range.as_ref())?, current)?;
         let got = d.resize(&r.workspace, want).await?;
         if r.read_only {
             return Ok(got["disk_size"].as_i64().unwrap_or(0));
