@@ -522,6 +522,17 @@ async fn csi_sanity_conformance() {
 /// The plugin killed in the middle of a publish (every step done but the record that says so,
 /// `STRATA_CSI_FAULT`): at its next start it undoes the publish from its record, so the
 /// workspace it created, the daemon's mount and the target's bind are all gone.
+/// A plugin on node-a that aborts each publish before recording it as published.
+fn start_faulty(dir: &Path, url: &str, token: &str) -> Csi {
+    start_csi_env(
+        dir,
+        url,
+        token,
+        "node-a",
+        &[("STRATA_CSI_FAULT", "abort-before-published")],
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugin_killed_mid_publish_undoes_it_at_start() {
     if !can_host_mount() {
@@ -529,13 +540,7 @@ async fn a_plugin_killed_mid_publish_undoes_it_at_start() {
     }
     let one = one_node().await;
     let (dir, daemon, api) = (one.tmp.path(), &one.daemon, &one.api);
-    let mut faulty = start_csi_env(
-        dir,
-        &daemon.url,
-        &api.token,
-        "node-a",
-        &[("STRATA_CSI_FAULT", "abort-before-published")],
-    );
+    let mut faulty = start_faulty(dir, &daemon.url, &api.token);
     let ch = strata_csi::client::connect(&faulty.sock).await.unwrap();
     let mut node = NodeClient::new(ch);
     let parent = dir.join("kubelet/pods/p/volumes/kubernetes.io~csi/work");
@@ -589,13 +594,7 @@ async fn a_plugin_killed_mid_publish_undoes_it_at_start() {
 
     // Killed again, and before it is back another pod attaches the workspace it created:
     // the late undo must leave that workspace (it is theirs now), not delete it.
-    let mut faulty = start_csi_env(
-        dir,
-        &daemon.url,
-        &api.token,
-        "node-a",
-        &[("STRATA_CSI_FAULT", "abort-before-published")],
-    );
+    let mut faulty = start_faulty(dir, &daemon.url, &api.token);
     let mut node = NodeClient::new(strata_csi::client::connect(&faulty.sock).await.unwrap());
     let ctx = pod_ctx(&[("size", "64Mi"), ("workspace", "other")]);
     let r = node

@@ -93,15 +93,7 @@ pub(crate) async fn controller(a: &mut NodeUnder, api: &Api) {
     );
     code(
         a.ctl
-            .create_volume(cv(
-                "pvc-x",
-                &[],
-                Some(pb::volume_content_source::Type::Snapshot(
-                    pb::volume_content_source::SnapshotSource {
-                        snapshot_id: "pvc-1@999".into(),
-                    },
-                )),
-            ))
+            .create_volume(cv("pvc-x", &[], from_snapshot("pvc-1@999")))
             .await,
         Code::NotFound,
         "a missing snapshot",
@@ -151,15 +143,7 @@ pub(crate) async fn controller(a: &mut NodeUnder, api: &Api) {
     // From the snapshot and from the volume: identical files.
     let from_snap = made(
         &mut a.ctl,
-        cv(
-            "pvc-2",
-            &[],
-            Some(pb::volume_content_source::Type::Snapshot(
-                pb::volume_content_source::SnapshotSource {
-                    snapshot_id: snap.snapshot_id.clone(),
-                },
-            )),
-        ),
+        cv("pvc-2", &[], from_snapshot(snap.snapshot_id.clone())),
     )
     .await;
     let t2 = kubelet_target(a, "pvc2-pod");
@@ -169,19 +153,7 @@ pub(crate) async fn controller(a: &mut NodeUnder, api: &Api) {
         .unwrap();
     assert_eq!(hashes(Path::new(&t2), &files), files, "from the snapshot");
     assert!(!Path::new(&t2).join("later").exists());
-    let clone = made(
-        &mut a.ctl,
-        cv(
-            "pvc-3",
-            &[],
-            Some(pb::volume_content_source::Type::Volume(
-                pb::volume_content_source::VolumeSource {
-                    volume_id: "pvc-1".into(),
-                },
-            )),
-        ),
-    )
-    .await;
+    let clone = made(&mut a.ctl, cv("pvc-3", &[], from_volume("pvc-1"))).await;
     let t3 = kubelet_target(a, "pvc3-pod");
     let mut ro = publish_req(&clone.volume_id, &t3, HashMap::new());
     ro.readonly = true;
@@ -423,6 +395,24 @@ async fn expansion(
     }
     std::fs::remove_file(Path::new(t2).join("big")).unwrap();
     assert_eq!(hashes(Path::new(t2), files), *files, "after the expansion");
+}
+
+/// A volume content source: the snapshot `id`.
+fn from_snapshot(id: impl Into<String>) -> Option<pb::volume_content_source::Type> {
+    Some(pb::volume_content_source::Type::Snapshot(
+        pb::volume_content_source::SnapshotSource {
+            snapshot_id: id.into(),
+        },
+    ))
+}
+
+/// A volume content source: the volume `id`.
+fn from_volume(id: impl Into<String>) -> Option<pb::volume_content_source::Type> {
+    Some(pb::volume_content_source::Type::Volume(
+        pb::volume_content_source::VolumeSource {
+            volume_id: id.into(),
+        },
+    ))
 }
 
 async fn made(ctl: &mut ControllerClient<Channel>, r: pb::CreateVolumeRequest) -> pb::Volume {
