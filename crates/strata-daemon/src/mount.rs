@@ -523,9 +523,12 @@ impl Daemon {
             // which must not wait on it).
             let made_now = blank && mkfs;
             let grow = !(info.read_only || made_now || again);
-            if grow && !resize::can_grow_online() {
+            // An offline grow interrupted by a crash is finished (checked first) even at a
+            // restart's remount: a half-grown filesystem is never mounted unchecked.
+            let interrupted = resize::grow_marker(&home).exists();
+            if (grow || interrupted) && !info.read_only && !resize::can_grow_online() {
                 // A filesystem e2fsck or resize2fs failed on (or was killed in) is not mounted.
-                resize::grow_unmounted(&dev).await?;
+                resize::grow_unmounted(&dev, &home).await?;
             }
             let flags = rustix::mount::MountFlags::NOSUID
                 | rustix::mount::MountFlags::NODEV

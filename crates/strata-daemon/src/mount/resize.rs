@@ -14,7 +14,8 @@
 //! A disk only grows: a mounted filesystem must never find its end gone. A retry after a
 //! failure finishes what is left (the device and filesystem catch up even when the volume had
 //! already grown). An offline e2fsck or resize2fs that fails, is killed past its timeout, or
-//! dies with the daemon refuses that mount; the next mount tries again.
+//! dies with the daemon refuses that mount; a marker in the mount's directory makes the next
+//! mount (a restart's remount too) check and finish it before the kernel sees it.
 //!
 //! The host's e2fsck and resize2fs read a filesystem a tenant wrote: each is killed after
 //! [`TOOL_TIMEOUT`] and never runs during a restart's remounts. The full `e2fsck -f` runs only
@@ -223,6 +224,11 @@ async fn tool(cmd: &str, args: &[&str]) -> Result<(Option<i32>, String), ApiErro
     Ok((out.status.code(), text))
 }
 
+/// The file that says an offline grow of this mount's filesystem began and has not ended.
+pub(crate) fn grow_marker(home: &Path) -> PathBuf {
+    home.join("growing")
+}
+
 /// (bytes the ext4 on `dev` spans, the device's size), read through the device: its cache
 /// is the mounted filesystem's, so this is what the kernel has just changed, not yet written.
 async fn sizes(dev: &str) -> Result<(Option<u64>, u64), ApiError> {
@@ -270,13 +276,20 @@ pub(crate) async fn grow_filesystem(dev: &str) -> Result<u64, ApiError> {
 /// requires, and which replays a journal the mount would have). An error (e2fsck cannot preen
 /// it, or a tool failed or was killed part way) refuses the mount: the filesystem may be half
 /// repaired or half grown.
-pub(crate) async fn grow_unmounted(dev: &str) -> Result<(), ApiError> {
+pub(crate) async fn grow_unmounted(dev: &str, home: &Path) -> Result<(), ApiError> {
+    let marker = grow_marker(home);
+    let interrupted = marker.exists();
     let (Some(before), size) = sizes(dev).await? else {
         return Ok(());
     };
-    if before >= size {
+    if before >= size && !interrupted {
         return Ok(());
     }
+    // Recorded before the tools touch the filesystem, removed once they are done: a daemon
+    // killed in between finds it at its next mount of the workspace, restart or not.
+    std::fs::write(&marker, b"")
+        .and_then(|_| std::fs::File::open(home)?.sync_all())
+        .map_err(|e| ApiError::internal(format!("recording an offline grow: {e}")))?;
     let refuse = |what: String| {
         ApiError::new(
             StatusCode::CONFLICT,
@@ -292,13 +305,16 @@ pub(crate) async fn grow_unmounted(dev: &str) -> Result<(), ApiError> {
         (Some(0 | 1), _) => {}
         (_, out) => return Err(refuse(format!("e2fsck -fp: {out}"))),
     }
-    match tool("resize2fs", &[dev])
-        .await
-        .map_err(|e| refuse(e.message))?
-    {
-        (Some(0), _) => {}
-        (_, out) => return Err(refuse(format!("resize2fs: {out}"))),
+    if before < size {
+        match tool("resize2fs", &[dev])
+            .await
+            .map_err(|e| refuse(e.message))?
+        {
+            (Some(0), _) => {}
+            (_, out) => return Err(refuse(format!("resize2fs: {out}"))),
+        }
     }
+    let _ = std::fs::remove_file(&marker);
     tracing::info!(
         device = dev,
         from = before,
