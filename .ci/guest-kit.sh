@@ -16,9 +16,11 @@ if ! command -v qemu-system-x86_64 >/dev/null 2>&1 || ! command -v busybox >/dev
       $SUDO tee /etc/apt/sources.list.d/strata-bookworm-backports.sources >/dev/null
   fi
   $SUDO apt-get update -qq
-  pkgs=(busybox-static)
+  pkgs=(busybox-static) opts=()
   if [ -n "$want" ]; then pkgs+=("qemu-system-x86=$want"); else pkgs+=(qemu-system-x86); fi
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >/dev/null
+  # Its dependencies (qemu-system-common, -data, seabios) must come from that suite as well.
+  [[ "$want" == *bpo12* ]] && opts+=(-t bookworm-backports)
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${opts[@]}" "${pkgs[@]}" >/dev/null
 fi
 
 if ! ls "$kit"/root/lib/modules/*/modules.dep >/dev/null 2>&1; then
