@@ -1,0 +1,241 @@
+//! The `vhost-user-backend` side: features, config space, and the queue loop that turns
+//! available chains into [`Request`]s, runs them on the tokio runtime, and returns them used.
+//!
+//! One worker thread per queue (`queues_per_thread`). A kick runs a batch: chains are popped and
+//! parsed until the batch holds [`BATCH_BYTES`] of data or the ring is empty, the batch's requests
+//! run concurrently, then each is returned used and the driver notified. A batch holds its
+//! queue's `busy` lock: `stop_vring` (the frontend's GET_VRING_BASE) waits on it, so the ring
+//! position a frontend reads back never names a request still running here.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use strata_nbd::BlockDevice;
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use virtio_bindings::bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::bindings::virtio_ring::{
+    VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+};
+use virtio_queue::{QueueOwnedT, Reader, Writer};
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+
+use crate::blk::{self, Features, Request};
+
+/// Data one batch may hold in memory at once (reads being filled, writes copied out).
+pub const BATCH_BYTES: usize = 64 << 20;
+
+/// Counters of one backend (exported by the daemon).
+#[derive(Default, Debug)]
+pub struct Stats {
+    pub requests: AtomicU64,
+    pub malformed: AtomicU64,
+    pub batches: AtomicU64,
+}
+
+/// The driver broke the ring.
+struct Broken;
+
+pub struct BlkBackend {
+    dev: Arc<dyn BlockDevice>,
+    features: Features,
+    mem: RwLock<GuestMemoryAtomic<GuestMemoryMmap>>,
+    event_idx: AtomicBool,
+    /// The driver's write cache setting (`writeback` in the config space); off: every write is
+    /// durable when it completes.
+    writeback: AtomicBool,
+    /// One per queue, held by a running batch.
+    busy: Vec<Mutex<()>>,
+    rt: tokio::runtime::Handle,
+    pub stats: Stats,
+}
+
+impl BlkBackend {
+    pub fn new(dev: Arc<dyn BlockDevice>, features: Features, rt: tokio::runtime::Handle) -> Self {
+        let busy = (0..features.num_queues).map(|_| Mutex::new(())).collect();
+        BlkBackend {
+            dev,
+            writeback: AtomicBool::new(true),
+            features,
+            mem: RwLock::new(GuestMemoryAtomic::new(GuestMemoryMmap::new())),
+            event_idx: AtomicBool::new(false),
+            busy,
+            rt,
+            stats: Stats::default(),
+        }
+    }
+
+    fn memory(&self) -> GuestMemoryAtomic<GuestMemoryMmap> {
+        self.mem.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Runs batches until the ring is empty (re-checked after notifications are re-enabled,
+    /// so a chain made available meanwhile is not left waiting for a kick that never comes).
+    /// A ring the driver broke (an avail index more than a ring ahead) is left alone until
+    /// the frontend resets it: nothing is popped from it, and no loop spins on it.
+    fn process(&self, vring: &VringRwLock) -> io::Result<()> {
+        if !self.event_idx.load(Ordering::Acquire) {
+            return self.batches(vring).map(drop);
+        }
+        loop {
+            vring.disable_notification().map_err(io::Error::other)?;
+            if let Err(Broken) = self.batches(vring)? {
+                return Ok(());
+            }
+            if !vring.enable_notification().map_err(io::Error::other)? {
+                return Ok(());
+            }
+        }
+    }
+
+    fn batches(&self, vring: &VringRwLock) -> io::Result<Result<(), Broken>> {
+        let atomic = self.memory();
+        loop {
+            let mem = atomic.memory();
+            let mut pending: Vec<(u16, Request<'_>)> = vec![];
+            let mut used: Vec<(u16, u32)> = vec![];
+            let mut bytes = 0usize;
+            let mut broken = false;
+            let size = self.dev.size();
+            while bytes < BATCH_BYTES {
+                let chain = match vring.get_mut().get_queue_mut().iter(mem.clone()) {
+                    Ok(mut it) => it.next(),
+                    Err(e) => {
+                        self.stats.malformed.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(error = %e, "virtqueue broken by the driver: not served until reset");
+                        broken = true;
+                        None
+                    }
+                };
+                let Some(chain) = chain else { break };
+                let head = chain.head_index();
+                self.stats.requests.fetch_add(1, Ordering::Relaxed);
+                let parsed = Reader::new(&*mem, chain.clone())
+                    .and_then(|r| Ok((r, Writer::new(&*mem, chain)?)))
+                    .map_err(|_| blk::Malformed("descriptor outside guest memory"))
+                    .and_then(|(r, w)| Request::parse(r, w, size, &self.features));
+                match parsed {
+                    Ok(req) => {
+                        bytes += req.cost();
+                        pending.push((head, req));
+                    }
+                    Err(blk::Malformed(why)) => {
+                        self.stats.malformed.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(
+                            head,
+                            why,
+                            "malformed virtio-blk chain returned unanswered"
+                        );
+                        used.push((head, 0));
+                    }
+                }
+            }
+            if pending.is_empty() && used.is_empty() {
+                return Ok(if broken { Err(Broken) } else { Ok(()) });
+            }
+            self.stats.batches.fetch_add(1, Ordering::Relaxed);
+            let (dev, wb, serial) = (&*self.dev, &self.writeback, self.features.serial.as_str());
+            let heads: Vec<u16> = pending.iter().map(|(h, _)| *h).collect();
+            let lens = self.rt.block_on(futures::future::join_all(
+                pending.into_iter().map(|(_, r)| r.run(dev, wb, serial)),
+            ));
+            used.extend(heads.into_iter().zip(lens));
+            for (head, len) in used {
+                vring.add_used(head, len).map_err(io::Error::other)?;
+            }
+            if vring.needs_notification().map_err(io::Error::other)? {
+                vring.signal_used_queue()?;
+            }
+            if broken {
+                return Ok(Err(Broken));
+            }
+        }
+    }
+}
+
+impl VhostUserBackend for BlkBackend {
+    type Bitmap = ();
+    type Vring = VringRwLock;
+
+    fn num_queues(&self) -> usize {
+        self.features.num_queues as usize
+    }
+    fn max_queue_size(&self) -> usize {
+        self.features.queue_size as usize
+    }
+    fn features(&self) -> u64 {
+        self.features.bits()
+            | (1u64 << VIRTIO_F_VERSION_1)
+            | (1u64 << VIRTIO_RING_F_INDIRECT_DESC)
+            | (1u64 << VIRTIO_RING_F_EVENT_IDX)
+            | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+    }
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ
+    }
+    fn reset_device(&self) {
+        self.writeback.store(true, Ordering::Release);
+    }
+    fn set_event_idx(&self, enabled: bool) {
+        self.event_idx.store(enabled, Ordering::Release);
+    }
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        let c = self
+            .features
+            .config(self.dev.size(), self.writeback.load(Ordering::Acquire));
+        let start = (offset as usize).min(c.len());
+        let end = start.saturating_add(size as usize).min(c.len());
+        c[start..end].to_vec()
+    }
+    fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {
+        // Only `writeback` is writable, and only with FLUSH (CONFIG_WCE) offered.
+        if !self.features.flush || offset as usize != blk::CONFIG_WRITEBACK || buf.len() != 1 {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "read-only config field",
+            ));
+        }
+        self.writeback.store(buf[0] != 0, Ordering::Release);
+        Ok(())
+    }
+    fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemoryMmap>) -> io::Result<()> {
+        *self.mem.write().unwrap_or_else(|p| p.into_inner()) = mem;
+        Ok(())
+    }
+    fn queues_per_thread(&self) -> Vec<u64> {
+        (0..self.features.num_queues).map(|q| 1u64 << q).collect()
+    }
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+    }
+    fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        if let Some(b) = self.busy.get(queue_index as usize) {
+            drop(b.lock().unwrap_or_else(|p| p.into_inner()));
+        }
+        Ok(())
+    }
+    fn handle_event(
+        &self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[VringRwLock],
+        thread_id: usize,
+    ) -> io::Result<()> {
+        if evset != EventSet::IN {
+            return Err(io::Error::other(format!("unexpected event set {evset:?}")));
+        }
+        let vring = vrings
+            .get(device_event as usize)
+            .ok_or_else(|| io::Error::other(format!("no queue {device_event}")))?;
+        let _busy = self
+            .busy
+            .get(thread_id)
+            .map(|b| b.lock().unwrap_or_else(|p| p.into_inner()));
+        self.process(vring)
+    }
+}
