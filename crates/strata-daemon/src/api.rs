@@ -81,8 +81,47 @@ pub struct WorkspaceView {
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Attached {
     pub workspace: String,
+    /// NBD: the export's URI (`nbd+unix:///WS?socket=…`). vhost-user: the socket path.
     pub export: String,
     pub socket: String,
+    #[serde(default)]
+    pub protocol: Protocol,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// How an attached workspace is served on this node: one front-end at a time.
+#[derive(Debug, Serialize, Deserialize, Default, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Protocol {
+    /// NBD on a unix socket (qemu, nbd-client, libnbd; many connections).
+    #[default]
+    Nbd,
+    /// vhost-user-blk on a unix socket: one VMM (QEMU, Cloud Hypervisor, Firecracker) at a time.
+    VhostUser,
+}
+
+impl std::fmt::Display for Protocol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Protocol::Nbd => "NBD",
+            Protocol::VhostUser => "vhost-user",
+        })
+    }
+}
+
+/// `POST /v1/workspaces/{name}/attach` (the body is optional: NBD, read-write).
+#[derive(Debug, Serialize, Deserialize, Default, Clone, Copy, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct AttachRequest {
+    #[serde(default)]
+    pub protocol: Protocol,
+    /// Serve the workspace read-only (every change refused by the front-end).
+    #[serde(default)]
+    pub read_only: bool,
+    /// vhost-user: virtqueues offered (1..=8, default 2); a VMM may use fewer.
+    #[serde(default)]
+    pub queues: Option<u16>,
 }
 
 #[derive(Debug, Serialize, Deserialize, Default)]

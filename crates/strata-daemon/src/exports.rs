@@ -1,7 +1,9 @@
-//! NBD exports of attached workspaces, and the per-workspace operations that change them.
+//! Exports of attached workspaces (NBD, or vhost-user-blk for a VMM), and the per-workspace
+//! operations that change them.
 //!
 //! ```text
-//! attach ─▶ workspace op lock ─▶ engine.attach (lease, replay) ─▶ bind RUN/{h}.sock ─▶ serve
+//! attach ─▶ workspace op lock ─▶ engine.attach (lease, replay) ─▶ bind RUN/{h}.sock (NBD) or
+//!           RUN/{h}.vhost.sock (vhost-user) ─▶ serve
 //!           (an export that cannot be made undoes the attach it made: all or nothing)
 //! detach ─▶ workspace op lock ─▶ stop the export: no new connections, every connection
 //!           finishes what it accepted, then closes ─▶ engine.detach (seal, final cut, publish)
@@ -14,17 +16,22 @@
 //! Socket names never come from user names: `RUN/{h}.sock` with `h` a hash of (tenant,
 //! workspace), so every legal name fits a unix socket path (108 bytes) and nothing a tenant
 //! names becomes a host path. The run directory is 0700, each socket 0600.
+//!
+//! One front-end per workspace: an attach over another protocol (or with another read-only
+//! setting) than the live export is refused (409), so there is never a second writer. A
+//! vhost-user export leaves a record, `DATA/vhost/{h}.json`, that detach and delete remove and
+//! a stop keeps: a restart serves it again on the same socket, where the VMM reconnects.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use strata_engine::{Published, Volume};
-use strata_nbd::{Export, Exports, Server, ServerConfig};
+use strata_nbd::{BlockDevice, Export, Exports, Server, ServerConfig};
 use tokio::task::JoinHandle;
 
 use crate::error::ApiError;
-use crate::{Attached, Daemon};
+use crate::{AttachRequest, Attached, Daemon, Protocol};
 
 pub(crate) type Key = (String, String);
 
@@ -32,13 +39,31 @@ pub(crate) type Key = (String, String);
 pub(crate) struct ExportHandle {
     pub uri: String,
     pub socket: PathBuf,
-    server: Arc<Server>,
-    task: JoinHandle<()>,
+    pub req: AttachRequest,
+    front: Front,
+}
+
+enum Front {
+    Nbd {
+        server: Arc<Server>,
+        task: JoinHandle<()>,
+    },
+    Vhost(strata_vhost::Served),
 }
 
 /// Longest unix socket path (`sun_path` holds 108 bytes with its terminating NUL).
 const SUN_PATH_MAX: usize = 107;
-const SOCKET_NAME_LEN: usize = 32 + ".sock".len();
+const SOCKET_NAME_LEN: usize = 32 + ".vhost.sock".len();
+/// Most vhost-user queues a tenant may ask for (each is a thread on this node).
+pub const MAX_VHOST_QUEUES: u16 = 8;
+
+/// What a restart needs to serve a vhost-user export again.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct VhostRecord {
+    tenant: String,
+    workspace: String,
+    req: AttachRequest,
+}
 
 /// Checks that sockets under `run_dir` fit a unix socket path.
 pub(crate) fn check_run_dir(run_dir: &Path) -> std::io::Result<()> {
@@ -60,14 +85,57 @@ fn key(t: &str, w: &str) -> Key {
 }
 
 impl Daemon {
-    /// The socket of a workspace's export: a hash of the names, never the names.
+    /// The socket of a workspace's NBD export: a hash of the names, never the names.
     pub(crate) fn socket_path(&self, tenant: &str, ws: &str) -> PathBuf {
-        let mut h = blake3::Hasher::new();
-        h.update(tenant.as_bytes());
-        h.update(&[0]);
-        h.update(ws.as_bytes());
+        self.run_dir.join(format!("{}.sock", name_hash(tenant, ws)))
+    }
+
+    fn vhost_socket_path(&self, tenant: &str, ws: &str) -> PathBuf {
         self.run_dir
-            .join(format!("{}.sock", &h.finalize().to_hex()[..32]))
+            .join(format!("{}.vhost.sock", name_hash(tenant, ws)))
+    }
+
+    fn vhost_record_path(&self, tenant: &str, ws: &str) -> PathBuf {
+        self.engine
+            .config()
+            .data_dir
+            .join("vhost")
+            .join(format!("{}.json", name_hash(tenant, ws)))
+    }
+
+    /// How a restart serves this workspace again: vhost-user if a record says so, else NBD.
+    pub(crate) fn resume_request(&self, tenant: &str, ws: &str) -> AttachRequest {
+        std::fs::read(self.vhost_record_path(tenant, ws))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<VhostRecord>(&b).ok())
+            .filter(|r| r.tenant == tenant && r.workspace == ws)
+            .map(|r| r.req)
+            .unwrap_or_default()
+    }
+
+    fn write_vhost_record(&self, t: &str, ws: &str, req: AttachRequest) -> std::io::Result<()> {
+        let p = self.vhost_record_path(t, ws);
+        let dir = p.parent().expect("record has a parent");
+        std::fs::create_dir_all(dir)?;
+        let rec = VhostRecord {
+            tenant: t.into(),
+            workspace: ws.into(),
+            req,
+        };
+        let tmp = p.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec(&rec).expect("record serializes"))?;
+        std::fs::File::open(&tmp)?.sync_all()?;
+        std::fs::rename(&tmp, &p)?;
+        std::fs::File::open(dir)?.sync_all()
+    }
+
+    fn remove_vhost_record(&self, t: &str, ws: &str) {
+        match std::fs::remove_file(self.vhost_record_path(t, ws)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                tracing::warn!(tenant = t, workspace = ws, error = %e, "removing vhost-user record")
+            }
+            _ => {}
+        }
     }
 
     fn lock_exports(&self) -> std::sync::MutexGuard<'_, HashMap<Key, ExportHandle>> {
@@ -90,21 +158,44 @@ impl Daemon {
         m.entry(k.clone()).or_default().clone()
     }
 
-    /// Attaches (idempotently) and serves the workspace over NBD on its unix socket.
+    /// Attaches (idempotently) and serves the workspace on its unix socket, over the protocol
+    /// the request names (NBD by default).
     pub(crate) async fn attach_and_export(
         self: &Arc<Self>,
         t: &str,
         ws: &str,
+        req: AttachRequest,
     ) -> Result<Attached, ApiError> {
+        if let Some(q) = req.queues {
+            if req.protocol != Protocol::VhostUser {
+                return Err(ApiError::invalid("queues applies to vhost-user attaches"));
+            }
+            if q == 0 || q > MAX_VHOST_QUEUES {
+                return Err(ApiError::invalid(format!(
+                    "queues must be 1..={MAX_VHOST_QUEUES}"
+                )));
+            }
+        }
         let (d, t, ws) = (self.clone(), t.to_string(), ws.to_string());
         own_task(async move {
             let k = key(&t, &ws);
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
-            d.refuse_if_mounted(&t, &ws, "attaching it over NBD")?;
+            d.refuse_if_mounted(&t, &ws, &format!("attaching it over {}", req.protocol))?;
             let current = d.engine.volume(&t, &ws).filter(|v| v.failure().is_none());
             if current.is_some() {
                 if let Some(h) = d.lock_exports().get(&k) {
+                    if h.req != req {
+                        return Err(ApiError::new(
+                            axum::http::StatusCode::CONFLICT,
+                            "conflict",
+                            format!(
+                                "workspace {ws:?} is attached over {}{}: detach it first (one front-end at a time)",
+                                h.req.protocol,
+                                if h.req.read_only { ", read-only" } else { "" }
+                            ),
+                        ));
+                    }
                     return Ok(attached(&ws, h));
                 }
             } else {
@@ -113,7 +204,7 @@ impl Daemon {
             }
             let was_attached = d.engine.volume(&t, &ws).is_some();
             let vol = d.engine.attach(&t, &ws).await?;
-            match d.export(&t, &ws, vol) {
+            match d.export(&t, &ws, vol, req) {
                 Ok(a) => Ok(a),
                 Err(e) => {
                     d.undo_attach(&t, &ws, was_attached, "export").await;
@@ -135,7 +226,13 @@ impl Daemon {
         }
     }
 
-    fn export(&self, t: &str, ws: &str, vol: Arc<Volume>) -> Result<Attached, ApiError> {
+    fn export(
+        &self,
+        t: &str,
+        ws: &str,
+        vol: Arc<Volume>,
+        req: AttachRequest,
+    ) -> Result<Attached, ApiError> {
         let io = |e: std::io::Error| ApiError::internal(format!("export socket: {e}"));
         {
             use std::os::unix::fs::DirBuilderExt;
@@ -148,13 +245,25 @@ impl Daemon {
             std::fs::set_permissions(&self.run_dir, std::fs::Permissions::from_mode(0o700))
                 .map_err(io)?;
         }
+        let mode = vol.mode();
+        let device: Arc<dyn BlockDevice> = if req.read_only {
+            Arc::new(strata_nbd::ReadOnly(vol))
+        } else {
+            vol
+        };
+        if req.protocol == Protocol::VhostUser {
+            return self.export_vhost(t, ws, device, mode, req);
+        }
+        // A record left by an earlier vhost-user export (its resume failed) must not make the
+        // next restart serve this NBD export as vhost-user.
+        self.remove_vhost_record(t, ws);
         let socket = self.socket_path(t, ws);
         let exports = Exports::new();
         exports.insert(
             ws,
             Export {
-                description: format!("strata workspace {ws} ({})", vol.mode()),
-                device: vol,
+                description: format!("strata workspace {ws} ({mode})"),
+                device,
                 multi_conn: true,
             },
         );
@@ -177,21 +286,65 @@ impl Daemon {
         let h = ExportHandle {
             uri: format!("nbd+unix:///{ws}?socket={}", socket.display()),
             socket,
-            server,
-            task,
+            req,
+            front: Front::Nbd { server, task },
         };
         let a = attached(ws, &h);
         self.lock_exports().insert(key(t, ws), h);
         Ok(a)
     }
 
-    /// Stops a workspace's export: no new connections; every open one finishes the requests it
-    /// accepted (replies sent) and is closed; then the socket goes. Returns once it is done.
+    fn export_vhost(
+        &self,
+        t: &str,
+        ws: &str,
+        device: Arc<dyn BlockDevice>,
+        mode: strata_catalog::Mode,
+        req: AttachRequest,
+    ) -> Result<Attached, ApiError> {
+        let io = |e: std::io::Error| ApiError::internal(format!("vhost-user socket: {e}"));
+        let socket = self.vhost_socket_path(t, ws);
+        let features = strata_vhost::Features {
+            read_only: req.read_only,
+            // Ephemeral promises nothing at FLUSH: offer none (a write-through disk to the
+            // guest, like Firecracker's `Unsafe`); durable and sync honour every FLUSH.
+            flush: mode != strata_catalog::Mode::Ephemeral,
+            num_queues: req.queues.unwrap_or(strata_vhost::DEFAULT_QUEUES),
+            queue_size: strata_vhost::DEFAULT_QUEUE_SIZE,
+            serial: format!("strata-{}", &name_hash(t, ws)[..13]),
+        };
+        // The record first: without it a restart would serve NBD where the VMM expects
+        // vhost-user.
+        self.write_vhost_record(t, ws, req).map_err(io)?;
+        let served =
+            match strata_vhost::serve(&socket, device, features, tokio::runtime::Handle::current())
+            {
+                Ok(s) => s,
+                Err(e) => {
+                    self.remove_vhost_record(t, ws);
+                    return Err(io(e));
+                }
+            };
+        let h = ExportHandle {
+            uri: socket.display().to_string(),
+            socket,
+            req,
+            front: Front::Vhost(served),
+        };
+        let a = attached(ws, &h);
+        self.lock_exports().insert(key(t, ws), h);
+        Ok(a)
+    }
+
+    /// Stops a workspace's export for good (detach, delete, a replaced failed volume): no new
+    /// connections; every open one finishes the requests it accepted (replies sent) and is
+    /// closed; then the socket goes. Returns once it is done.
     pub(crate) async fn stop_export(&self, t: &str, ws: &str) {
         let h = self.lock_exports().remove(&key(t, ws));
         if let Some(h) = h {
             drain(h).await;
         }
+        self.remove_vhost_record(t, ws);
     }
 
     /// Detaches: the export is drained and closed first, so the final cut covers every write a
@@ -207,13 +360,13 @@ impl Daemon {
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
             d.refuse_if_mounted(&t, &ws, "detaching it")?;
-            let exported = d.lock_exports().contains_key(&k);
+            let exported = d.lock_exports().get(&k).map(|h| h.req);
             d.stop_export(&t, &ws).await;
             match d.engine.detach(&t, &ws).await {
                 Ok(p) => Ok(p),
                 Err(e) => {
-                    if let (true, Some(v)) = (exported, d.engine.volume(&t, &ws)) {
-                        if let Err(xe) = d.export(&t, &ws, v) {
+                    if let (Some(req), Some(v)) = (exported, d.engine.volume(&t, &ws)) {
+                        if let Err(xe) = d.export(&t, &ws, v, req) {
                             tracing::error!(tenant = t, workspace = ws, error = %xe.message, "re-exporting after a failed detach");
                         }
                     }
@@ -254,8 +407,16 @@ impl Daemon {
 }
 
 async fn drain(h: ExportHandle) {
-    h.server.shutdown().await;
-    let _ = h.task.await;
+    match h.front {
+        Front::Nbd { server, task } => {
+            server.shutdown().await;
+            let _ = task.await;
+        }
+        // Blocking (it joins the queue threads): off the runtime's workers.
+        Front::Vhost(served) => {
+            let _ = tokio::task::spawn_blocking(move || served.stop()).await;
+        }
+    }
     let _ = std::fs::remove_file(&h.socket);
 }
 
@@ -264,7 +425,18 @@ fn attached(ws: &str, h: &ExportHandle) -> Attached {
         workspace: ws.into(),
         export: h.uri.clone(),
         socket: h.socket.display().to_string(),
+        protocol: h.req.protocol,
+        read_only: h.req.read_only,
     }
+}
+
+/// A hash of (tenant, workspace): socket and record names, never the names themselves.
+fn name_hash(tenant: &str, ws: &str) -> String {
+    let mut h = blake3::Hasher::new();
+    h.update(tenant.as_bytes());
+    h.update(&[0]);
+    h.update(ws.as_bytes());
+    h.finalize().to_hex()[..32].to_string()
 }
 
 /// Runs `f` in a task of its own and waits for it: the operation completes (or fails) as a

@@ -4,8 +4,9 @@
 //!   Prometheus text at `/metrics`;
 //! - tenancy: every request carries a bearer token, stored only as a BLAKE3 hash; another
 //!   tenant's workspace is indistinguishable from a missing one (404);
-//! - NBD exports: an attached workspace is served on a unix socket `RUN/{hash}.sock` (the run
-//!   directory, `DATA/run` by default, is 0700; sockets 0600), see `exports.rs`;
+//! - exports: an attached workspace is served on a unix socket, NBD at `RUN/{hash}.sock` or
+//!   vhost-user-blk at `RUN/{hash}.vhost.sock` (the run directory, `DATA/run` by default, is
+//!   0700; sockets 0600), see `exports.rs`;
 //! - `/metrics` needs the admin token or the scrape token (it names every tenant's workspaces);
 //! - templates come from content sent in the request or from the operator's import directory,
 //!   never from a host path a tenant names (`template_api.rs`);
@@ -272,7 +273,7 @@ impl Daemon {
     /// Attaches a workspace and serves it over NBD (what `POST …/attach` does); returns the
     /// export address and socket.
     pub async fn attach(self: &Arc<Self>, tenant: &str, ws: &str) -> Result<Attached, String> {
-        self.attach_and_export(tenant, ws)
+        self.attach_and_export(tenant, ws, AttachRequest::default())
             .await
             .map_err(|e| e.message)
     }
@@ -299,7 +300,9 @@ impl Daemon {
                 {
                     continue;
                 }
-                match self.attach_and_export(&tenant, &ws).await {
+                // Served as it was: over vhost-user where a record says so (the VMM reconnects).
+                let req = self.resume_request(&tenant, &ws);
+                match self.attach_and_export(&tenant, &ws, req).await {
                     Ok(_) => resumed.push((tenant.clone(), ws)),
                     Err(e) => {
                         tracing::warn!(tenant, workspace = ws, error = %e.message, "not resuming workspace")

@@ -319,9 +319,18 @@ async fn delete_workspace(
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn attach(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Attached> {
+async fn attach(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+    b: Result<Json<crate::AttachRequest>, JsonRejection>,
+) -> R<Attached> {
+    let b = match b {
+        Err(JsonRejection::MissingJsonContentType(_)) => Default::default(),
+        b => body(b)?,
+    };
     d.engine.workspace(&t, &name).await?;
-    Ok(Json(d.attach_and_export(&t, &name).await?))
+    Ok(Json(d.attach_and_export(&t, &name, b).await?))
 }
 
 async fn detach(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Option<Published>> {

@@ -222,6 +222,16 @@ enum WsCmd {
         /// Also listen on TCP, e.g. 127.0.0.1:10809 (loopback unless you mean otherwise).
         #[arg(long)]
         tcp: Option<std::net::SocketAddr>,
+        /// Serve vhost-user-blk for a VMM (QEMU vhost-user-blk-pci, Cloud Hypervisor,
+        /// Firecracker) instead of NBD; docs/VHOST_USER.md.
+        #[arg(long, conflicts_with = "tcp")]
+        vhost_user: bool,
+        /// Serve it read-only.
+        #[arg(long)]
+        read_only: bool,
+        /// vhost-user queues offered (1..=8, default 2).
+        #[arg(long, requires = "vhost_user")]
+        queues: Option<u16>,
     },
     /// Writes a checkpoint's whole disk (head by default) to a raw file, from the object store.
     Export {
@@ -598,7 +608,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         )
                     });
                 }
-                WsCmd::Attach { ws, socket, tcp } => serve::attach(&e, g, &ws, socket, tcp).await?,
+                WsCmd::Attach { ws, socket, tcp, vhost_user, read_only, queues } => {
+                    let front = serve::Front { vhost_user, read_only, queues };
+                    serve::attach(&e, g, &ws, socket, tcp, front).await?
+                }
                 WsCmd::Detach { ws } => {
                     // Without a daemon nothing stays attached between commands: attaching
                     // replays any journal a crashed `ws attach` left, then detach publishes it.

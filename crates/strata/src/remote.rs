@@ -266,11 +266,13 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                 WsCmd::List => h.call(M::GET, "/v1/workspaces", None).await?,
                 WsCmd::Show { ws } => h.call(M::GET, &ws_path(&ws, ""), None).await?,
                 WsCmd::Log { ws } => h.call(M::GET, &ws_path(&ws, "/log"), None).await?,
-                WsCmd::Attach { ws, socket, tcp } => {
+                WsCmd::Attach { ws, socket, tcp, vhost_user, read_only, queues } => {
                     if socket.is_some() || tcp.is_some() {
                         anyhow::bail!("--socket and --tcp apply to a foreground attach without a daemon (unset STRATA_URL)");
                     }
-                    let v = h.call(M::POST, &ws_path(&ws, "/attach"), Some(json!({}))).await?;
+                    let protocol = if vhost_user { "vhost-user" } else { "nbd" };
+                    let body = json!({"protocol": protocol, "read_only": read_only, "queues": queues});
+                    let v = h.call(M::POST, &ws_path(&ws, "/attach"), Some(body)).await?;
                     if !json_out {
                         println!("{}", v["export"].as_str().unwrap_or(""));
                         return Ok(());

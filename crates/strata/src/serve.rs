@@ -9,14 +9,25 @@ use strata_nbd::{Export, Exports, Server, ServerConfig};
 
 use crate::Global;
 
+/// Which front-end a foreground attach serves.
+pub struct Front {
+    pub vhost_user: bool,
+    pub read_only: bool,
+    pub queues: Option<u16>,
+}
+
 pub async fn attach(
     e: &Arc<Engine>,
     g: &Global,
     ws: &str,
     socket: Option<PathBuf>,
     tcp: Option<SocketAddr>,
+    front: Front,
 ) -> anyhow::Result<()> {
     let t = g.tenant.as_str();
+    if let Some(q) = front.queues {
+        anyhow::ensure!((1..=8).contains(&q), "--queues must be 1..=8");
+    }
     let vol = e.attach(t, ws).await?;
     let socket = match socket {
         Some(s) => s,
@@ -25,14 +36,48 @@ pub async fn attach(
             std::fs::create_dir_all(&run)?;
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700))?;
-            run.join(format!("{ws}.sock"))
+            let ext = if front.vhost_user { "vhost.sock" } else { "sock" };
+            run.join(format!("{ws}.{ext}"))
         }
     };
+    let device: Arc<dyn strata_nbd::BlockDevice> = if front.read_only {
+        Arc::new(strata_nbd::ReadOnly(vol.clone()))
+    } else {
+        vol.clone()
+    };
+    if front.vhost_user {
+        let features = strata_vhost::Features {
+            read_only: front.read_only,
+            flush: vol.mode() != strata_catalog::Mode::Ephemeral,
+            num_queues: front.queues.unwrap_or(strata_vhost::DEFAULT_QUEUES),
+            queue_size: strata_vhost::DEFAULT_QUEUE_SIZE,
+            serial: format!("strata-{ws}"),
+        };
+        let served = strata_vhost::serve(
+            &socket,
+            device,
+            features,
+            tokio::runtime::Handle::current(),
+        )?;
+        if g.json {
+            println!(
+                "{}",
+                serde_json::json!({"workspace": ws, "protocol": "vhost-user", "socket": socket, "mode": vol.mode()})
+            );
+        } else {
+            println!("{}", socket.display());
+        }
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        wait_for_signal().await?;
+        tokio::task::spawn_blocking(move || served.stop()).await?;
+        return finish(e, g, &vol, ws).await;
+    }
     let exports = Exports::new();
     exports.insert(
         ws,
         Export {
-            device: vol.clone(),
+            device,
             description: format!("strata workspace {ws} ({})", vol.mode()),
             multi_conn: true,
         },
@@ -64,11 +109,7 @@ pub async fn attach(
     }
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+    wait_for_signal().await?;
     // Clients finish what they sent, then their connections close; then the final publish.
     server.shutdown().await;
     let _ = unix_task.await;
@@ -76,8 +117,27 @@ pub async fn attach(
         let _ = t.await;
     }
     let _ = std::fs::remove_file(&socket);
+    finish(e, g, &vol, ws).await
+}
+
+async fn wait_for_signal() -> anyhow::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    Ok(())
+}
+
+/// The end of a foreground attach, once nothing serves the volume: flush, final publish.
+async fn finish(
+    e: &Arc<Engine>,
+    g: &Global,
+    vol: &Arc<strata_engine::Volume>,
+    ws: &str,
+) -> anyhow::Result<()> {
     vol.flush().await?;
-    let p = e.detach(t, ws).await?;
+    let p = e.detach(&g.tenant, ws).await?;
     if !g.json {
         eprintln!(
             "detached {ws}{}",
