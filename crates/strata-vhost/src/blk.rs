@@ -27,8 +27,10 @@ pub const SIZE_MAX: u32 = 128 << 10;
 /// Largest DISCARD / WRITE_ZEROES range, in sectors (2 GiB), and segments per request.
 pub const MAX_RANGE_SECTORS: u32 = 1 << 22;
 pub const MAX_RANGE_SEGMENTS: u32 = 32;
-/// The block size advertised (`blk_size`): the engine's block.
+/// The engine's block: advertised as the physical block (topology), so guests align to it,
+/// while the logical block (`blk_size`) stays 512 bytes, as most guests and boot loaders expect.
 pub const BLOCK_SIZE: u32 = 4096;
+pub const LOGICAL_BLOCK: u32 = 512;
 /// Length of the config space we serve (`struct virtio_blk_config` up to `write_zeroes_may_unmap`).
 pub const CONFIG_LEN: usize = 60;
 /// Offset of `writeback` in the config space (the only field a driver may write).
@@ -77,11 +79,11 @@ impl Features {
         c[8..12].copy_from_slice(&SIZE_MAX.to_le_bytes());
         c[12..16].copy_from_slice(&self.seg_max().to_le_bytes());
         // geometry (16..20) unused; blk_size:
-        c[20..24].copy_from_slice(&BLOCK_SIZE.to_le_bytes());
-        // topology: physical_block_exp (4 KiB = 8 × 512), alignment 0, min_io_size in blocks.
+        c[20..24].copy_from_slice(&LOGICAL_BLOCK.to_le_bytes());
+        // topology: physical_block_exp (4 KiB = 2^3 logical blocks), alignment 0, min_io_size
+        // one physical block (in logical blocks), opt_io_size unset.
         c[24] = 3;
-        c[26..28].copy_from_slice(&1u16.to_le_bytes());
-        c[28..32].copy_from_slice(&1u32.to_le_bytes());
+        c[26..28].copy_from_slice(&((BLOCK_SIZE / LOGICAL_BLOCK) as u16).to_le_bytes());
         c[CONFIG_WRITEBACK] = u8::from(writeback && self.flush);
         c[34..36].copy_from_slice(&self.num_queues.to_le_bytes());
         for at in [36, 48] {

@@ -36,7 +36,11 @@ pub async fn attach(
             std::fs::create_dir_all(&run)?;
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700))?;
-            let ext = if front.vhost_user { "vhost.sock" } else { "sock" };
+            let ext = if front.vhost_user {
+                "vhost.sock"
+            } else {
+                "sock"
+            };
             run.join(format!("{ws}.{ext}"))
         }
     };
@@ -53,12 +57,8 @@ pub async fn attach(
             queue_size: strata_vhost::DEFAULT_QUEUE_SIZE,
             serial: format!("strata-{ws}"),
         };
-        let served = strata_vhost::serve(
-            &socket,
-            device,
-            features,
-            tokio::runtime::Handle::current(),
-        )?;
+        let served =
+            strata_vhost::serve(&socket, device, features, tokio::runtime::Handle::current())?;
         if g.json {
             println!(
                 "{}",
