@@ -125,6 +125,9 @@ fn accept_loop(
             }
         };
         if let Err(e) = daemon.start(&mut listener) {
+            if stop.load(Ordering::SeqCst) {
+                return;
+            }
             tracing::warn!(socket = name, error = %e, "vhost-user accept");
             std::thread::sleep(std::time::Duration::from_millis(100));
             continue;
@@ -137,7 +140,7 @@ fn accept_loop(
         tracing::info!(socket = name, "vhost-user frontend connected");
         match daemon.wait() {
             Ok(()) => tracing::info!(socket = name, "vhost-user frontend disconnected"),
-            Err(e) => tracing::warn!(socket = name, error = %e, "vhost-user connection ended"),
+            Err(e) => tracing::info!(socket = name, error = %e, "vhost-user connection ended"),
         }
         conn.lock().unwrap_or_else(|p| p.into_inner()).take();
         // Dropping the daemon stops its worker threads and joins them: every request they took

@@ -7,44 +7,22 @@
 //! shared, never reach the device, and never stop the backend from serving the next request or
 //! the next frontend.
 
+mod frontend;
+
 use std::os::unix::io::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use frontend::*;
 use strata_nbd::{BlockDevice, MemDevice};
 use strata_vhost::{blk, serve, Features, Served};
-use vhost::vhost_user::message::{
-    VhostUserConfigFlags, VhostUserHeaderFlag, VhostUserProtocolFeatures,
-};
-use vhost::vhost_user::{Frontend, VhostUserFrontend};
-use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
-use vm_memory::{Address, Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
-use vmm_sys_util::eventfd::EventFd;
+use vhost::vhost_user::message::VhostUserConfigFlags;
+use vhost::vhost_user::VhostUserFrontend;
+use vhost::{VhostBackend, VringConfigData};
+use vm_memory::{Bytes, GuestAddress};
 
-const QSIZE: u16 = 16;
-const DESC: u64 = 0x0;
-const AVAIL: u64 = 0x1000;
-const USED: u64 = 0x2000;
-const DATA: u64 = 0x10000;
-const MEM: usize = 40 << 20;
 const DISK: u64 = 8 << 20;
-
-const F_NEXT: u16 = 1;
-const F_WRITE: u16 = 2;
-
-struct Guest {
-    mem: GuestMemoryMmap,
-    fe: Frontend,
-    kick: EventFd,
-    _call: EventFd,
-    /// Next free descriptor and next avail slot (we never reuse within a test's few requests,
-    /// except by wrapping, which `submit` handles).
-    next_desc: u16,
-    avail_idx: u16,
-    used_seen: u16,
-    _file: std::fs::File,
-}
 
 struct Setup {
     _dir: tempfile::TempDir,
@@ -87,180 +65,6 @@ fn features(read_only: bool) -> Features {
         serial: "strata-test-serial-0123456789".into(),
     }
 }
-
-/// A well-behaved frontend's setup of queue 0 (what QEMU does at guest boot).
-fn connect(path: &Path) -> Guest {
-    let file = tempfile::tempfile().unwrap();
-    file.set_len(MEM as u64).unwrap();
-    let mem = GuestMemoryMmap::<()>::from_ranges_with_files(&[(
-        GuestAddress(0),
-        MEM,
-        Some(FileOffset::new(file.try_clone().unwrap(), 0)),
-    )])
-    .unwrap();
-    let mut fe = Frontend::connect(path, 2).unwrap();
-    // Every message acknowledged (REPLY_ACK), so a refusal shows as an error here.
-    fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
-    fe.set_owner().unwrap();
-    let features = fe.get_features().unwrap();
-    fe.set_features(features).unwrap();
-    let proto = fe.get_protocol_features().unwrap();
-    assert!(proto.contains(VhostUserProtocolFeatures::CONFIG));
-    fe.set_protocol_features(proto).unwrap();
-    let hva = mem.get_host_address(GuestAddress(0)).unwrap() as u64;
-    fe.set_mem_table(&[region(0, MEM as u64, hva, file.as_raw_fd())])
-        .unwrap();
-    fe.set_vring_num(0, QSIZE).unwrap();
-    fe.set_vring_addr(
-        0,
-        &VringConfigData {
-            queue_max_size: QSIZE,
-            queue_size: QSIZE,
-            flags: 0,
-            desc_table_addr: hva + DESC,
-            used_ring_addr: hva + USED,
-            avail_ring_addr: hva + AVAIL,
-            log_addr: None,
-        },
-    )
-    .unwrap();
-    fe.set_vring_base(0, 0).unwrap();
-    let kick = EventFd::new(0).unwrap();
-    let call = EventFd::new(0).unwrap();
-    fe.set_vring_call(0, &call).unwrap();
-    fe.set_vring_kick(0, &kick).unwrap();
-    fe.set_vring_enable(0, true).unwrap();
-    Guest {
-        mem,
-        fe,
-        kick,
-        _call: call,
-        next_desc: 0,
-        avail_idx: 0,
-        used_seen: 0,
-        _file: file,
-    }
-}
-
-fn region(
-    gpa: u64,
-    size: u64,
-    hva: u64,
-    fd: std::os::unix::io::RawFd,
-) -> VhostUserMemoryRegionInfo {
-    VhostUserMemoryRegionInfo {
-        guest_phys_addr: gpa,
-        memory_size: size,
-        userspace_addr: hva,
-        mmap_offset: 0,
-        mmap_handle: fd,
-    }
-}
-
-/// One descriptor: guest address, length, flags (`F_WRITE` for device-writable).
-type D = (u64, u32, u16);
-
-impl Guest {
-    /// Writes a chain (descriptors linked in order unless `links` overrides the next of one)
-    /// and makes it available; returns its head.
-    fn chain(&mut self, descs: &[D], links: Option<(usize, u16)>) -> u16 {
-        let head = self.next_desc;
-        for (i, &(addr, len, flags)) in descs.iter().enumerate() {
-            let idx = (head + i as u16) % QSIZE;
-            let last = i + 1 == descs.len();
-            let mut next = (idx + 1) % QSIZE;
-            let mut f = flags | if last { 0 } else { F_NEXT };
-            if let Some((at, to)) = links {
-                if at == i {
-                    next = to;
-                    f |= F_NEXT;
-                }
-            }
-            let a = GuestAddress(DESC + idx as u64 * 16);
-            self.mem.write_obj(addr, a).unwrap();
-            self.mem.write_obj(len, a.unchecked_add(8)).unwrap();
-            self.mem.write_obj(f, a.unchecked_add(12)).unwrap();
-            self.mem.write_obj(next, a.unchecked_add(14)).unwrap();
-        }
-        self.next_desc = (head + descs.len() as u16) % QSIZE;
-        let slot = self.avail_idx % QSIZE;
-        self.mem
-            .write_obj(head, GuestAddress(AVAIL + 4 + slot as u64 * 2))
-            .unwrap();
-        self.avail_idx = self.avail_idx.wrapping_add(1);
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        self.mem
-            .write_obj(self.avail_idx, GuestAddress(AVAIL + 2))
-            .unwrap();
-        head
-    }
-
-    /// Kicks and waits for `n` more used entries; returns them (id, len).
-    fn complete(&mut self, n: u16) -> Vec<(u32, u32)> {
-        self.kick.write(1).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let idx: u16 = self.mem.read_obj(GuestAddress(USED + 2)).unwrap();
-            if idx.wrapping_sub(self.used_seen) >= n {
-                break;
-            }
-            assert!(Instant::now() < deadline, "backend did not answer");
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        let mut out = vec![];
-        for _ in 0..n {
-            let e = GuestAddress(USED + 4 + (self.used_seen % QSIZE) as u64 * 8);
-            let id: u32 = self.mem.read_obj(e).unwrap();
-            let len: u32 = self.mem.read_obj(e.unchecked_add(4)).unwrap();
-            out.push((id, len));
-            self.used_seen = self.used_seen.wrapping_add(1);
-        }
-        out
-    }
-
-    /// Nothing more comes back within a short wait.
-    fn quiet(&self) -> bool {
-        self.kick.write(1).unwrap();
-        std::thread::sleep(Duration::from_millis(200));
-        let idx: u16 = self.mem.read_obj(GuestAddress(USED + 2)).unwrap();
-        idx == self.used_seen
-    }
-
-    fn header(&self, at: u64, kind: u32, sector: u64) {
-        let mut h = [0u8; 16];
-        h[0..4].copy_from_slice(&kind.to_le_bytes());
-        h[8..16].copy_from_slice(&sector.to_le_bytes());
-        self.mem.write_slice(&h, GuestAddress(at)).unwrap();
-    }
-
-    fn status(&self, at: u64) -> u8 {
-        self.mem.read_obj(GuestAddress(at)).unwrap()
-    }
-
-    /// A whole request: header at `h`, data descriptors, status byte at `s`; returns (status, used len).
-    fn request(&mut self, kind: u32, sector: u64, data: &[D]) -> (u8, u32) {
-        let (h, s) = (DATA, DATA + 0x100);
-        self.header(h, kind, sector);
-        self.mem.write_obj(0xffu8, GuestAddress(s)).unwrap();
-        let mut descs = vec![(h, 16, 0)];
-        descs.extend_from_slice(data);
-        descs.push((s, 1, F_WRITE));
-        let head = self.chain(&descs, None);
-        let used = self.complete(1);
-        assert_eq!(used[0].0, head as u32);
-        (self.status(s), used[0].1)
-    }
-}
-
-const OK: u8 = 0;
-const IOERR: u8 = 1;
-const UNSUPP: u8 = 2;
-const T_IN: u32 = 0;
-const T_OUT: u32 = 1;
-const T_FLUSH: u32 = 4;
-const T_GET_ID: u32 = 8;
-const T_DISCARD: u32 = 11;
-const T_WRITE_ZEROES: u32 = 13;
 
 #[test]
 fn well_formed_requests_do_what_virtio_blk_says() {
