@@ -138,6 +138,25 @@ async fn operations_race_a_vhost_user_writer_and_no_flushed_write_is_lost() {
         )
         .await;
     assert_eq!(s, StatusCode::CREATED, "{v}");
+    // What a tenant may send is checked; another tenant's workspace is not there for it.
+    for bad in [
+        json!({"protocol": "vhost-user", "queues": 0}),
+        json!({"protocol": "vhost-user", "queues": 9}),
+        json!({"protocol": "nbd", "queues": 2}),
+        json!({"protocol": "virtio-fs"}),
+        json!({"protocol": "vhost-user", "socket": "/etc/passwd"}),
+    ] {
+        let (s, v) = api.post("/v1/workspaces/vm/attach", bad.clone()).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{bad}: {v}");
+    }
+    let other = common::tenant(&d.url, "other").await;
+    let (s, v) = other
+        .post(
+            "/v1/workspaces/vm/attach",
+            json!({"protocol": "vhost-user"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "another tenant's workspace: {v}");
     let attach = json!({"protocol": "vhost-user"});
     let (s, a) = api.post("/v1/workspaces/vm/attach", attach.clone()).await;
     assert_eq!(s, StatusCode::OK, "{a}");
