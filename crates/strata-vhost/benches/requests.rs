@@ -73,16 +73,27 @@ fn vhost(n: u64, write: bool, rt: &tokio::runtime::Runtime) -> Row {
             let h = 0x10000 + i * 0x200;
             g.header(h, kind, (lba % blocks) * 8);
             g.chain(
-                &[(h, 16, 0), (0x100000 + i * 0x1000, 4096, flag), (h + 0x100, 1, F_WRITE)],
+                &[
+                    (h, 16, 0),
+                    (0x100000 + i * 0x1000, 4096, flag),
+                    (h + 0x100, 1, F_WRITE),
+                ],
                 None,
             );
-            lba = lba.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407) >> 11;
+            lba = lba
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407)
+                >> 11;
         }
         g.spin_complete(DEPTH);
         done += DEPTH as u64;
     }
     let row = Row {
-        name: if write { "vhost-user 4 KiB write" } else { "vhost-user 4 KiB read" },
+        name: if write {
+            "vhost-user 4 KiB write"
+        } else {
+            "vhost-user 4 KiB read"
+        },
         requests: done,
         wall: t0.elapsed().as_secs_f64(),
         cpu: server_cpu() - c0,
@@ -116,7 +127,9 @@ fn nbd(n: u64, write: bool, rt: &tokio::runtime::Runtime) -> Row {
         .build()
         .unwrap();
     client_rt.block_on(async {
-        let mut c = strata_nbd::client::Client::connect_unix(&path, "d").await.unwrap();
+        let mut c = strata_nbd::client::Client::connect_unix(&path, "d")
+            .await
+            .unwrap();
         let blocks = DISK / 4096;
         let buf = vec![7u8; 4096];
         let (c0, t0) = (server_cpu(), Instant::now());
@@ -128,10 +141,17 @@ fn nbd(n: u64, write: bool, rt: &tokio::runtime::Runtime) -> Row {
             } else {
                 c.read(off, 4096).await.unwrap();
             }
-            lba = lba.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407) >> 11;
+            lba = lba
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407)
+                >> 11;
         }
         Row {
-            name: if write { "NBD (strata) 4 KiB write, QD1" } else { "NBD (strata) 4 KiB read, QD1" },
+            name: if write {
+                "NBD (strata) 4 KiB write, QD1"
+            } else {
+                "NBD (strata) 4 KiB read, QD1"
+            },
             requests: n,
             wall: t0.elapsed().as_secs_f64(),
             cpu: server_cpu() - c0,
@@ -153,7 +173,9 @@ fn main() {
         nbd(n, false, &rt),
         nbd(n, true, &rt),
     ];
-    println!("| front-end, request | requests | µs CPU per request (serving threads) | requests/s |");
+    println!(
+        "| front-end, request | requests | µs CPU per request (serving threads) | requests/s |"
+    );
     println!("|---|---:|---:|---:|");
     for r in &rows {
         println!(
