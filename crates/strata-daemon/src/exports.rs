@@ -394,6 +394,22 @@ impl Daemon {
         .await
     }
 
+    /// Per vhost-user export: (tenant, workspace), requests taken, requests malformed.
+    pub(crate) fn vhost_stats(&self) -> Vec<(Key, u64, u64)> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.lock_exports()
+            .iter()
+            .filter_map(|(k, h)| match &h.front {
+                Front::Vhost(s) => Some((
+                    k.clone(),
+                    s.stats().requests.load(Relaxed),
+                    s.stats().malformed.load(Relaxed),
+                )),
+                Front::Nbd { .. } => None,
+            })
+            .collect()
+    }
+
     /// Drains and closes every export (orderly shutdown), returning the workspaces.
     pub(crate) async fn stop_all_exports(&self) -> Vec<Key> {
         let all: Vec<(Key, ExportHandle)> = self.lock_exports().drain().collect();

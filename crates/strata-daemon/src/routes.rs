@@ -607,6 +607,25 @@ async fn metrics(_: Scraper, State(d): D) -> impl IntoResponse {
             }
         }
     }
+    {
+        let vs = d.vhost_stats();
+        let _ = writeln!(out, "# TYPE strata_vhost_requests_total counter");
+        for ((t, w), n, _) in &vs {
+            let _ = writeln!(
+                out,
+                "strata_vhost_requests_total{{tenant=\"{t}\",workspace=\"{w}\"}} {n}"
+            );
+        }
+        // Chains a frontend sent that could not be answered (descriptors outside its memory,
+        // no status byte, a broken ring): a hostile or broken guest.
+        let _ = writeln!(out, "# TYPE strata_vhost_malformed_total counter");
+        for ((t, w), _, n) in &vs {
+            let _ = writeln!(
+                out,
+                "strata_vhost_malformed_total{{tenant=\"{t}\",workspace=\"{w}\"}} {n}"
+            );
+        }
+    }
     let r = d.engine.reader().stats();
     let _ = writeln!(
         out,

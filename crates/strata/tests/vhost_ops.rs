@@ -253,6 +253,25 @@ async fn operations_race_a_vhost_user_writer_and_no_flushed_write_is_lost() {
         counts.flushes.load(Ordering::Relaxed) > 0,
         "the writer never flushed"
     );
+    // The export's counters are on /metrics while it serves.
+    let m = api
+        .http
+        .get(format!("{}/metrics", d.url))
+        .bearer_auth(common::ADMIN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let line = m
+        .lines()
+        .find(|l| l.starts_with("strata_vhost_requests_total{tenant=\"racer\",workspace=\"vm\"}"))
+        .unwrap_or_else(|| panic!("no vhost-user counter in /metrics"));
+    assert!(
+        line.ends_with(&format!(" {BLOCKS}")) || !line.ends_with(" 0"),
+        "{line}"
+    );
     let (s, v) = api.post("/v1/workspaces/vm/detach", json!({})).await;
     assert_eq!(s, StatusCode::OK, "{v}");
 }
