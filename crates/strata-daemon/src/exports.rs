@@ -105,12 +105,22 @@ impl Daemon {
 
     /// How a restart serves this workspace again: vhost-user if a record says so, else NBD.
     pub(crate) fn resume_request(&self, tenant: &str, ws: &str) -> AttachRequest {
-        std::fs::read(self.vhost_record_path(tenant, ws))
-            .ok()
-            .and_then(|b| serde_json::from_slice::<VhostRecord>(&b).ok())
-            .filter(|r| r.tenant == tenant && r.workspace == ws)
-            .map(|r| r.req)
-            .unwrap_or_default()
+        let p = self.vhost_record_path(tenant, ws);
+        let b = match std::fs::read(&p) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return AttachRequest::default(),
+            Err(e) => {
+                tracing::warn!(tenant, workspace = ws, error = %e, "vhost-user record unreadable: resuming over NBD");
+                return AttachRequest::default();
+            }
+        };
+        match serde_json::from_slice::<VhostRecord>(&b) {
+            Ok(r) if r.tenant == tenant && r.workspace == ws => r.req,
+            _ => {
+                tracing::warn!(tenant, workspace = ws, record = %p.display(), "vhost-user record invalid: resuming over NBD");
+                AttachRequest::default()
+            }
+        }
     }
 
     fn write_vhost_record(&self, t: &str, ws: &str, req: AttachRequest) -> std::io::Result<()> {
@@ -149,6 +159,13 @@ impl Daemon {
             .map(|h| h.uri.clone())
     }
 
+    /// The protocol a workspace is exported over here, if it is.
+    pub(crate) fn export_protocol(&self, tenant: &str, ws: &str) -> Option<Protocol> {
+        self.lock_exports()
+            .get(&key(tenant, ws))
+            .map(|h| h.req.protocol)
+    }
+
     pub(crate) fn op_lock(&self, k: &Key) -> Arc<tokio::sync::Mutex<()>> {
         let mut m = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         // Forget idle entries now and then so the map follows the attached set, not history.
@@ -175,6 +192,11 @@ impl Daemon {
                     "queues must be 1..={MAX_VHOST_QUEUES}"
                 )));
             }
+        }
+        // The default spelled out, so an attach naming it matches one that did not.
+        let mut req = req;
+        if req.protocol == Protocol::VhostUser {
+            req.queues = Some(req.queues.unwrap_or(strata_vhost::DEFAULT_QUEUES));
         }
         let (d, t, ws) = (self.clone(), t.to_string(), ws.to_string());
         own_task(async move {

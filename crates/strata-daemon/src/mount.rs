@@ -357,9 +357,9 @@ impl Daemon {
                     format!("this node holds {MAX_MOUNTS} mounts already"),
                 ));
             }
-            if d.export_uri(&t, &ws).is_some() {
+            if let Some(p) = d.export_protocol(&t, &ws) {
                 return Err(conflict(format!(
-                    "workspace {ws:?} is attached over NBD: detach it before mounting"
+                    "workspace {ws:?} is attached over {p}: detach it before mounting"
                 )));
             }
             let info = MountInfo {

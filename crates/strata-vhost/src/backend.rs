@@ -38,8 +38,25 @@ pub struct Stats {
     pub batches: AtomicU64,
 }
 
-/// The driver broke the ring.
+/// The driver broke the ring (or the backend is stopping).
 struct Broken;
+
+/// Every region lies within its file.
+fn check_regions(mem: &GuestMemoryAtomic<GuestMemoryMmap>) -> io::Result<()> {
+    use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+    for r in mem.memory().iter() {
+        let Some(fo) = r.file_offset() else { continue };
+        let len = fo.file().metadata()?.len();
+        let end = fo.start().checked_add(r.len());
+        if end.is_none_or(|end| end > len) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("memory region of {} bytes at file offset {} past the end of its {len}-byte file", r.len(), fo.start()),
+            ));
+        }
+    }
+    Ok(())
+}
 
 pub struct BlkBackend {
     dev: Arc<dyn BlockDevice>,
@@ -49,6 +66,14 @@ pub struct BlkBackend {
     /// The driver's write cache setting (`writeback` in the config space); off: every write is
     /// durable when it completes.
     writeback: AtomicBool,
+    /// The driver accepted FLUSH. A driver that did not treats the disk as write-through, so
+    /// every write is then made durable before it completes.
+    flush_acked: AtomicBool,
+    /// Set by a stop: batches end, so the worker threads can be joined even under a guest
+    /// that keeps its ring full.
+    pub(crate) stopping: AtomicBool,
+    /// A broken ring was reported once on this connection (a guest cannot flood the log).
+    warned: AtomicBool,
     /// One per queue, held by a running batch.
     busy: Vec<Mutex<()>>,
     rt: tokio::runtime::Handle,
@@ -61,6 +86,9 @@ impl BlkBackend {
         BlkBackend {
             dev,
             writeback: AtomicBool::new(true),
+            flush_acked: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
+            warned: AtomicBool::new(false),
             features,
             mem: RwLock::new(GuestMemoryAtomic::new(GuestMemoryMmap::new())),
             event_idx: AtomicBool::new(false),
@@ -74,6 +102,29 @@ impl BlkBackend {
         self.mem.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// Between frontends: the next one starts from a device reset, and the last one's guest
+    /// memory is unmapped here (its pages are freed when the VMM goes).
+    pub(crate) fn reset_connection(&self) {
+        *self.mem.write().unwrap_or_else(|p| p.into_inner()) =
+            GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        self.writeback.store(true, Ordering::Release);
+        self.flush_acked.store(false, Ordering::Release);
+        self.event_idx.store(false, Ordering::Release);
+        self.warned.store(false, Ordering::Release);
+    }
+
+    fn broken(&self, why: &dyn std::fmt::Display) {
+        self.stats.malformed.fetch_add(1, Ordering::Relaxed);
+        if !self.warned.swap(true, Ordering::AcqRel) {
+            tracing::warn!(error = %why, "virtqueue broken by the driver: not served until it is reset");
+        }
+    }
+
+    /// Descriptors one chain may have: the header, `seg_max` data segments, the status.
+    fn max_descriptors(&self) -> usize {
+        self.features.seg_max() as usize + 2
+    }
+
     /// Runs batches until the ring is empty (re-checked after notifications are re-enabled,
     /// so a chain made available meanwhile is not left waiting for a kick that never comes).
     /// A ring the driver broke (an avail index more than a ring ahead) is left alone until
@@ -82,32 +133,49 @@ impl BlkBackend {
         if !self.event_idx.load(Ordering::Acquire) {
             return self.batches(vring).map(drop);
         }
+        // Rounds in a row that found the ring "not empty" yet popped nothing: once is a chain
+        // made available between the pop and re-enabling notifications; twice is a ring whose
+        // entries cannot be read (placed at the end of guest memory, say).
+        let mut empty = 0;
         loop {
             vring.disable_notification().map_err(io::Error::other)?;
-            if let Err(Broken) = self.batches(vring)? {
-                return Ok(());
+            match self.batches(vring)? {
+                Err(Broken) => return Ok(()),
+                Ok(0) => empty += 1,
+                Ok(_) => empty = 0,
             }
             if !vring.enable_notification().map_err(io::Error::other)? {
+                return Ok(());
+            }
+            if empty >= 2 {
+                self.broken(&"available entries that cannot be read");
                 return Ok(());
             }
         }
     }
 
-    fn batches(&self, vring: &VringRwLock) -> io::Result<Result<(), Broken>> {
+    /// Returns the chains it took, or `Broken` (the ring, or a stop: the queue is left alone).
+    fn batches(&self, vring: &VringRwLock) -> io::Result<Result<usize, Broken>> {
         let atomic = self.memory();
+        let mut taken = 0;
         loop {
+            if self.stopping.load(Ordering::Acquire) {
+                return Ok(Err(Broken));
+            }
             let mem = atomic.memory();
             let mut pending: Vec<(u16, Request<'_>)> = vec![];
             let mut used: Vec<(u16, u32)> = vec![];
             let mut bytes = 0usize;
             let mut broken = false;
             let size = self.dev.size();
-            while bytes < BATCH_BYTES {
+            let serial = self.features.serial.as_str();
+            // At most a ring's worth of chains per batch, and BATCH_BYTES of data.
+            let max_chains = self.features.queue_size as usize;
+            while bytes < BATCH_BYTES && pending.len() + used.len() < max_chains {
                 let chain = match vring.get_mut().get_queue_mut().iter(mem.clone()) {
                     Ok(mut it) => it.next(),
                     Err(e) => {
-                        self.stats.malformed.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(error = %e, "virtqueue broken by the driver: not served until reset");
+                        self.broken(&e);
                         broken = true;
                         None
                     }
@@ -115,10 +183,15 @@ impl BlkBackend {
                 let Some(chain) = chain else { break };
                 let head = chain.head_index();
                 self.stats.requests.fetch_add(1, Ordering::Relaxed);
-                let parsed = Reader::new(&*mem, chain.clone())
-                    .and_then(|r| Ok((r, Writer::new(&*mem, chain)?)))
-                    .map_err(|_| blk::Malformed("descriptor outside guest memory"))
-                    .and_then(|(r, w)| Request::parse(r, w, size, &self.features));
+                // Bounded before anything is held per descriptor.
+                let parsed = if chain.clone().count() > self.max_descriptors() {
+                    Err(blk::Malformed("more descriptors than seg_max allows"))
+                } else {
+                    Reader::new(&*mem, chain.clone())
+                        .and_then(|r| Ok((r, Writer::new(&*mem, chain)?)))
+                        .map_err(|_| blk::Malformed("descriptor outside guest memory"))
+                        .and_then(|(r, w)| Request::parse(r, w, size, &self.features, serial))
+                };
                 match parsed {
                     Ok(req) => {
                         bytes += req.cost();
@@ -136,17 +209,26 @@ impl BlkBackend {
                 }
             }
             if pending.is_empty() && used.is_empty() {
-                return Ok(if broken { Err(Broken) } else { Ok(()) });
+                return Ok(if broken { Err(Broken) } else { Ok(taken) });
             }
+            taken += pending.len() + used.len();
             self.stats.batches.fetch_add(1, Ordering::Relaxed);
-            let (dev, wb, serial) = (&*self.dev, &self.writeback, self.features.serial.as_str());
+            // Write-through unless the driver both accepted FLUSH and keeps its cache on.
+            let fua = !(self.flush_acked.load(Ordering::Acquire)
+                && self.writeback.load(Ordering::Acquire));
+            let dev = &*self.dev;
             let heads: Vec<u16> = pending.iter().map(|(h, _)| *h).collect();
             let lens = self.rt.block_on(futures::future::join_all(
-                pending.into_iter().map(|(_, r)| r.run(dev, wb, serial)),
+                pending.into_iter().map(|(_, r)| r.run(dev, fua)),
             ));
             used.extend(heads.into_iter().zip(lens));
             for (head, len) in used {
-                vring.add_used(head, len).map_err(io::Error::other)?;
+                // A head the driver made up (past the ring): nothing to complete; the rest of
+                // the batch is still returned.
+                if let Err(e) = vring.add_used(head, len) {
+                    self.broken(&e);
+                    broken = true;
+                }
             }
             if vring.needs_notification().map_err(io::Error::other)? {
                 vring.signal_used_queue()?;
@@ -178,6 +260,13 @@ impl VhostUserBackend for BlkBackend {
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
         VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ
     }
+    fn acked_features(&self, features: u64) {
+        use virtio_bindings::bindings::virtio_blk::VIRTIO_BLK_F_FLUSH;
+        self.flush_acked.store(
+            features & (1u64 << VIRTIO_BLK_F_FLUSH) != 0,
+            Ordering::Release,
+        );
+    }
     fn reset_device(&self) {
         self.writeback.store(true, Ordering::Release);
     }
@@ -200,10 +289,27 @@ impl VhostUserBackend for BlkBackend {
                 "read-only config field",
             ));
         }
-        self.writeback.store(buf[0] != 0, Ordering::Release);
+        let on = buf[0] != 0;
+        // Write-back to write-through: what was written back so far is made durable first,
+        // since the driver will send no FLUSH for it.
+        if self.writeback.swap(on, Ordering::AcqRel) && !on {
+            if let Err(e) = self.rt.block_on(self.dev.flush()) {
+                tracing::warn!(error = %e.msg, "flush at the switch to write-through failed");
+                self.writeback.store(true, Ordering::Release);
+                return Err(io::Error::other(e.msg));
+            }
+        }
         Ok(())
     }
     fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemoryMmap>) -> io::Result<()> {
+        // A region larger than its file would fault (SIGBUS, the whole daemon) on first touch:
+        // refused, and the rings see no memory at all until a good table comes.
+        if let Err(e) = check_regions(&mem) {
+            let _ = mem.lock().map(|g| g.replace(GuestMemoryMmap::new()));
+            *self.mem.write().unwrap_or_else(|p| p.into_inner()) =
+                GuestMemoryAtomic::new(GuestMemoryMmap::new());
+            return Err(e);
+        }
         *self.mem.write().unwrap_or_else(|p| p.into_inner()) = mem;
         Ok(())
     }

@@ -12,7 +12,6 @@
 //! bytes a batch holds at once are bounded by the caller (`Request::cost`).
 
 use std::io::{Read, Write};
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use strata_nbd::BlockDevice;
 use virtio_bindings::bindings::virtio_blk::*;
@@ -67,7 +66,7 @@ impl Features {
         f
     }
 
-    fn seg_max(&self) -> u32 {
+    pub(crate) fn seg_max(&self) -> u32 {
         let by_size = (MAX_REQUEST_BYTES as u32) / SIZE_MAX;
         (self.queue_size as u32).saturating_sub(2).clamp(1, by_size)
     }
@@ -100,9 +99,11 @@ impl Features {
 /// A parsed request: what to do, with the guest buffers it answers into.
 pub struct Request<'a> {
     op: Op,
-    /// Device-writable data (IN, GET_ID), then the status byte.
+    /// Device-writable data of a read (held only for IN).
     data_out: Option<Writer<'a>>,
     status: Writer<'a>,
+    /// Bytes already written into device-writable data at parse time (GET_ID).
+    written: u32,
 }
 
 enum Op {
@@ -115,7 +116,6 @@ enum Op {
         data: Vec<u8>,
     },
     Flush,
-    GetId,
     /// DISCARD (`zeroes` false) or WRITE_ZEROES: (offset, bytes) ranges.
     Ranges {
         zeroes: bool,
@@ -140,6 +140,7 @@ impl<'a> Request<'a> {
         mut writer: Writer<'a>,
         size: u64,
         f: &Features,
+        serial: &str,
     ) -> Result<Request<'a>, Malformed> {
         let writable = writer.available_bytes();
         if writable == 0 {
@@ -150,24 +151,38 @@ impl<'a> Request<'a> {
             .map_err(|_| Malformed("status byte"))?;
         // Data writable by the device: everything before the status byte.
         let data_len = writable - 1;
-        let mut data_out = Some(writer);
         let mut hdr = [0u8; 16];
+        let mut written = 0;
         let op = match reader.read_exact(&mut hdr) {
             Err(_) => Op::Status(VIRTIO_BLK_S_IOERR as u8),
             Ok(()) => {
                 let kind = u32::from_le_bytes(hdr[0..4].try_into().expect("4 bytes"));
                 let sector = u64::from_le_bytes(hdr[8..16].try_into().expect("8 bytes"));
-                let op = Self::op(kind, sector, &mut reader, data_len, size, f);
-                if !matches!(op, Op::Read { .. } | Op::GetId) {
-                    data_out = None;
+                if kind == VIRTIO_BLK_T_GET_ID {
+                    // Answered now: nothing of the chain is held while the batch runs.
+                    let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
+                    let s = serial.as_bytes();
+                    let n = s.len().min(id.len());
+                    id[..n].copy_from_slice(&s[..n]);
+                    let n = writer.available_bytes().min(id.len());
+                    match writer.write_all(&id[..n]) {
+                        Ok(()) => {
+                            written = n as u32;
+                            Op::Status(VIRTIO_BLK_S_OK as u8)
+                        }
+                        Err(_) => Op::Status(VIRTIO_BLK_S_IOERR as u8),
+                    }
+                } else {
+                    Self::op(kind, sector, &mut reader, data_len, size, f)
                 }
-                op
             }
         };
+        let data_out = matches!(op, Op::Read { .. }).then_some(writer);
         Ok(Request {
             op,
             data_out,
             status,
+            written,
         })
     }
 
@@ -210,7 +225,6 @@ impl<'a> Request<'a> {
                 }
             }
             VIRTIO_BLK_T_FLUSH => Op::Flush,
-            VIRTIO_BLK_T_GET_ID => Op::GetId,
             VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => {
                 if f.read_only {
                     return ioerr;
@@ -268,16 +282,15 @@ impl<'a> Request<'a> {
     }
 
     /// Runs the request and writes its answer into guest memory; returns the used length.
-    /// `writeback` false (the driver turned the cache off): every write is made durable before
-    /// it completes.
-    pub async fn run(self, dev: &dyn BlockDevice, writeback: &AtomicBool, serial: &str) -> Used {
-        let fua = !writeback.load(Ordering::Acquire);
+    /// `fua`: the disk is write-through to this driver (it turned its cache off, or never
+    /// accepted FLUSH): every write is made durable before it completes.
+    pub async fn run(self, dev: &dyn BlockDevice, fua: bool) -> Used {
         let Request {
             op,
             data_out,
             mut status,
+            mut written,
         } = self;
-        let mut written = 0u32;
         let ok = VIRTIO_BLK_S_OK as u8;
         let ioerr = VIRTIO_BLK_S_IOERR as u8;
         let st = match op {
@@ -310,24 +323,6 @@ impl<'a> Request<'a> {
                     ioerr
                 }
             },
-            Op::GetId => {
-                let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
-                let s = serial.as_bytes();
-                let n = s.len().min(id.len());
-                id[..n].copy_from_slice(&s[..n]);
-                match data_out {
-                    Some(mut w) => {
-                        let n = w.available_bytes().min(id.len());
-                        if w.write_all(&id[..n]).is_ok() {
-                            written = n as u32;
-                            ok
-                        } else {
-                            ioerr
-                        }
-                    }
-                    None => ioerr,
-                }
-            }
             Op::Ranges { zeroes, ranges } => {
                 let mut st = ok;
                 for (off, len) in ranges {

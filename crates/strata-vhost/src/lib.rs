@@ -146,6 +146,7 @@ fn accept_loop(
         // Dropping the daemon stops its worker threads and joins them: every request they took
         // is answered (or abandoned with the connection) before the next frontend is accepted.
         drop(daemon);
+        backend.reset_connection();
     }
 }
 
@@ -169,6 +170,7 @@ impl Served {
 impl Drop for Served {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
+        self.backend.stopping.store(true, Ordering::SeqCst);
         if let Some(h) = self.conn.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
             h.shutdown();
         }

@@ -20,7 +20,7 @@ use strata_vhost::{blk, serve, Features, Served};
 use vhost::vhost_user::message::VhostUserConfigFlags;
 use vhost::vhost_user::VhostUserFrontend;
 use vhost::{VhostBackend, VringConfigData};
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 const DISK: u64 = 8 << 20;
 
@@ -268,6 +268,93 @@ fn hostile_requests_fail_alone() {
     assert_eq!(g.request(T_FLUSH, 0, &[]), (OK, 1));
 }
 
+/// CPU seconds this process has used (utime + stime, 100 Hz ticks).
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+    let f: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    (f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()) as f64 / 100.0
+}
+
+/// A device that counts write-through writes and flushes.
+struct Counting {
+    dev: Arc<MemDevice>,
+    fua: std::sync::atomic::AtomicU64,
+    flushes: std::sync::atomic::AtomicU64,
+}
+
+#[async_trait::async_trait]
+impl BlockDevice for Counting {
+    fn size(&self) -> u64 {
+        self.dev.size()
+    }
+    async fn read(&self, o: u64, l: u32) -> strata_nbd::device::DevResult<Vec<u8>> {
+        self.dev.read(o, l).await
+    }
+    async fn write(&self, o: u64, d: &[u8], fua: bool) -> strata_nbd::device::DevResult<()> {
+        if fua {
+            self.fua.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.dev.write(o, d, fua).await
+    }
+    async fn flush(&self) -> strata_nbd::device::DevResult<()> {
+        self.flushes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.dev.flush().await
+    }
+    async fn trim(&self, o: u64, l: u32, fua: bool) -> strata_nbd::device::DevResult<()> {
+        self.dev.trim(o, l, fua).await
+    }
+    async fn write_zeroes(&self, o: u64, l: u32, fua: bool) -> strata_nbd::device::DevResult<()> {
+        self.dev.write_zeroes(o, l, fua).await
+    }
+    async fn allocation(&self, o: u64, l: u32) -> strata_nbd::device::DevResult<Vec<(u64, bool)>> {
+        self.dev.allocation(o, l).await
+    }
+}
+
+#[test]
+fn a_driver_without_a_write_back_cache_gets_durable_writes() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.sock");
+    let dev = Arc::new(Counting {
+        dev: MemDevice::new(DISK),
+        fua: Default::default(),
+        flushes: Default::default(),
+    });
+    let _served = serve(&path, dev.clone(), features(false), rt.handle().clone()).unwrap();
+    // A driver that never accepts FLUSH (a write-through disk to it): every write durable.
+    let mut g = frontend::try_connect_with(&path, !(1u64 << 9)).unwrap();
+    assert_eq!(g.request(T_OUT, 0, &[(0x30000, 4096, 0)]), (OK, 1));
+    assert_eq!(dev.fua.load(Relaxed), 1);
+    drop(g);
+    // With FLUSH accepted and the cache on, writes wait for the FLUSH.
+    let mut g = connect(&path);
+    assert_eq!(g.request(T_OUT, 0, &[(0x30000, 4096, 0)]), (OK, 1));
+    assert_eq!(dev.fua.load(Relaxed), 1);
+    // Turning the cache off flushes what was written back, then writes go through.
+    let f0 = dev.flushes.load(Relaxed);
+    g.fe.set_config(
+        blk::CONFIG_WRITEBACK as u32,
+        VhostUserConfigFlags::WRITABLE,
+        &[0],
+    )
+    .unwrap();
+    assert_eq!(dev.flushes.load(Relaxed), f0 + 1);
+    assert_eq!(g.request(T_OUT, 8, &[(0x30000, 4096, 0)]), (OK, 1));
+    assert_eq!(dev.fua.load(Relaxed), 2);
+    drop(g);
+    // The next frontend starts from a reset device: cache on again.
+    let mut g = connect(&path);
+    assert_eq!(g.request(T_OUT, 16, &[(0x30000, 4096, 0)]), (OK, 1));
+    assert_eq!(dev.fua.load(Relaxed), 2);
+}
+
 #[test]
 fn read_only_device_refuses_every_change() {
     let s = setup(true);
@@ -324,6 +411,42 @@ fn hostile_frontend_messages_leave_the_backend_serving() {
         let _ = g.kick.write(1);
         std::thread::sleep(Duration::from_millis(200));
         // The frontend goes away without a word.
+    }
+    // A ring whose avail index is readable but whose entries lie past the end of memory
+    // (EVENT_IDX negotiated): the worker must not spin on it.
+    {
+        let mut g = connect(&s.path);
+        let hva = g.mem.get_host_address(GuestAddress(0)).unwrap() as u64;
+        g.fe.set_vring_enable(0, false).unwrap();
+        let _ = g.fe.get_vring_base(0);
+        g.fe.set_vring_num(0, QSIZE).unwrap();
+        g.fe.set_vring_addr(
+            0,
+            &VringConfigData {
+                queue_max_size: QSIZE,
+                queue_size: QSIZE,
+                flags: 0,
+                desc_table_addr: hva + DESC,
+                used_ring_addr: hva + USED,
+                avail_ring_addr: hva + MEM as u64 - 4,
+                log_addr: None,
+            },
+        )
+        .unwrap();
+        g.fe.set_vring_base(0, 0).unwrap();
+        g.fe.set_vring_kick(0, &g.kick).unwrap();
+        g.fe.set_vring_enable(0, true).unwrap();
+        g.mem.write_obj(3u16, GuestAddress(MEM as u64 - 2)).unwrap();
+        let before = cpu_seconds();
+        for _ in 0..5 {
+            let _ = g.kick.write(1);
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let spent = cpu_seconds() - before;
+        assert!(
+            spent < 0.5,
+            "{spent} s of CPU in 1 s: a worker spins on the broken ring"
+        );
     }
     // The next frontend is served as if nothing happened.
     let mut g = connect(&s.path);

@@ -44,6 +44,11 @@ pub fn connect(path: &Path) -> Guest {
 
 /// [`connect`], failing softly (the socket is not there yet, the backend went away).
 pub fn try_connect(path: &Path) -> vhost::Result<Guest> {
+    try_connect_with(path, !0)
+}
+
+/// [`try_connect`] acknowledging only the offered features in `mask`.
+pub fn try_connect_with(path: &Path, mask: u64) -> vhost::Result<Guest> {
     let file = tempfile::tempfile().unwrap();
     file.set_len(MEM as u64).unwrap();
     let mem = GuestMemoryMmap::<()>::from_ranges_with_files(&[(
@@ -56,7 +61,7 @@ pub fn try_connect(path: &Path) -> vhost::Result<Guest> {
     // Every message acknowledged (REPLY_ACK), so a refusal shows as an error here.
     fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
     fe.set_owner()?;
-    let features = fe.get_features()?;
+    let features = fe.get_features()? & mask;
     fe.set_features(features)?;
     let proto = fe.get_protocol_features()?;
     assert!(proto.contains(VhostUserProtocolFeatures::CONFIG));
