@@ -223,7 +223,7 @@ async fn operations_race_a_vhost_user_writer_and_no_flushed_write_is_lost() {
 
     // Read every block back over vhost-user, on a fresh connection.
     let mut g = reconnect(&socket, Duration::from_secs(30));
-    let mut l = ledger.lock().unwrap();
+    let mut l = std::mem::replace(&mut *ledger.lock().unwrap(), Ledger::new(0));
     let (mut lost, mut torn) = (vec![], 0);
     for lba in 0..BLOCKS {
         let (st, _) = g.request(T_IN, lba * 8, &[(BUF, 4096, F_WRITE)]);
