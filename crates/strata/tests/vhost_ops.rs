@@ -275,3 +275,104 @@ async fn operations_race_a_vhost_user_writer_and_no_flushed_write_is_lost() {
     let (s, v) = api.post("/v1/workspaces/vm/detach", json!({})).await;
     assert_eq!(s, StatusCode::OK, "{v}");
 }
+
+fn cli(data: &Path, env: &[(&str, &str)], args: &[&str]) -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_strata"));
+    c.arg("--data")
+        .arg(data)
+        .args(args)
+        .envs(env.iter().copied());
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ws_attach_vhost_user_in_the_foreground_and_through_a_daemon() {
+    use std::io::BufRead;
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("local");
+    let ok = cli(&data, &[], &["ws", "create", "w", "--size", "8MiB"])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "ws create");
+    // Without a daemon: serves until SIGTERM, then publishes.
+    let mut child = cli(&data, &[], &["ws", "attach", "w", "--vhost-user"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let socket = PathBuf::from(line.trim());
+    assert!(socket.ends_with("w.vhost.sock"), "{line}");
+    let mut g = reconnect(&socket, Duration::from_secs(30));
+    g.mem.write_slice(&block(7, 3), GuestAddress(BUF)).unwrap();
+    assert_eq!(g.request(T_OUT, 3 * 8, &[(BUF, 4096, 0)]).0, OK);
+    assert_eq!(g.request(T_FLUSH, 0, &[]).0, OK);
+    drop(g);
+    let ok = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    assert!(
+        child.wait().unwrap().success(),
+        "attach exits cleanly on SIGTERM"
+    );
+    assert!(!socket.exists(), "socket removed");
+    let out = tmp.path().join("w.raw");
+    let ok = cli(&data, &[], &["ws", "export", "w", out.to_str().unwrap()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "ws export");
+    let img = std::fs::read(&out).unwrap();
+    assert_eq!(&img[3 * 4096..4 * 4096], block(7, 3).as_slice());
+
+    // Through a daemon: the CLI prints the socket; --queues outside 1..=8 is refused.
+    let d = common::serve(&tmp.path().join("daemon"), &[]);
+    let api = common::tenant(&d.url, "cli").await;
+    let (s, v) = api
+        .post("/v1/workspaces", json!({"name": "vm", "size": 8u64 << 20}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let env = [
+        ("STRATA_URL", d.url.as_str()),
+        ("STRATA_TOKEN", api.token.as_str()),
+    ];
+    let o = cli(
+        &data,
+        &env,
+        &["ws", "attach", "vm", "--vhost-user", "--queues", "1"],
+    )
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let socket = PathBuf::from(String::from_utf8_lossy(&o.stdout).trim());
+    assert!(
+        socket.exists() && socket.to_string_lossy().ends_with(".vhost.sock"),
+        "{socket:?}"
+    );
+    let o = cli(
+        &data,
+        &env,
+        &["ws", "attach", "vm", "--vhost-user", "--queues", "9"],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let o = cli(&data, &env, &["ws", "attach", "vm"]).output().unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "NBD while vhost-user serves: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
