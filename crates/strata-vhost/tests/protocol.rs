@@ -32,12 +32,25 @@ struct Setup {
     rt: tokio::runtime::Runtime,
 }
 
-fn setup(read_only: bool) -> Setup {
-    let rt = tokio::runtime::Builder::new_multi_thread()
+/// The whole config space, as a driver reads it.
+fn config(g: &mut Guest) -> Vec<u8> {
+    let all = [0; blk::CONFIG_LEN];
+    let flags = VhostUserConfigFlags::WRITABLE;
+    g.fe.get_config(0, blk::CONFIG_LEN as u32, flags, &all)
+        .unwrap()
+        .1
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+fn setup(read_only: bool) -> Setup {
+    let rt = runtime();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("vhost.sock");
     let dev = MemDevice::new(DISK);
@@ -71,14 +84,7 @@ fn well_formed_requests_do_what_virtio_blk_says() {
     let s = setup(false);
     let mut g = connect(&s.path);
     // Config space: capacity in sectors, writeback on, two queues.
-    let (_, cfg) =
-        g.fe.get_config(
-            0,
-            blk::CONFIG_LEN as u32,
-            VhostUserConfigFlags::WRITABLE,
-            &[0; blk::CONFIG_LEN],
-        )
-        .unwrap();
+    let cfg = config(&mut g);
     assert_eq!(
         u64::from_le_bytes(cfg[0..8].try_into().unwrap()),
         DISK / 512
@@ -146,14 +152,7 @@ fn well_formed_requests_do_what_virtio_blk_says() {
         &[0],
     )
     .unwrap();
-    let (_, cfg) =
-        g.fe.get_config(
-            0,
-            blk::CONFIG_LEN as u32,
-            VhostUserConfigFlags::WRITABLE,
-            &[0; blk::CONFIG_LEN],
-        )
-        .unwrap();
+    let cfg = config(&mut g);
     assert_eq!(cfg[blk::CONFIG_WRITEBACK], 0);
     // Any other field is read-only.
     assert!(g
@@ -315,11 +314,7 @@ impl BlockDevice for Counting {
 #[test]
 fn a_driver_without_a_write_back_cache_gets_durable_writes() {
     use std::sync::atomic::Ordering::Relaxed;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c.sock");
     let dev = Arc::new(Counting {
@@ -420,19 +415,8 @@ fn hostile_frontend_messages_leave_the_backend_serving() {
         g.fe.set_vring_enable(0, false).unwrap();
         let _ = g.fe.get_vring_base(0);
         g.fe.set_vring_num(0, QSIZE).unwrap();
-        g.fe.set_vring_addr(
-            0,
-            &VringConfigData {
-                queue_max_size: QSIZE,
-                queue_size: QSIZE,
-                flags: 0,
-                desc_table_addr: hva + DESC,
-                used_ring_addr: hva + USED,
-                avail_ring_addr: hva + MEM as u64 - 4,
-                log_addr: None,
-            },
-        )
-        .unwrap();
+        g.fe.set_vring_addr(0, &ring(hva, hva + MEM as u64 - 4))
+            .unwrap();
         g.fe.set_vring_base(0, 0).unwrap();
         g.fe.set_vring_kick(0, &g.kick).unwrap();
         g.fe.set_vring_enable(0, true).unwrap();

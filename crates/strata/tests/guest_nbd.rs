@@ -22,18 +22,7 @@ fn kernel_nbd_mount_survives_daemon_restart_and_power_cut_in_a_real_guest() {
     let Some(kit) = ready("kernel NBD guest test") else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().to_path_buf();
-    // STRATA_GUEST_KEEP=1 keeps the directory (logs, initramfs, data disk) for a look after.
-    let _tmp = if std::env::var("STRATA_GUEST_KEEP").is_ok() {
-        let _ = tmp.keep();
-        None
-    } else {
-        Some(tmp)
-    };
-    eprintln!("guest work directory: {}", root.display());
-    let work = root.as_path().join("work");
-    std::fs::create_dir_all(&work).unwrap();
+    let (root, work, _keep) = kit::workdir();
     std::fs::copy(env!("CARGO_BIN_EXE_strata"), work.join("strata")).unwrap();
     std::fs::write(work.join("nbd.sh"), include_str!("guest/nbd.sh")).unwrap();
     let disk = root.as_path().join("data.img");

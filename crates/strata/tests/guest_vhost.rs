@@ -39,17 +39,7 @@ async fn vhost_user_disk_survives_power_cut_and_daemon_kill_and_restores_a_live_
     let Some(kit) = ready("vhost-user guest test") else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().to_path_buf();
-    let _tmp = if std::env::var("STRATA_GUEST_KEEP").is_ok() {
-        let _ = tmp.keep();
-        None
-    } else {
-        Some(tmp)
-    };
-    eprintln!("guest work directory: {}", root.display());
-    let work = root.join("work");
-    std::fs::create_dir_all(&work).unwrap();
+    let (root, work, _keep) = kit::workdir();
     std::fs::write(work.join("vhost.sh"), include_str!("guest/vhost.sh")).unwrap();
     let data = root.join("data");
     let modules = [

@@ -69,18 +69,7 @@ pub fn try_connect_with(path: &Path, mask: u64) -> vhost::Result<Guest> {
     let hva = mem.get_host_address(GuestAddress(0)).unwrap() as u64;
     fe.set_mem_table(&[region(0, MEM as u64, hva, file.as_raw_fd())])?;
     fe.set_vring_num(0, QSIZE)?;
-    fe.set_vring_addr(
-        0,
-        &VringConfigData {
-            queue_max_size: QSIZE,
-            queue_size: QSIZE,
-            flags: 0,
-            desc_table_addr: hva + DESC,
-            used_ring_addr: hva + USED,
-            avail_ring_addr: hva + AVAIL,
-            log_addr: None,
-        },
-    )?;
+    fe.set_vring_addr(0, &ring(hva, hva + AVAIL))?;
     fe.set_vring_base(0, 0)?;
     let kick = EventFd::new(0).unwrap();
     let call = EventFd::new(0).unwrap();
@@ -97,6 +86,19 @@ pub fn try_connect_with(path: &Path, mask: u64) -> vhost::Result<Guest> {
         used_seen: 0,
         _file: file,
     })
+}
+
+/// Queue 0's ring addresses (frontend virtual addresses) with the avail ring at `avail`.
+pub fn ring(hva: u64, avail: u64) -> VringConfigData {
+    VringConfigData {
+        queue_max_size: QSIZE,
+        queue_size: QSIZE,
+        flags: 0,
+        desc_table_addr: hva + DESC,
+        used_ring_addr: hva + USED,
+        avail_ring_addr: avail,
+        log_addr: None,
+    }
 }
 
 pub fn region(

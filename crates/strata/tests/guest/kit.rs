@@ -50,6 +50,24 @@ fn kit() -> Option<Kit> {
         .then_some(Kit { kernel, modules })
 }
 
+/// A test's directory (with `work/` for the guest's 9p share), and what keeps it: the
+/// directory is removed when that is dropped, unless STRATA_GUEST_KEEP=1 keeps it (logs,
+/// initramfs, disks) for a look after.
+pub fn workdir() -> (PathBuf, PathBuf, Option<tempfile::TempDir>) {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().to_path_buf();
+    let keep = if std::env::var("STRATA_GUEST_KEEP").is_ok() {
+        let _ = tmp.keep();
+        None
+    } else {
+        Some(tmp)
+    };
+    eprintln!("guest work directory: {}", root.display());
+    let work = root.join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    (root, work, keep)
+}
+
 pub fn ready(what: &str) -> Option<Kit> {
     let missing: Vec<&str> = [
         "qemu-system-x86_64",
