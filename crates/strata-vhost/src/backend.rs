@@ -18,7 +18,7 @@ use virtio_bindings::bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::bindings::virtio_ring::{
     VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
 };
-use virtio_queue::{QueueOwnedT, Reader, Writer};
+use virtio_queue::QueueOwnedT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
@@ -120,11 +120,6 @@ impl BlkBackend {
         }
     }
 
-    /// Descriptors one chain may have: the header, `seg_max` data segments, the status.
-    fn max_descriptors(&self) -> usize {
-        self.features.seg_max() as usize + 2
-    }
-
     /// Runs batches until the ring is empty (re-checked after notifications are re-enabled,
     /// so a chain made available meanwhile is not left waiting for a kick that never comes).
     /// A ring the driver broke (an avail index more than a ring ahead) is left alone until
@@ -168,7 +163,6 @@ impl BlkBackend {
             let mut bytes = 0usize;
             let mut broken = false;
             let size = self.dev.size();
-            let serial = self.features.serial.as_str();
             // At most a ring's worth of chains per batch, and BATCH_BYTES of data.
             let max_chains = self.features.queue_size as usize;
             while bytes < BATCH_BYTES && pending.len() + used.len() < max_chains {
@@ -183,15 +177,7 @@ impl BlkBackend {
                 let Some(chain) = chain else { break };
                 let head = chain.head_index();
                 self.stats.requests.fetch_add(1, Ordering::Relaxed);
-                // Bounded before anything is held per descriptor.
-                let parsed = if chain.clone().count() > self.max_descriptors() {
-                    Err(blk::Malformed("more descriptors than seg_max allows"))
-                } else {
-                    Reader::new(&*mem, chain.clone())
-                        .and_then(|r| Ok((r, Writer::new(&*mem, chain)?)))
-                        .map_err(|_| blk::Malformed("descriptor outside guest memory"))
-                        .and_then(|(r, w)| Request::parse(r, w, size, &self.features, serial))
-                };
+                let parsed = blk::parse_chain(&mem, chain, size, &self.features);
                 match parsed {
                     Ok(req) => {
                         bytes += req.cost();

@@ -15,7 +15,8 @@ use std::io::{Read, Write};
 
 use strata_nbd::BlockDevice;
 use virtio_bindings::bindings::virtio_blk::*;
-use virtio_queue::{Reader, Writer};
+use virtio_queue::{DescriptorChain, Reader, Writer};
+use vm_memory::GuestMemoryMmap;
 
 /// Sector of the virtio-blk protocol (the `sector` field and `capacity` count these).
 pub const SECTOR: u64 = 512;
@@ -133,9 +134,31 @@ pub struct Malformed(pub &'static str);
 /// The outcome of one request: bytes written into device-writable buffers (the used length).
 pub type Used = u32;
 
+/// Parses one available chain: bounded to `seg_max` + 2 descriptors before anything is held
+/// per descriptor, every buffer checked against guest memory, then [`Request::parse`].
+pub fn parse_chain<'a, M>(
+    mem: &'a GuestMemoryMmap,
+    chain: DescriptorChain<M>,
+    size: u64,
+    f: &Features,
+) -> Result<Request<'a>, Malformed>
+where
+    M: std::ops::Deref + Clone,
+    M::Target: vm_memory::GuestMemory + Sized,
+{
+    if chain.clone().count() > f.seg_max() as usize + 2 {
+        return Err(Malformed("more descriptors than seg_max allows"));
+    }
+    let reader = Reader::new(mem, chain.clone())
+        .map_err(|_| Malformed("descriptor outside guest memory"))?;
+    let writer =
+        Writer::new(mem, chain).map_err(|_| Malformed("descriptor outside guest memory"))?;
+    Request::parse(reader, writer, size, f, &f.serial)
+}
+
 impl<'a> Request<'a> {
     /// Parses one chain's buffers. `size` is the device's size now.
-    pub fn parse(
+    fn parse(
         mut reader: Reader<'a>,
         mut writer: Writer<'a>,
         size: u64,
