@@ -39,6 +39,7 @@ case "$1" in
   [ -b /dev/vda ] || fail "no vhost-user disk"
   step "disk $(cat /sys/block/vda/size) sectors, serial $(cat /sys/block/vda/serial 2>/dev/null), blocks $(cat /sys/block/vda/queue/logical_block_size)/$(cat /sys/block/vda/queue/physical_block_size)"
   [ "$(cat /sys/block/vda/queue/physical_block_size)" = 4096 ] || fail "physical block size"
+  [ "$(ls /sys/block/vda/mq | wc -l)" = 2 ] || fail "the guest does not use both queues"
   [ "$(cat /sys/block/vda/queue/write_cache)" = "write back" ] || fail "write cache not write back: FLUSH not offered"
   mkfs.ext4 -q -F /dev/vda || fail mkfs
   mkdir -p /tmp/mnt-a
