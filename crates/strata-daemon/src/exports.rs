@@ -53,7 +53,7 @@ enum Front {
 
 /// Longest unix socket path (`sun_path` holds 108 bytes with its terminating NUL).
 const SUN_PATH_MAX: usize = 107;
-const SOCKET_NAME_LEN: usize = 32 + ".vhost.sock".len();
+const SOCKET_NAME_LEN: usize = 32 + ".sock".len();
 /// Most vhost-user queues a tenant may ask for (each is a thread on this node).
 pub const MAX_VHOST_QUEUES: u16 = 8;
 
@@ -326,6 +326,14 @@ impl Daemon {
     ) -> Result<Attached, ApiError> {
         let io = |e: std::io::Error| ApiError::internal(format!("vhost-user socket: {e}"));
         let socket = self.vhost_socket_path(t, ws);
+        // The run directory was checked for NBD socket names at start; these are 6 bytes longer.
+        if socket.as_os_str().len() > SUN_PATH_MAX {
+            return Err(ApiError::internal(format!(
+                "run directory {} is too long for vhost-user socket paths ({} > {SUN_PATH_MAX} bytes); choose a shorter --run-dir",
+                self.run_dir.display(),
+                socket.as_os_str().len()
+            )));
+        }
         let features = strata_vhost::Features {
             read_only: req.read_only,
             // Ephemeral promises nothing at FLUSH: offer none (a write-through disk to the
