@@ -289,6 +289,20 @@ async fn long_names_attach_and_a_failed_export_leaves_nothing() {
     std::fs::remove_dir_all(&path).unwrap();
     let (s, v) = a.post("/v1/workspaces/blocked/attach", json!({})).await;
     assert_eq!(s, StatusCode::OK, "{v}");
+    // vhost-user socket names are longer: this run directory cannot hold them. The attach says
+    // so and leaves nothing attached; NBD above was unaffected.
+    a.post("/v1/workspaces", json!({"name": "vm", "size": 8 << 20}))
+        .await;
+    let (s, v) = a
+        .post(
+            "/v1/workspaces/vm/attach",
+            json!({"protocol": "vhost-user"}),
+        )
+        .await;
+    assert!(s.is_server_error(), "{s} {v}");
+    assert!(v.to_string().contains("--run-dir"), "{v}");
+    let (_, view) = a.get("/v1/workspaces/vm").await;
+    assert_eq!(view["attached"], false, "{view}");
 }
 
 /// The daemon's data directory on a small tmpfs, filled up by a client's writes.
