@@ -54,8 +54,6 @@ enum Front {
 /// Longest unix socket path (`sun_path` holds 108 bytes with its terminating NUL).
 const SUN_PATH_MAX: usize = 107;
 const SOCKET_NAME_LEN: usize = 32 + ".sock".len();
-/// Most vhost-user queues a tenant may ask for (each is a thread on this node).
-pub const MAX_VHOST_QUEUES: u16 = 8;
 
 /// What a restart needs to serve a vhost-user export again.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -65,9 +63,13 @@ struct VhostRecord {
     req: AttachRequest,
 }
 
-/// Checks that sockets under `run_dir` fit a unix socket path.
+/// Checks that NBD sockets under `run_dir` fit a unix socket path (at start).
 pub(crate) fn check_run_dir(run_dir: &Path) -> std::io::Result<()> {
-    let len = run_dir.as_os_str().len() + 1 + SOCKET_NAME_LEN;
+    fits(run_dir, run_dir.as_os_str().len() + 1 + SOCKET_NAME_LEN)
+}
+
+/// A socket path of `len` bytes under `run_dir` fits `sun_path`.
+fn fits(run_dir: &Path, len: usize) -> std::io::Result<()> {
     if len > SUN_PATH_MAX {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
@@ -187,9 +189,10 @@ impl Daemon {
             if req.protocol != Protocol::VhostUser {
                 return Err(ApiError::invalid("queues applies to vhost-user attaches"));
             }
-            if q == 0 || q > MAX_VHOST_QUEUES {
+            if q == 0 || q > strata_vhost::MAX_QUEUES {
                 return Err(ApiError::invalid(format!(
-                    "queues must be 1..={MAX_VHOST_QUEUES}"
+                    "queues must be 1..={}",
+                    strata_vhost::MAX_QUEUES
                 )));
             }
         }
@@ -327,22 +330,14 @@ impl Daemon {
         let io = |e: std::io::Error| ApiError::internal(format!("vhost-user socket: {e}"));
         let socket = self.vhost_socket_path(t, ws);
         // The run directory was checked for NBD socket names at start; these are 6 bytes longer.
-        if socket.as_os_str().len() > SUN_PATH_MAX {
-            return Err(ApiError::internal(format!(
-                "run directory {} is too long for vhost-user socket paths ({} > {SUN_PATH_MAX} bytes); choose a shorter --run-dir",
-                self.run_dir.display(),
-                socket.as_os_str().len()
-            )));
-        }
-        let features = strata_vhost::Features {
-            read_only: req.read_only,
-            // Ephemeral promises nothing at FLUSH: offer none (a write-through disk to the
-            // guest, like Firecracker's `Unsafe`); durable and sync honour every FLUSH.
-            flush: mode != strata_catalog::Mode::Ephemeral,
-            num_queues: req.queues.unwrap_or(strata_vhost::DEFAULT_QUEUES),
-            queue_size: strata_vhost::DEFAULT_QUEUE_SIZE,
-            serial: format!("strata-{}", &name_hash(t, ws)[..13]),
-        };
+        fits(&self.run_dir, socket.as_os_str().len()).map_err(io)?;
+        // Ephemeral promises nothing at FLUSH: offer none; durable and sync honour every FLUSH.
+        let features = strata_vhost::Features::new(
+            req.read_only,
+            mode != strata_catalog::Mode::Ephemeral,
+            req.queues,
+            format!("strata-{}", &name_hash(t, ws)[..13]),
+        );
         // The record first: without it a restart would serve NBD where the VMM expects
         // vhost-user.
         self.write_vhost_record(t, ws, req).map_err(io)?;

@@ -136,6 +136,14 @@ impl FromRequestParts<Arc<Daemon>> for Admin {
     }
 }
 
+/// A body that may be left out (no JSON content type): the request's defaults then.
+pub(crate) fn optional_body<T: Default>(b: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
+    match b {
+        Err(JsonRejection::MissingJsonContentType(_)) => Ok(T::default()),
+        b => body(b),
+    }
+}
+
 pub(crate) fn body<T>(b: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
     match b {
         Ok(Json(v)) => Ok(v),
@@ -325,10 +333,7 @@ async fn attach(
     Path(name): Path<String>,
     b: Result<Json<crate::AttachRequest>, JsonRejection>,
 ) -> R<Attached> {
-    let b = match b {
-        Err(JsonRejection::MissingJsonContentType(_)) => Default::default(),
-        b => body(b)?,
-    };
+    let b = optional_body(b)?;
     d.engine.workspace(&t, &name).await?;
     Ok(Json(d.attach_and_export(&t, &name, b).await?))
 }
@@ -344,10 +349,7 @@ async fn checkpoint(
     Path(name): Path<String>,
     b: Result<Json<CheckpointRequest>, JsonRejection>,
 ) -> R<Published> {
-    let b = match b {
-        Err(JsonRejection::MissingJsonContentType(_)) => CheckpointRequest::default(),
-        b => body(b)?,
-    };
+    let b = optional_body(b)?;
     d.engine.workspace(&t, &name).await?;
     let keep_until = match b.keep_secs {
         Some(s) if s > 100 * 365 * 86400 => {
@@ -419,10 +421,7 @@ async fn mount(
     Path(name): Path<String>,
     b: Result<Json<crate::mount::MountRequest>, JsonRejection>,
 ) -> R<crate::mount::MountInfo> {
-    let b = match b {
-        Err(JsonRejection::MissingJsonContentType(_)) => Default::default(),
-        b => body(b)?,
-    };
+    let b = optional_body(b)?;
     d.engine.workspace(&t, &name).await?;
     Ok(Json(d.mount_workspace(&t, &name, b).await?))
 }
@@ -726,10 +725,7 @@ async fn run_gc(
     State(d): D,
     b: Result<Json<GcRequest>, JsonRejection>,
 ) -> R<strata_engine::GcReport> {
-    let b = match b {
-        Err(JsonRejection::MissingJsonContentType(_)) => GcRequest::default(),
-        b => body(b)?,
-    };
+    let b = optional_body(b)?;
     Ok(Json(
         own_task(async move { Ok(d.run_gc(b.dry_run).await?) }).await?,
     ))

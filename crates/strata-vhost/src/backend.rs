@@ -35,7 +35,6 @@ pub const BATCH_BYTES: usize = 64 << 20;
 pub struct Stats {
     pub requests: AtomicU64,
     pub malformed: AtomicU64,
-    pub batches: AtomicU64,
 }
 
 /// The driver broke the ring (or the backend is stopping).
@@ -198,7 +197,6 @@ impl BlkBackend {
                 return Ok(if broken { Err(Broken) } else { Ok(taken) });
             }
             taken += pending.len() + used.len();
-            self.stats.batches.fetch_add(1, Ordering::Relaxed);
             // Write-through unless the driver both accepted FLUSH and keeps its cache on.
             let fua = !(self.flush_acked.load(Ordering::Acquire)
                 && self.writeback.load(Ordering::Acquire));

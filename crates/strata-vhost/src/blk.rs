@@ -49,6 +49,18 @@ pub struct Features {
 }
 
 impl Features {
+    /// A disk with the default queue size and `queues` queues (default
+    /// [`crate::DEFAULT_QUEUES`]); FLUSH offered when `flush` (the workspace honours it).
+    pub fn new(read_only: bool, flush: bool, queues: Option<u16>, serial: String) -> Features {
+        Features {
+            read_only,
+            flush,
+            num_queues: queues.unwrap_or(crate::DEFAULT_QUEUES),
+            queue_size: crate::DEFAULT_QUEUE_SIZE,
+            serial,
+        }
+    }
+
     /// The virtio feature bits (device-specific and ring).
     pub fn bits(&self) -> u64 {
         let mut f = (1u64 << VIRTIO_BLK_F_SIZE_MAX)

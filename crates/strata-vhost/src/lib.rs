@@ -35,6 +35,8 @@ pub use blk::Features;
 
 /// Defaults: queues and their size (QEMU's `num-queues` / `queue-size` must not exceed them).
 pub const DEFAULT_QUEUES: u16 = 2;
+/// Most queues a caller should let a tenant ask for (each is a thread on the node).
+pub const MAX_QUEUES: u16 = 8;
 pub const DEFAULT_QUEUE_SIZE: u16 = 256;
 
 /// A device served on a vhost-user socket.

@@ -26,7 +26,8 @@ pub async fn attach(
 ) -> anyhow::Result<()> {
     let t = g.tenant.as_str();
     if let Some(q) = front.queues {
-        anyhow::ensure!((1..=8).contains(&q), "--queues must be 1..=8");
+        let max = strata_vhost::MAX_QUEUES;
+        anyhow::ensure!((1..=max).contains(&q), "--queues must be 1..={max}");
     }
     let vol = e.attach(t, ws).await?;
     let socket = match socket {
@@ -50,13 +51,12 @@ pub async fn attach(
         vol.clone()
     };
     if front.vhost_user {
-        let features = strata_vhost::Features {
-            read_only: front.read_only,
-            flush: vol.mode() != strata_catalog::Mode::Ephemeral,
-            num_queues: front.queues.unwrap_or(strata_vhost::DEFAULT_QUEUES),
-            queue_size: strata_vhost::DEFAULT_QUEUE_SIZE,
-            serial: format!("strata-{ws}"),
-        };
+        let features = strata_vhost::Features::new(
+            front.read_only,
+            vol.mode() != strata_catalog::Mode::Ephemeral,
+            front.queues,
+            format!("strata-{ws}"),
+        );
         let served =
             strata_vhost::serve(&socket, device, features, tokio::runtime::Handle::current())?;
         if g.json {
