@@ -55,6 +55,9 @@ enum Front {
 const SUN_PATH_MAX: usize = 107;
 const SOCKET_NAME_LEN: usize = 32 + ".sock".len();
 
+/// How long a stop waits for a vhost-user backend's queue threads (as an NBD drain does).
+const VHOST_DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// What a restart needs to serve a vhost-user export again.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct VhostRecord {
@@ -207,6 +210,14 @@ impl Daemon {
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
             d.refuse_if_mounted(&t, &ws, &format!("attaching it over {}", req.protocol))?;
+            // A stop drains every export once: nothing new is exported after it began.
+            if d.mounts_stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(ApiError::new(
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    "stopping",
+                    "this node is stopping",
+                ));
+            }
             let current = d.engine.volume(&t, &ws).filter(|v| v.failure().is_none());
             if current.is_some() {
                 if let Some(h) = d.lock_exports().get(&k) {
@@ -453,9 +464,24 @@ async fn drain(h: ExportHandle) {
             server.shutdown().await;
             let _ = task.await;
         }
-        // Blocking (it joins the queue threads): off the runtime's workers.
+        // Blocking (it joins the queue threads): off the runtime's workers. Bounded like an
+        // NBD drain: a queue thread stuck in a device operation (a frozen volume, a hung
+        // store) is left to end on its own. Nothing it had not answered was acknowledged, and
+        // once the volume is sealed its operations are refused, never acknowledged.
         Front::Vhost(served) => {
-            let _ = tokio::task::spawn_blocking(move || served.stop()).await;
+            let stop = tokio::task::spawn_blocking(move || served.stop());
+            if tokio::time::timeout(VHOST_DRAIN_TIMEOUT, stop)
+                .await
+                .is_err()
+            {
+                tracing::warn!(
+                    socket = %h.socket.display(),
+                    timeout = ?VHOST_DRAIN_TIMEOUT,
+                    "vhost-user queue threads still busy at stop; going on without them"
+                );
+            }
+            // The backend removes its own socket file (and only its own).
+            return;
         }
     }
     let _ = std::fs::remove_file(&h.socket);

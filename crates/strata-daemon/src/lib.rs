@@ -84,7 +84,7 @@ pub struct Daemon {
     pub(crate) exports: std::sync::Mutex<HashMap<Key, ExportHandle>>,
     /// Workspaces mounted on this host (`mount.rs`); locked only briefly.
     pub(crate) mounts: std::sync::Mutex<HashMap<Key, mount::Mounted>>,
-    /// Set when the daemon stops: no new mounts.
+    /// Set when the daemon stops: no new mounts, and no new exports.
     pub(crate) mounts_stopping: std::sync::atomic::AtomicBool,
     /// Mount operations (mount, umount, reattach, remount) running now: a stop waits for them
     /// (`mount::MountOp`), so none serves a volume after the stop has closed it.

@@ -62,9 +62,6 @@ pub struct BlkBackend {
     features: Features,
     mem: RwLock<GuestMemoryAtomic<GuestMemoryMmap>>,
     event_idx: AtomicBool,
-    /// The driver's write cache setting (`writeback` in the config space); off: every write is
-    /// durable when it completes.
-    writeback: AtomicBool,
     /// The driver accepted FLUSH. A driver that did not treats the disk as write-through, so
     /// every write is then made durable before it completes.
     flush_acked: AtomicBool,
@@ -84,7 +81,6 @@ impl BlkBackend {
         let busy = (0..features.num_queues).map(|_| Mutex::new(())).collect();
         BlkBackend {
             dev,
-            writeback: AtomicBool::new(true),
             flush_acked: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             warned: AtomicBool::new(false),
@@ -106,7 +102,6 @@ impl BlkBackend {
     pub(crate) fn reset_connection(&self) {
         *self.mem.write().unwrap_or_else(|p| p.into_inner()) =
             GuestMemoryAtomic::new(GuestMemoryMmap::new());
-        self.writeback.store(true, Ordering::Release);
         self.flush_acked.store(false, Ordering::Release);
         self.event_idx.store(false, Ordering::Release);
         self.warned.store(false, Ordering::Release);
@@ -167,6 +162,11 @@ impl BlkBackend {
             while bytes < BATCH_BYTES && pending.len() + used.len() < max_chains {
                 let chain = match vring.get_mut().get_queue_mut().iter(mem.clone()) {
                     Ok(mut it) => it.next(),
+                    // Stopped by the frontend (GET_VRING_BASE): not the driver's doing.
+                    Err(virtio_queue::Error::QueueNotReady) => {
+                        broken = true;
+                        None
+                    }
                     Err(e) => {
                         self.broken(&e);
                         broken = true;
@@ -197,9 +197,8 @@ impl BlkBackend {
                 return Ok(if broken { Err(Broken) } else { Ok(taken) });
             }
             taken += pending.len() + used.len();
-            // Write-through unless the driver both accepted FLUSH and keeps its cache on.
-            let fua = !(self.flush_acked.load(Ordering::Acquire)
-                && self.writeback.load(Ordering::Acquire));
+            // Write-through unless the driver accepted FLUSH.
+            let fua = !self.flush_acked.load(Ordering::Acquire);
             let dev = &*self.dev;
             let heads: Vec<u16> = pending.iter().map(|(h, _)| *h).collect();
             let lens = self.rt.block_on(futures::future::join_all(
@@ -251,39 +250,22 @@ impl VhostUserBackend for BlkBackend {
             Ordering::Release,
         );
     }
-    fn reset_device(&self) {
-        self.writeback.store(true, Ordering::Release);
-    }
     fn set_event_idx(&self, enabled: bool) {
         self.event_idx.store(enabled, Ordering::Release);
     }
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
-        let c = self
-            .features
-            .config(self.dev.size(), self.writeback.load(Ordering::Acquire));
+        let c = self.features.config(self.dev.size());
         let start = (offset as usize).min(c.len());
         let end = start.saturating_add(size as usize).min(c.len());
         c[start..end].to_vec()
     }
-    fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {
-        // Only `writeback` is writable, and only with FLUSH (CONFIG_WCE) offered.
-        if !self.features.flush || offset as usize != blk::CONFIG_WRITEBACK || buf.len() != 1 {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                "read-only config field",
-            ));
-        }
-        let on = buf[0] != 0;
-        // Write-back to write-through: what was written back so far is made durable first,
-        // since the driver will send no FLUSH for it.
-        if self.writeback.swap(on, Ordering::AcqRel) && !on {
-            if let Err(e) = self.rt.block_on(self.dev.flush()) {
-                tracing::warn!(error = %e.msg, "flush at the switch to write-through failed");
-                self.writeback.store(true, Ordering::Release);
-                return Err(io::Error::other(e.msg));
-            }
-        }
-        Ok(())
+    fn set_config(&self, _offset: u32, _buf: &[u8]) -> io::Result<()> {
+        // No CONFIG_WCE: the cache mode is fixed by the features, so it cannot be lost across
+        // a VMM reconnect or a daemon restart.
+        Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "the config space is read-only",
+        ))
     }
     fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemoryMmap>) -> io::Result<()> {
         // A region larger than its file would fault (SIGBUS, the whole daemon) on first touch:

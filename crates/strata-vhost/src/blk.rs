@@ -33,7 +33,7 @@ pub const BLOCK_SIZE: u32 = 4096;
 pub const LOGICAL_BLOCK: u32 = 512;
 /// Length of the config space we serve (`struct virtio_blk_config` up to `write_zeroes_may_unmap`).
 pub const CONFIG_LEN: usize = 60;
-/// Offset of `writeback` in the config space (the only field a driver may write).
+/// Offset of `writeback` in the config space (1 when FLUSH is offered; read-only: no CONFIG_WCE).
 pub const CONFIG_WRITEBACK: usize = 32;
 
 /// What a device offers beyond the size: fixed when a backend is made.
@@ -74,7 +74,7 @@ impl Features {
             f |= (1u64 << VIRTIO_BLK_F_DISCARD) | (1u64 << VIRTIO_BLK_F_WRITE_ZEROES);
         }
         if self.flush {
-            f |= (1u64 << VIRTIO_BLK_F_FLUSH) | (1u64 << VIRTIO_BLK_F_CONFIG_WCE);
+            f |= 1u64 << VIRTIO_BLK_F_FLUSH;
         }
         f
     }
@@ -85,7 +85,7 @@ impl Features {
     }
 
     /// `struct virtio_blk_config` (little-endian) for a device of `size` bytes.
-    pub fn config(&self, size: u64, writeback: bool) -> [u8; CONFIG_LEN] {
+    pub fn config(&self, size: u64) -> [u8; CONFIG_LEN] {
         let mut c = [0u8; CONFIG_LEN];
         c[0..8].copy_from_slice(&(size / SECTOR).to_le_bytes());
         c[8..12].copy_from_slice(&SIZE_MAX.to_le_bytes());
@@ -96,7 +96,7 @@ impl Features {
         // one physical block (in logical blocks), opt_io_size unset.
         c[24] = 3;
         c[26..28].copy_from_slice(&((BLOCK_SIZE / LOGICAL_BLOCK) as u16).to_le_bytes());
-        c[CONFIG_WRITEBACK] = u8::from(writeback && self.flush);
+        c[CONFIG_WRITEBACK] = u8::from(self.flush);
         c[34..36].copy_from_slice(&self.num_queues.to_le_bytes());
         for at in [36, 48] {
             c[at..at + 4].copy_from_slice(&MAX_RANGE_SECTORS.to_le_bytes());
@@ -317,8 +317,7 @@ impl<'a> Request<'a> {
     }
 
     /// Runs the request and writes its answer into guest memory; returns the used length.
-    /// `fua`: the disk is write-through to this driver (it turned its cache off, or never
-    /// accepted FLUSH): every write is made durable before it completes.
+    /// `fua`: the disk is write-through to this driver (it never accepted FLUSH): every write is made durable before it completes.
     pub async fn run(self, dev: &dyn BlockDevice, fua: bool) -> Used {
         let Request {
             op,

@@ -42,6 +42,9 @@ pub const DEFAULT_QUEUE_SIZE: u16 = 256;
 /// A device served on a vhost-user socket.
 pub struct Served {
     path: PathBuf,
+    /// (device, inode) of the socket file bound: only that file is removed at the end (a late
+    /// stop must not remove a newer export's socket at the same path).
+    file: (u64, u64),
     listener: UnixListener,
     stop: Arc<AtomicBool>,
     conn: Arc<Mutex<Option<ShutdownHandle>>>,
@@ -74,10 +77,12 @@ pub fn serve(
         _ => {}
     }
     let listener = UnixListener::bind(path)?;
-    {
-        use std::os::unix::fs::PermissionsExt;
+    let file = {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    }
+        let m = std::fs::metadata(path)?;
+        (m.dev(), m.ino())
+    };
     let backend = Arc::new(BlkBackend::new(dev, features, rt));
     let stop = Arc::new(AtomicBool::new(false));
     let conn = Arc::new(Mutex::new(None));
@@ -94,6 +99,7 @@ pub fn serve(
     };
     Ok(Served {
         path: path.to_path_buf(),
+        file,
         listener,
         stop,
         conn,
@@ -183,6 +189,9 @@ impl Drop for Served {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        let _ = std::fs::remove_file(&self.path);
+        use std::os::unix::fs::MetadataExt;
+        if std::fs::metadata(&self.path).is_ok_and(|m| (m.dev(), m.ino()) == self.file) {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
