@@ -179,7 +179,8 @@ impl Daemon {
         self.call(
             Method::POST,
             &ws_path(name, "/checkpoint"),
-            Some(json!({ "label": label })),
+            // A snapshot must be restorable on any node: published before it is reported.
+            Some(json!({ "label": label, "wait": true })),
         )
         .await
     }

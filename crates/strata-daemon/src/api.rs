@@ -137,6 +137,10 @@ pub struct CheckpointRequest {
     /// is then crash-consistent, not application-consistent).
     #[serde(default)]
     pub no_freeze: bool,
+    /// Return only once the checkpoint is published (in the object store: any node can serve
+    /// it). Without it the reply comes once the cut is durable on this node (`state: local`).
+    #[serde(default)]
+    pub wait: bool,
 }
 
 /// `POST /v1/gc`: one garbage-collection pass now.

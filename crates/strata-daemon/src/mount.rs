@@ -727,6 +727,7 @@ impl Daemon {
         label: Option<String>,
         keep_until: Option<u64>,
         freeze: bool,
+        wait: bool,
     ) -> Result<Published, ApiError> {
         let (d, t, ws) = (self.clone(), t.to_string(), ws.to_string());
         own_task(async move {
@@ -745,7 +746,10 @@ impl Daemon {
                 None
             };
             let Some(((dir, dev, vol), _op)) = mounted else {
-                return Ok(d.engine.checkpoint_with(&t, &ws, label, keep_until).await?);
+                return Ok(d
+                    .engine
+                    .checkpoint_with(&t, &ws, label, keep_until, wait)
+                    .await?);
             };
             if let Some(l) = &label {
                 strata_format::name::validate_label(l).map_err(strata_engine::Error::from)?;
@@ -755,10 +759,10 @@ impl Daemon {
                 .await?
                 .map_err(|e| ApiError::internal(format!("freezing the filesystem: {e}")))?;
             let (tx, rx) = tokio::sync::oneshot::channel();
-            let cp =
-                tokio::spawn(
-                    async move { vol.checkpoint_reporting_cut(label, keep_until, tx).await },
-                );
+            let cp = tokio::spawn(async move {
+                vol.checkpoint_reporting_cut(label, keep_until, wait, tx)
+                    .await
+            });
             // Thawed at the cut, or when the checkpoint failed before it: never left frozen.
             let _ = rx.await;
             let _ = blocking(move || frozen.thaw()).await;

@@ -360,7 +360,7 @@ async fn checkpoint(
     };
     let started = std::time::Instant::now();
     let r = d
-        .checkpoint_workspace(&t, &name, b.label, keep_until, !b.no_freeze)
+        .checkpoint_workspace(&t, &name, b.label, keep_until, !b.no_freeze, b.wait)
         .await;
     d.checkpoint_seconds.record(started.elapsed(), 0, r.is_ok());
     Ok(Json(r?))
@@ -381,7 +381,7 @@ async fn fork(
             // as a checkpoint is: the fork mounts clean.
             let version = match b.version {
                 None if d.is_mounted(&t, &name) => Some(
-                    d.checkpoint_workspace(&t, &name, None, None, true)
+                    d.checkpoint_workspace(&t, &name, None, None, true, true)
                         .await?
                         .version,
                 ),

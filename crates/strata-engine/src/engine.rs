@@ -464,14 +464,15 @@ impl Engine {
         r
     }
 
-    /// Checkpoints everything acknowledged so far, with an optional label.
+    /// Checkpoints everything acknowledged so far, with an optional label, and waits until it
+    /// is published.
     pub async fn checkpoint(
         self: &Arc<Self>,
         tenant: &str,
         ws: &str,
         label: Option<String>,
     ) -> Result<Published> {
-        self.checkpoint_with(tenant, ws, label, None).await
+        self.checkpoint_with(tenant, ws, label, None, true).await
     }
 
     /// Compacts the workspace's head (see [`Volume::compact`]); attaches it for the duration if
@@ -491,19 +492,25 @@ impl Engine {
             .await
     }
 
-    /// A checkpoint that retention keeps at least until `keep_until_ms`.
+    /// A checkpoint that retention keeps at least until `keep_until_ms`. Of a workspace
+    /// attached here, without `wait`: returned once its cut is durable on this node (a `local`
+    /// receipt; see [`Volume::checkpoint_with`]). A workspace attached for the call is
+    /// published before it is detached again.
     pub async fn checkpoint_with(
         self: &Arc<Self>,
         tenant: &str,
         ws: &str,
         label: Option<String>,
         keep_until_ms: Option<u64>,
+        wait: bool,
     ) -> Result<Published> {
         if let Some(l) = &label {
             name::validate_label(l)?;
         }
+        let attached = self.volume(tenant, ws).is_some();
         self.with_volume(tenant, ws, async |v| {
-            v.checkpoint_with(label, keep_until_ms).await
+            v.checkpoint_with(label, keep_until_ms, wait || !attached)
+                .await
         })
         .await
     }

@@ -4,19 +4,23 @@
 //! write ─▶ gate (freeze) ─▶ writer lock: RMW edges, append journal record ─▶ overlay ─▶ ack
 //! flush ─▶ group commit: one fdatasync batch covers every write acked before the flush
 //!          (ephemeral: no-op; durable: journal; sync: journal + publish)
-//! read  ─▶ active overlay ─▶ frozen overlay ─▶ base manifest ─▶ journal │ node cache │ store
-//! publish (checkpoint, background upload, sync flush):
-//!   cut (writer lock: rotate segment, freeze active overlay; the only I/O stall)
-//!   ─▶ pack + upload objects ─▶ put manifest ─▶ CAS head (version, lease epoch) + receipt
+//! read  ─▶ active overlay ─▶ pending layers (newest first) ─▶ base manifest
+//!          ─▶ journal │ node cache │ store
+//! cut (checkpoint, background upload, sync flush, grow, detach; see `layers.rs`):
+//!   writer lock: rotate segment, active overlay becomes a pending layer (the only I/O stall)
+//!   ─▶ fdatasync through the cut ─▶ pending.json: a `local` version, its number reserved
+//! publish (each pending layer, oldest first, one at a time):
+//!   pack + upload objects ─▶ put manifest ─▶ CAS head (version, lease epoch) + receipt
 //!   ─▶ base := new manifest, local state := (version, manifest, cut seq), drop old segments
 //! ```
 //! Ordering invariants: a head never names data that is not fully in the object store (objects
 //! and manifest are put before the CAS); local state names the new base before any segment it
-//! covers is deleted; a failed publish folds the frozen overlay back under the active one, so
-//! nothing acknowledged is lost; a fenced or failed-fsync volume refuses all further writes.
+//! covers is deleted; a cut is recorded only once its records are durable; a failed publish
+//! leaves its layer pending (or folds it back under the active one), so nothing acknowledged is
+//! lost; a fenced or failed-fsync volume refuses all further writes.
 
-use std::collections::HashMap;
-use std::path::PathBuf;
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -38,8 +42,12 @@ use crate::{Error, Result};
 mod clean;
 mod compact;
 mod gate;
+mod layers;
 mod open;
 mod publish;
+
+pub use layers::CheckpointState;
+use layers::{CutSpec, Layer, LayerRecord};
 
 /// Tunables of one volume (from the engine's config).
 #[derive(Clone, Debug)]
@@ -55,16 +63,20 @@ pub struct VolumeOptions {
     pub publish_deadline: Duration,
 }
 
-/// The receipt of a published version.
+/// The receipt of a version: `local` (its cut durable on this node, publication pending) or
+/// `published`.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Published {
     pub version: u64,
-    pub manifest: Hash,
+    /// The version's manifest, once published.
+    pub manifest: Option<Hash>,
     pub cut_seq: u64,
     pub bytes_uploaded: u64,
     /// How long writes were held for the cut.
     pub stall: Duration,
     pub total: Duration,
+    #[serde(default)]
+    pub state: CheckpointState,
 }
 
 /// Counters and gauges of one volume.
@@ -88,6 +100,9 @@ pub struct VolumeStats {
     /// … and how many of them are uploaded so far (for progress bars).
     pub publish_done_bytes: u64,
     pub overlay_runs: u64,
+    /// Cuts taken and not yet published (local checkpoints among them).
+    #[serde(default)]
+    pub pending_versions: u64,
     pub head_version: u64,
     pub lease_epoch: u64,
     pub frozen: bool,
@@ -97,7 +112,8 @@ struct State {
     base: Arc<Manifest>,
     base_id: Hash,
     base_version: u64,
-    frozen: Option<Arc<Overlay>>,
+    /// Cuts not yet published, oldest first (see `layers.rs`).
+    pending: VecDeque<Layer>,
     active: Overlay,
     files: HashMap<u64, SegFile>,
 }
@@ -125,13 +141,11 @@ impl SegFile {
     }
 }
 
+/// The remote window's share of the active overlay (pending layers carry their own).
 #[derive(Default)]
 struct Window {
     bytes: u64,
     since: Option<Instant>,
-    cutting: bool,
-    after_bytes: u64,
-    after_since: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -151,8 +165,6 @@ pub struct Volume {
     /// The disk's size as committed in the catalog: writes end here. Grows (never shrinks)
     /// when a version on a larger disk commits.
     disk_size: AtomicU64,
-    /// A grow's size, taken (reset to 0) by the next publish's manifest ([`Volume::grow`]).
-    grow_to: AtomicU64,
     flush_honoured: bool,
     dir: PathBuf,
     fs: Arc<dyn Fs>,
@@ -182,7 +194,15 @@ pub struct Volume {
     writer: tokio::sync::Mutex<Journal>,
     state: RwLock<State>,
     sync_lock: tokio::sync::Mutex<()>,
+    /// Held for a cut (and by rollback for its whole run). Lock order: `cut_lock` before
+    /// `publish_lock` before `writer`.
+    cut_lock: tokio::sync::Mutex<()>,
+    /// Cuts waiting for `cut_lock` (a compaction gives way to them).
+    cut_waiting: std::sync::atomic::AtomicUsize,
+    /// Held while one pending layer (or a compaction) is published.
     publish_lock: tokio::sync::Mutex<()>,
+    /// Receipts of the latest publishes, for callers waiting on a version.
+    receipts: Mutex<VecDeque<Published>>,
     acked_seq: AtomicU64,
     synced_seq: AtomicU64,
     published_seq: AtomicU64,
@@ -319,42 +339,43 @@ impl Volume {
 
     fn plan(&self, lba: u64, n: u64) -> Vec<(u64, u64, Src)> {
         let st = self.st();
+        let layers: Vec<&Overlay> = std::iter::once(&st.active)
+            .chain(st.pending.iter().rev().map(|l| &*l.overlay))
+            .collect();
         let mut out = Vec::new();
-        let mut top = Vec::new();
-        st.active.resolve(lba, n, &mut top);
-        let mut mid = Vec::new();
-        let mut pieces = Vec::new();
-        for (s, len, hit) in top {
+        self.plan_layers(&st, &layers, lba, n, &mut out);
+        out
+    }
+
+    /// The plan of `lba..lba+n` through `layers` (topmost first), then the base.
+    fn plan_layers(
+        &self,
+        st: &State,
+        layers: &[&Overlay],
+        lba: u64,
+        n: u64,
+        out: &mut Vec<(u64, u64, Src)>,
+    ) {
+        let Some((top, below)) = layers.split_first() else {
+            let mut pieces = Vec::new();
+            st.base.resolve(lba, n, &mut pieces);
+            for p in &pieces {
+                let src = match p.at {
+                    None => Src::Zero,
+                    Some((o, off)) => Src::Object(st.base.objects[o as usize], off),
+                };
+                out.push((p.lba, p.len, src));
+            }
+            return;
+        };
+        let mut hits = Vec::new();
+        top.resolve(lba, n, &mut hits);
+        for (s, len, hit) in hits {
             match hit {
-                Hit::Here(r) => out.push((s, len, self.src_of(&st, r.loc))),
-                Hit::Below => {
-                    mid.clear();
-                    match &st.frozen {
-                        Some(f) => f.resolve(s, len, &mut mid),
-                        None => mid.push((s, len, Hit::Below)),
-                    }
-                    for &(s2, len2, hit2) in &mid {
-                        match hit2 {
-                            Hit::Here(r) => out.push((s2, len2, self.src_of(&st, r.loc))),
-                            Hit::Below => {
-                                pieces.clear();
-                                st.base.resolve(s2, len2, &mut pieces);
-                                for p in &pieces {
-                                    let src = match p.at {
-                                        None => Src::Zero,
-                                        Some((o, off)) => {
-                                            Src::Object(st.base.objects[o as usize], off)
-                                        }
-                                    };
-                                    out.push((p.lba, p.len, src));
-                                }
-                            }
-                        }
-                    }
-                }
+                Hit::Here(r) => out.push((s, len, self.src_of(st, r.loc))),
+                Hit::Below => self.plan_layers(st, below, s, len, out),
             }
         }
-        out
     }
 
     fn src_of(&self, st: &State, loc: Loc) -> Src {
@@ -504,10 +525,6 @@ impl Volume {
             let mut w = lock(&self.window);
             w.bytes += bytes;
             w.since.get_or_insert_with(Instant::now);
-            if w.cutting {
-                w.after_bytes += bytes;
-                w.after_since.get_or_insert_with(Instant::now);
-            }
         }
         Ok(())
     }
@@ -648,7 +665,7 @@ impl Volume {
         if self.mode == Mode::Sync {
             let target = self.acked_seq.load(SeqCst);
             if self.published_seq.load(SeqCst) < target {
-                self.publish_inner(CheckpointKind::Auto, (None, None), Some(target))
+                self.publish_inner(CheckpointKind::Auto, Some(target))
                     .await?;
             }
         }
@@ -692,19 +709,19 @@ impl Volume {
 
     pub fn stats(&self) -> VolumeStats {
         let c = &self.counters;
-        let (window_bytes, window_age_ms) = {
-            let w = lock(&self.window);
-            (
-                w.bytes,
-                w.since.map_or(0, |s| s.elapsed().as_millis() as u64),
-            )
-        };
-        let (overlay_runs, live_blocks, head_version) = {
+        let (overlay_runs, live_blocks, head_version, pending, window_bytes, window_age_ms) = {
             let st = self.st();
+            let w = lock(&self.window);
+            let layers = st.pending.iter();
+            let oldest = layers.clone().find_map(|l| l.since).or(w.since);
             (
-                (st.active.runs() + st.frozen.as_ref().map_or(0, |f| f.runs())) as u64,
-                st.active.data_blocks() + st.frozen.as_ref().map_or(0, |f| f.data_blocks()),
+                (st.active.runs() + layers.clone().map(|l| l.overlay.runs()).sum::<usize>()) as u64,
+                st.active.data_blocks()
+                    + layers.clone().map(|l| l.overlay.data_blocks()).sum::<u64>(),
                 st.base_version,
+                st.pending.len() as u64,
+                w.bytes + layers.map(|l| l.bytes).sum::<u64>(),
+                oldest.map_or(0, |s| s.elapsed().as_millis() as u64),
             )
         };
         VolumeStats {
@@ -721,6 +738,7 @@ impl Volume {
             publish_total_bytes: self.publish_total.load(SeqCst),
             publish_done_bytes: self.publish_done.load(SeqCst),
             overlay_runs,
+            pending_versions: pending,
             head_version,
             lease_epoch: self.lease().epoch,
             frozen: self.is_frozen(),

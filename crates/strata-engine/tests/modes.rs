@@ -250,7 +250,11 @@ async fn corrupt_objects_and_manifests_are_errors_not_data() {
     v.write(0, &vec![0xab; 65536], false).await.unwrap();
     let p = a.checkpoint(TENANT, "x", None).await.unwrap();
     a.detach(TENANT, "x").await.unwrap();
-    let m = c.store.get_manifest(TENANT, &p.manifest).await.unwrap();
+    let m = c
+        .store
+        .get_manifest(TENANT, &p.manifest.unwrap())
+        .await
+        .unwrap();
     let obj = m.objects[0];
     let key = strata_store::Store::object_key(TENANT, &obj.id);
     let mut raw = c

@@ -149,6 +149,11 @@ enum WsCmd {
         /// (crash-consistent instead of application-consistent).
         #[arg(long)]
         no_freeze: bool,
+        /// Return only once the checkpoint is published (in the object store: any node can
+        /// serve it). Without it, a workspace attached to a daemon gets a `local` checkpoint
+        /// as soon as its cut is durable on that node; publication follows in the background.
+        #[arg(long)]
+        wait: bool,
     },
     /// Mounts the workspace's filesystem on this host (daemon only): attaches it, makes the
     /// filesystem if asked and the volume is blank, mounts it, and binds it onto DIR if given
@@ -550,13 +555,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                             .as_millis() as u64
                             + k.as_millis() as u64
                     });
-                    let p = e.checkpoint_with(t, &ws, label, keep_until).await;
+                    // The workspace is attached for the call: the checkpoint is published before the
+                    // volume is detached again.
+                    let p = e.checkpoint_with(t, &ws, label, keep_until, true).await;
                     end_progress(ticker);
                     let p = p?;
                     print(g.json, &p, |p| {
                         format!(
-                            "checkpoint v{} ({} uploaded, stall {:?}, total {:?})",
+                            "checkpoint v{} {} ({} uploaded, stall {:?}, total {:?})",
                             p.version,
+                            p.state.as_str(),
                             units::fmt_size(p.bytes_uploaded),
                             p.stall,
                             p.total

@@ -285,9 +285,9 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                     crate::end_progress(ticker);
                     r?
                 }
-                WsCmd::Checkpoint { ws, label, keep, no_freeze } => {
+                WsCmd::Checkpoint { ws, label, keep, no_freeze, wait } => {
                     let ticker = poll_remote(&h, &ws);
-                    let r = h.call(M::POST, &ws_path(&ws, "/checkpoint"), Some(json!({"label": label, "keep_secs": keep.map(|k| k.as_secs()), "no_freeze": no_freeze}))).await;
+                    let r = h.call(M::POST, &ws_path(&ws, "/checkpoint"), Some(json!({"label": label, "keep_secs": keep.map(|k| k.as_secs()), "no_freeze": no_freeze, "wait": wait}))).await;
                     crate::end_progress(ticker);
                     r?
                 }

@@ -14,6 +14,11 @@ impl Volume {
         loop {
             self.usable()?;
             let mut j = self.writer.lock().await;
+            if self.has_pending() {
+                // The oldest segments hold pending layers' records: copying them forward would
+                // move them past their cut. They retire when their layers publish.
+                return Ok(reclaimed);
+            }
             let live = self.st().active.data_blocks() * BLOCK_SIZE;
             if j.bytes() <= live.saturating_mul(2).saturating_add(slack) {
                 return Ok(reclaimed);

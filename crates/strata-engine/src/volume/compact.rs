@@ -22,6 +22,12 @@ pub(crate) fn object_usage(m: &Manifest) -> Vec<(u64, u64)> {
 }
 
 impl Volume {
+    /// Whether a compaction gives way: cuts are pending or waiting (checkpoints never wait for
+    /// a compaction, and versions they reserved come first).
+    fn yields(&self) -> bool {
+        self.has_pending() || self.cut_waiting.load(SeqCst) > 0
+    }
+
     /// Rewrites the live data of every head object whose live fraction is below `threshold`
     /// (0..=1) and publishes it as a `compact` version. None when nothing is that sparse.
     pub async fn compact(&self, threshold: f64) -> Result<Option<Published>> {
@@ -33,6 +39,9 @@ impl Volume {
         let started = Instant::now();
         let _p = self.publish_lock.lock().await;
         self.usable()?;
+        if self.yields() {
+            return Ok(None);
+        }
         let (base, base_version) = {
             let st = self.st();
             (st.base.clone(), st.base_version)
@@ -91,6 +100,10 @@ impl Volume {
                     .await?;
                 runs.push((e.lba + done, n, at as u64));
                 done += n;
+                if self.yields() {
+                    // Its uploads are unreferenced garbage for GC; the next pass tries again.
+                    return Ok(None);
+                }
                 if buf.len() >= target {
                     flush(&mut buf, &mut runs, &mut changes, &mut uploaded).await?;
                 }
@@ -108,6 +121,14 @@ impl Volume {
         self.catalog
             .record_manifest(&self.tenant, id, &m.objects)
             .await?;
+        // Its version must not take a number a cut reserved: no cut runs while it commits, and
+        // none may be pending (the cut lock is only tried: the lock order puts it first).
+        let Ok(_c) = self.cut_lock.try_lock() else {
+            return Ok(None);
+        };
+        if self.has_pending() {
+            return Ok(None);
+        }
         let cut = self.published_seq.load(SeqCst);
         let version = self
             .advance_head(
@@ -142,11 +163,12 @@ impl Volume {
         tracing::info!(tenant = %self.tenant, workspace = %self.name, version, rewritten = uploaded, "compacted");
         Ok(Some(Published {
             version,
-            manifest: id,
+            manifest: Some(id),
             cut_seq: cut,
             bytes_uploaded: uploaded,
             stall: Duration::ZERO,
             total: started.elapsed(),
+            state: CheckpointState::Published,
         }))
     }
 }

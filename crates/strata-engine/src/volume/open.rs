@@ -58,9 +58,21 @@ impl Volume {
         }
         .store(&*p.fs, &p.dir)?;
 
-        let mut active = Overlay::default();
+        // Cuts recorded and not yet published: their records replay into their own layers.
+        let mut recs = super::layers::load_pending(&*p.fs, &p.dir, &journal_id)?;
+        recs.retain(|r| r.cut > base_seq);
+        for (i, r) in recs.iter_mut().enumerate() {
+            let v = ws.head_version + i as u64 + 1;
+            if r.version != v {
+                tracing::error!(tenant = %p.tenant, workspace = %p.name, recorded = r.version, now = v, "a pending cut's reserved version moved");
+                r.version = v;
+            }
+        }
+        let cuts: Vec<u64> = recs.iter().map(|r| r.cut).collect();
+        // One overlay per layer, then the active one.
+        let mut overlays: Vec<Overlay> = (0..=cuts.len()).map(|_| Overlay::default()).collect();
+        let mut layer_bytes: Vec<u64> = vec![0; cuts.len() + 1];
         let mut files: HashMap<u64, SegFile> = HashMap::new();
-        let mut replayed_bytes = 0u64;
         let disk_blocks = base.disk_blocks();
         let (mut journal, discarded) = Journal::open(
             p.fs.clone(),
@@ -78,9 +90,10 @@ impl Volume {
                 files
                     .entry(r.seg)
                     .or_insert_with(|| SegFile::new(file.clone()));
+                let layer = cuts.partition_point(|&c| c < r.seq);
                 let loc = match r.kind {
                     Kind::Write => {
-                        replayed_bytes += r.nblocks * BLOCK_SIZE;
+                        layer_bytes[layer] += r.nblocks * BLOCK_SIZE;
                         Loc::Journal {
                             seg: r.seg,
                             off: r.data_off,
@@ -88,7 +101,7 @@ impl Volume {
                     }
                     Kind::Zero => Loc::Zero,
                 };
-                active.insert(r.lba, r.nblocks, r.seq, loc);
+                overlays[layer].insert(r.lba, r.nblocks, r.seq, loc);
             },
         )
         .map_err(Error::io("replaying journal"))?;
@@ -119,11 +132,26 @@ impl Volume {
             Mode::Durable => !p.opts.cache_unsafe,
             Mode::Sync => true,
         };
+        let active = overlays.pop().unwrap_or_default();
+        let active_bytes = layer_bytes.pop().unwrap_or(0);
         let window = Window {
-            bytes: replayed_bytes,
-            since: (replayed_bytes > 0).then(Instant::now),
-            ..Window::default()
+            bytes: active_bytes,
+            since: (active_bytes > 0).then(Instant::now),
         };
+        let pending: VecDeque<Layer> = recs
+            .into_iter()
+            .zip(overlays)
+            .zip(layer_bytes)
+            .map(|((rec, o), bytes)| Layer {
+                rec,
+                overlay: Arc::new(o),
+                bytes,
+                since: Some(Instant::now()),
+            })
+            .collect();
+        if !pending.is_empty() {
+            tracing::info!(tenant = %p.tenant, workspace = %p.name, pending = pending.len(), "resuming the publication of cuts taken before the restart");
+        }
         Ok(Arc::new_cyclic(|me| Volume {
             me: me.clone(),
             freeze: tokio::sync::Mutex::new(None),
@@ -134,7 +162,6 @@ impl Volume {
             name: p.name,
             mode: ws.mode,
             disk_size: AtomicU64::new(ws.disk_size),
-            grow_to: AtomicU64::new(0),
             flush_honoured,
             dir: p.dir,
             fs: p.fs,
@@ -151,12 +178,15 @@ impl Volume {
                 base: Arc::new(base),
                 base_id: ws.head_manifest,
                 base_version: ws.head_version,
-                frozen: None,
+                pending,
                 active,
                 files,
             }),
             sync_lock: tokio::sync::Mutex::new(()),
+            cut_lock: tokio::sync::Mutex::new(()),
+            cut_waiting: Default::default(),
             publish_lock: tokio::sync::Mutex::new(()),
+            receipts: Mutex::new(VecDeque::new()),
             acked_seq: AtomicU64::new(last),
             synced_seq: AtomicU64::new(last),
             published_seq: AtomicU64::new(base_seq),

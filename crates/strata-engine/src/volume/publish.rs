@@ -17,41 +17,71 @@ impl Volume {
         }
     }
 
-    /// Publishes everything acknowledged so far as a new head version (a checkpoint).
+    /// Checkpoints everything acknowledged so far and waits until it is published (in the
+    /// object store and the catalog: any node can serve it).
     pub async fn checkpoint(&self, label: Option<String>) -> Result<Published> {
-        self.checkpoint_with(label, None).await
+        self.checkpoint_with(label, None, true).await
     }
 
-    /// A checkpoint kept at least until `keep_until_ms` by retention (see `gc`).
+    /// A checkpoint kept at least until `keep_until_ms` by retention (see `gc`). Without `wait`
+    /// it returns once its cut is durable on this node (a `local` receipt, its version
+    /// reserved); publication follows in the background, in order (see `layers.rs`).
     pub async fn checkpoint_with(
         &self,
         label: Option<String>,
         keep_until_ms: Option<u64>,
+        wait: bool,
     ) -> Result<Published> {
-        self.publish_inner(CheckpointKind::Checkpoint, (label, keep_until_ms), None)
-            .await
+        self.checkpoint_run(label, keep_until_ms, wait, None).await
     }
 
     /// A checkpoint that reports its cut: `on_cut` receives the cut's sequence number as soon
-    /// as the checkpoint's content is fixed (writes after that belong to the next version), long
-    /// before the upload ends; it is dropped unsent if the checkpoint fails before its cut. A
-    /// caller that paused its writers (a frozen filesystem) resumes them there.
+    /// as the checkpoint's content is fixed (writes after that belong to the next version); it
+    /// is dropped unsent if the checkpoint fails before its cut. A caller that paused its
+    /// writers (a frozen filesystem) resumes them there.
     pub async fn checkpoint_reporting_cut(
         &self,
         label: Option<String>,
         keep_until_ms: Option<u64>,
+        wait: bool,
         on_cut: tokio::sync::oneshot::Sender<u64>,
     ) -> Result<Published> {
-        let meta = (label, keep_until_ms);
+        self.checkpoint_run(label, keep_until_ms, wait, Some(on_cut))
+            .await
+    }
+
+    async fn checkpoint_run(
+        &self,
+        label: Option<String>,
+        keep_until_ms: Option<u64>,
+        wait: bool,
+        on_cut: Option<tokio::sync::oneshot::Sender<u64>>,
+    ) -> Result<Published> {
         self.in_own_task(move |v| async move {
-            v.publish_run(CheckpointKind::Checkpoint, meta, None, Some(on_cut))
-                .await
+            let spec = CutSpec {
+                label,
+                keep_until_ms,
+                ..CutSpec::of(CheckpointKind::Checkpoint)
+            };
+            let local = v.cut(spec, on_cut).await?;
+            if !wait {
+                v.kick();
+                return Ok(local);
+            }
+            // On failure the cut stays pending and is retried (unless the lease was lost).
+            v.publish_through(local.version).await
         })
         .await
     }
 
-    /// Background upload: publishes if the remote window exceeds its bounds.
+    /// Background upload: publishes pending cuts, or cuts and publishes if the remote window
+    /// exceeds its bounds.
     pub async fn maybe_upload(&self) -> Result<Option<Published>> {
+        if self.has_pending() {
+            return self
+                .in_own_task(move |v| async move { v.drain(None, None).await })
+                .await;
+        }
         let due = {
             let w = lock(&self.window);
             w.bytes > 0
@@ -63,7 +93,7 @@ impl Volume {
             return Ok(None);
         }
         let target = self.acked_seq.load(SeqCst);
-        self.publish_inner(CheckpointKind::Auto, (None, None), Some(target))
+        self.publish_inner(CheckpointKind::Auto, Some(target))
             .await
             .map(Some)
     }
@@ -71,10 +101,9 @@ impl Volume {
     /// Grows the disk to `size` bytes (rounded up to whole blocks): a `resize` version holding
     /// everything acknowledged so far on the larger disk, its size committed with the head CAS.
     /// Writes past the old end are accepted once it has committed. None when the disk is
-    /// already that large; a smaller size is refused (disks never shrink). The request is
-    /// taken by the next publish's manifest (this one's, or one already waiting for the publish
-    /// lock); a grow whose publish fails withdraws it, so nothing is left pending (a head CAS
-    /// whose reply was lost is adopted later, as for any publish).
+    /// already that large; a smaller size is refused (disks never shrink). A grow whose
+    /// publish fails is withdrawn if it certainly did not commit (a head CAS whose reply was
+    /// lost is adopted later, as for any publish).
     pub async fn grow(&self, size: u64) -> Result<Option<Published>> {
         let size = size
             .checked_next_multiple_of(BLOCK_SIZE)
@@ -90,18 +119,17 @@ impl Volume {
             return Ok(None);
         }
         self.usable()?;
-        self.grow_to.fetch_max(size, SeqCst);
-        let p = match self.publish_kind(CheckpointKind::Resize).await {
-            Ok(p) => p,
-            Err(e) => {
-                // Failed before its manifest took the request: withdrawn (unless a larger
-                // grow has raised it since, whose own publish then carries it).
-                let _ = self.grow_to.compare_exchange(size, 0, SeqCst, SeqCst);
-                return Err(e);
-            }
-        };
+        let p = self
+            .in_own_task(move |v| async move {
+                let spec = CutSpec {
+                    disk_size: size,
+                    ..CutSpec::of(CheckpointKind::Resize)
+                };
+                let local = v.cut(spec, None).await?;
+                v.publish_through(local.version).await
+            })
+            .await?;
         if self.size() < size {
-            // Another publish took the request and failed.
             return Err(Error::Unavailable(
                 self.name.clone(),
                 "the grow's publish failed; retry".into(),
@@ -111,13 +139,13 @@ impl Volume {
     }
 
     pub(crate) async fn publish_kind(&self, kind: CheckpointKind) -> Result<Published> {
-        self.publish_inner(kind, (None, None), None).await
+        self.publish_inner(kind, None).await
     }
 
     /// Runs `f` on this volume in a task of its own and waits for it. A publish, rollback or
     /// compaction thus runs to its end even when the caller's future is dropped (an HTTP client
     /// that goes away, a detach aborting the background uploader): its state changes (cut,
-    /// frozen overlay, head CAS, new base) never stop halfway.
+    /// pending layers, head CAS, new base) never stop halfway.
     pub(super) async fn in_own_task<T, Fut>(&self, f: impl FnOnce(Arc<Volume>) -> Fut) -> Result<T>
     where
         T: Send + 'static,
@@ -132,125 +160,69 @@ impl Volume {
             .map_err(|e| Error::Unavailable(self.name.clone(), format!("publish task: {e}")))?
     }
 
-    /// The checkpoint protocol (see the module docs), in its own task. With `upto`, returns
-    /// early if an earlier publish already covered that sequence number (group commit for
-    /// sync-mode flushes).
+    /// Publishes everything acknowledged so far (through `upto` if given: an earlier cut that
+    /// covers it is enough, the group commit of sync-mode flushes), in its own task.
     pub(super) async fn publish_inner(
         &self,
         kind: CheckpointKind,
-        meta: (Option<String>, Option<u64>),
         upto: Option<u64>,
     ) -> Result<Published> {
-        self.in_own_task(move |v| async move { v.publish_run(kind, meta, upto, None).await })
+        self.in_own_task(move |v| async move { v.publish_run(kind, upto).await })
             .await
     }
 
-    async fn publish_run(
+    async fn publish_run(&self, kind: CheckpointKind, upto: Option<u64>) -> Result<Published> {
+        // The cut lock is held for the cut only: later checkpoints need not wait for uploads.
+        let through = {
+            let c = self.cut_lock.lock().await;
+            self.cut_for(&c, kind, upto).await?
+        };
+        match through {
+            Some(v) => self.publish_through(v).await,
+            None => Ok(self.current_receipt()),
+        }
+    }
+
+    /// The version that publishing everything acknowledged (through `upto` if given) must
+    /// reach: an earlier cut that covers it is enough (the group commit of sync-mode flushes),
+    /// otherwise a new cut of `kind`; without `upto`, every cut pending. None when it is all
+    /// published already.
+    pub(super) async fn cut_for(
         &self,
+        c: &tokio::sync::MutexGuard<'_, ()>,
         kind: CheckpointKind,
-        (label, keep_until_ms): (Option<String>, Option<u64>),
         upto: Option<u64>,
-        on_cut: Option<tokio::sync::oneshot::Sender<u64>>,
-    ) -> Result<Published> {
-        let started = Instant::now();
-        let _p = self.publish_lock.lock().await;
+    ) -> Result<Option<u64>> {
         self.usable()?;
-        self.resolve_ambiguous().await?;
-        // Background and detach publishes with nothing new add no version (explicit
-        // checkpoints always do: they carry a label or a retention promise).
-        let nothing_new = self.acked_seq.load(SeqCst) <= self.published_seq.load(SeqCst);
-        let upto = match kind {
-            CheckpointKind::Auto | CheckpointKind::Detach if nothing_new => Some(upto.unwrap_or(0)),
-            _ => upto,
-        };
-        if let Some(t) = upto {
-            if self.published_seq.load(SeqCst) >= t {
-                let st = self.st();
-                return Ok(Published {
-                    version: st.base_version,
-                    manifest: st.base_id,
-                    cut_seq: self.published_seq.load(SeqCst),
-                    bytes_uploaded: 0,
-                    stall: Duration::ZERO,
-                    total: started.elapsed(),
-                });
-            }
+        let target = upto.unwrap_or_else(|| self.acked_seq.load(SeqCst));
+        if self.published_seq.load(SeqCst) >= target && (upto.is_some() || !self.has_pending()) {
+            return Ok(None);
         }
-        // 1. Cut.
-        let stall_start = Instant::now();
-        let (cut, frozen, base, base_version) = {
-            let mut j = self.writer.lock().await;
-            if self.st().frozen.is_some() {
-                // Unreachable while publishes hold the publish lock for their whole run; a
-                // second cut would overwrite the frozen overlay and lose what it holds.
-                return Err(Error::Unavailable(
-                    self.name.clone(),
-                    "a publish is already in progress".into(),
-                ));
-            }
-            let cut = j.last_seq();
-            let (id, f) = match j.rotate() {
-                Ok(r) => r,
-                Err(e) if crate::error::is_no_space(&e) => {
-                    return Err(Error::NoSpace(format!("a new journal segment: {e}")))
-                }
-                Err(e) => return Err(Error::io("rotating journal segment")(e)),
-            };
-            let mut st = self.st_mut();
-            st.files.insert(id, SegFile::new(f));
-            let frozen = Arc::new(std::mem::take(&mut st.active));
-            st.frozen = Some(frozen.clone());
-            let mut w = lock(&self.window);
-            w.cutting = true;
-            w.after_bytes = 0;
-            w.after_since = None;
-            (cut, frozen, st.base.clone(), st.base_version)
+        let v = match self.pending_covering(target) {
+            Some(v) => v,
+            None => self.cut_locked(c, CutSpec::of(kind), None).await?.version,
         };
-        let stall = stall_start.elapsed();
-        if let Some(tx) = on_cut {
-            let _ = tx.send(cut);
-        }
-        let res = self
-            .publish_cut(
-                &frozen,
-                &base,
-                base_version,
-                cut,
-                kind,
-                (label, keep_until_ms),
-            )
-            .await;
-        match res {
-            Ok((version, manifest, m, bytes)) => {
-                self.finish_publish(version, manifest, Arc::new(m), cut, bytes)
-                    .await;
-                Ok(Published {
-                    version,
-                    manifest,
-                    cut_seq: cut,
-                    bytes_uploaded: bytes,
-                    stall,
-                    total: started.elapsed(),
-                })
-            }
-            Err(e) => {
-                // Fold the frozen overlay back under the active one: nothing is lost.
-                let mut st = self.st_mut();
-                let active = std::mem::take(&mut st.active);
-                st.active = active.over(&frozen);
-                st.frozen = None;
-                lock(&self.window).cutting = false;
-                if let Error::Catalog(CatalogError::Fenced { .. }) = &e {
-                    self.fail(e.to_string());
-                }
-                Err(e)
-            }
+        let last = self.st().pending.back().map_or(v, |l| l.rec.version);
+        Ok(Some(if upto.is_some() { v } else { last.max(v) }))
+    }
+
+    /// The receipt of the base (nothing left to publish).
+    fn current_receipt(&self) -> Published {
+        let st = self.st();
+        Published {
+            version: st.base_version,
+            manifest: Some(st.base_id),
+            cut_seq: self.published_seq.load(SeqCst),
+            bytes_uploaded: 0,
+            stall: Duration::ZERO,
+            total: Duration::ZERO,
+            state: CheckpointState::Published,
         }
     }
 
     /// Makes a committed head version (`manifest` holding every write up to `cut`) this
     /// volume's base, records it locally, then retires the journal segments it covers.
-    async fn finish_publish(
+    pub(super) async fn finish_publish(
         &self,
         version: u64,
         manifest: Hash,
@@ -265,16 +237,17 @@ impl Volume {
             st.base = m;
             st.base_id = manifest;
             st.base_version = version;
-            st.frozen = None;
-            // Runs up to the cut are in the new base (after an ambiguous CAS they were folded
-            // back into the active overlay); keeping them would pin segments about to go.
+            // The layers through this version are in the new base (two cuts with no write
+            // between them share a sequence number: the version tells them apart) …
+            while st.pending.front().is_some_and(|l| l.rec.version <= version) {
+                st.pending.pop_front();
+            }
+            // … and so are runs of the active overlay up to it (a layer folded back before an
+            // ambiguous CAS that had committed); keeping them would pin segments about to go.
+            let runs = st.active.runs();
             st.active.drop_through(cut);
-            let mut w = lock(&self.window);
-            if w.cutting {
-                w.bytes = w.after_bytes;
-                w.since = w.after_since;
-                w.cutting = false;
-            } else {
+            if st.active.runs() != runs {
+                let mut w = lock(&self.window);
                 w.bytes = st.active.data_blocks() * BLOCK_SIZE;
                 if w.bytes == 0 {
                     w.since = None;
@@ -332,7 +305,7 @@ impl Volume {
     /// version this volume's journal published (its receipt names our journal id), that
     /// publish committed with its reply lost: its manifest becomes the base. Otherwise nothing
     /// changes, and the data it carried is still in the active overlay.
-    async fn resolve_ambiguous(&self) -> Result<()> {
+    pub(super) async fn resolve_ambiguous(&self) -> Result<()> {
         if !self.ambiguous.swap(false, SeqCst) {
             return Ok(());
         }
@@ -382,14 +355,12 @@ impl Volume {
         r
     }
 
-    async fn publish_cut(
+    pub(super) async fn publish_cut(
         &self,
         frozen: &Overlay,
         base: &Manifest,
         base_version: u64,
-        cut: u64,
-        kind: CheckpointKind,
-        (label, keep_until_ms): (Option<String>, Option<u64>),
+        rec: &LayerRecord,
     ) -> Result<(u64, Hash, Manifest, u64)> {
         let uploads_began = Instant::now();
         let files: HashMap<u64, Arc<dyn FsFile>> = self
@@ -414,9 +385,8 @@ impl Volume {
         self.publish_total.store(0, SeqCst);
         let packed = packed?;
         // 3. The new cumulative manifest, on the larger disk if a grow asked for one.
-        // A grow's request is taken by this publish: if it fails, the grow fails with it.
         let mut m = base.apply(&packed.changes)?;
-        m.disk_size = m.disk_size.max(self.grow_to.swap(0, SeqCst));
+        m.disk_size = m.disk_size.max(rec.disk_size);
         let id = self.reader.store().put_manifest(&self.tenant, &m).await?;
         self.catalog
             .record_manifest(&self.tenant, id, &m.objects)
@@ -436,12 +406,12 @@ impl Volume {
         let cp = NewCheckpoint {
             manifest: id,
             disk_size: m.disk_size,
-            label,
-            kind,
+            label: rec.label.clone(),
+            kind: rec.kind,
             bytes: packed.bytes_uploaded,
-            cut_seq: cut,
+            cut_seq: rec.cut,
             journal_id: Some(self.journal_id.clone()),
-            keep_until_ms,
+            keep_until_ms: rec.keep_until_ms,
         };
         let version = self.advance_head(base_version, &cp).await?;
         Ok((version, id, m, packed.bytes_uploaded))
@@ -534,17 +504,27 @@ impl Volume {
     }
 
     async fn rollback_exclusive(&self, version: u64) -> Result<Published> {
+        // No cut while the head is replaced: versions reserved by cuts must stay the ones
+        // they commit as. Everything acknowledged is published first (a local target too).
+        let c = self.cut_lock.lock().await;
+        let known = self
+            .catalog
+            .get_checkpoint(&self.tenant, &self.name, version)
+            .await;
+        let pending_target = {
+            let st = self.st();
+            version > st.base_version && version <= st.base_version + st.pending.len() as u64
+        };
+        if !pending_target {
+            known?;
+        }
+        if let Some(v) = self.cut_for(&c, CheckpointKind::Auto, None).await? {
+            self.publish_through(v).await?;
+        }
         let target = self
             .catalog
             .get_checkpoint(&self.tenant, &self.name, version)
             .await?;
-        self.publish_run(
-            CheckpointKind::Auto,
-            (None, None),
-            Some(self.acked_seq.load(SeqCst)),
-            None,
-        )
-        .await?;
         let _p = self.publish_lock.lock().await;
         self.usable()?;
         let started = Instant::now();
@@ -601,11 +581,12 @@ impl Volume {
         }
         Ok(Published {
             version: new_version,
-            manifest,
+            manifest: Some(manifest),
             cut_seq: cut,
             bytes_uploaded: 0,
             stall: Duration::ZERO,
             total: started.elapsed(),
+            state: CheckpointState::Published,
         })
     }
 }

@@ -1,0 +1,412 @@
+//! Cuts taken now, published later: local checkpoints.
+//!
+//! Every version this volume publishes (a checkpoint, a background upload, a sync-mode flush,
+//! a grow, the final publish of a detach) starts as a *cut*: under the writer lock the journal
+//! rotates and the active overlay becomes a pending layer holding every write up to the cut's
+//! sequence number. Reads see `active ─▶ pending layers, newest first ─▶ base`. A cut is made
+//! durable on this node (journal fdatasync'd through the cut, then `pending.json` replaced
+//! atomically) and then returned: that is a `local` checkpoint. Layers are published strictly
+//! in order, one at a time under the publish lock, by whoever asks first (the background loop,
+//! a `wait`ing caller, the kick a cut gives): pack, upload, manifest, head CAS, then the layer
+//! becomes the base and its segments retire.
+//!
+//! Version numbers are reserved at the cut: the `k`-th pending layer (from 1) publishes as
+//! `base_version + k`. Nothing else moves this workspace's head while this node holds its
+//! lease, and the other versions a volume makes (compaction, rollback) are made only with no
+//! layer pending and under the cut lock, so a reserved number is the one it commits as.
+//!
+//! `pending.json` (replaced atomically: temp, fdatasync, rename, directory fsync):
+//! `{ "format": 1, "journal_id", "layers": [{ "cut", "version", "kind", "label",
+//! "keep_until_ms", "disk_size", "taken_ms" }] }`, oldest first. After a crash the journal's
+//! records replay into these layers by sequence number (records `<= cut` of the first layer
+//! whose cut is at least theirs); layers whose cut is at most the local state's `base_seq` are
+//! published already and dropped. A layer is only recorded once its records are durable, and
+//! the file holds every layer pending at that moment, so a recorded cut survives with exactly
+//! its content.
+//!
+//! A publish that fails leaves its layer pending, to be retried: a local checkpoint is never
+//! withdrawn. The only exception keeps today's recovery for layers nobody holds a receipt
+//! for: a background, detach or grow cut that is the only layer left, failing in a way known
+//! not to have committed, folds back under the active overlay (so segment cleaning, which
+//! runs only with no layer pending, can keep the journal bounded through a store outage).
+
+use serde::{Deserialize, Serialize};
+
+use super::*;
+
+/// At most this many cuts wait for publication; a cut beyond waits for the oldest to publish.
+pub(crate) const MAX_PENDING: usize = 64;
+pub(crate) const PENDING_FORMAT: u32 = 1;
+const PENDING_FILE: &str = "pending.json";
+
+/// Whether a receipt's version is only on this node or in the object store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointState {
+    /// Durable on this node (survives a crash of it); only this node can serve it until it
+    /// is published.
+    Local,
+    /// In the object store and the catalog: any node can serve it.
+    #[default]
+    Published,
+}
+
+impl CheckpointState {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            CheckpointState::Local => "local",
+            CheckpointState::Published => "published",
+        }
+    }
+}
+
+/// One cut as recorded in `pending.json`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct LayerRecord {
+    pub cut: u64,
+    pub version: u64,
+    pub kind: CheckpointKind,
+    pub label: Option<String>,
+    pub keep_until_ms: Option<u64>,
+    /// The disk size this version publishes at, if a grow asked for more (0: the base's).
+    pub disk_size: u64,
+    pub taken_ms: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct PendingFile {
+    format: u32,
+    journal_id: String,
+    layers: Vec<LayerRecord>,
+}
+
+/// A pending layer: a cut's record, its overlay, and its share of the remote window.
+pub(super) struct Layer {
+    pub rec: LayerRecord,
+    pub overlay: Arc<Overlay>,
+    pub bytes: u64,
+    pub since: Option<Instant>,
+}
+
+/// The recorded cuts of a volume directory whose journal is `journal_id` (none if the file is
+/// absent or belongs to another journal).
+pub(super) fn load_pending(fs: &dyn Fs, dir: &Path, journal_id: &str) -> Result<Vec<LayerRecord>> {
+    let p = dir.join(PENDING_FILE);
+    if !fs.exists(&p) {
+        return Ok(Vec::new());
+    }
+    let bytes = fs
+        .read(&p)
+        .map_err(Error::io(format!("reading {}", p.display())))?;
+    let f: PendingFile = serde_json::from_slice(&bytes)
+        .map_err(|e| Error::Invalid(format!("{}: corrupt: {e}", p.display())))?;
+    if f.format != PENDING_FORMAT {
+        return Err(Error::Invalid(format!(
+            "{}: unsupported format {}",
+            p.display(),
+            f.format
+        )));
+    }
+    if f.journal_id != journal_id {
+        return Ok(Vec::new());
+    }
+    let mut layers = f.layers;
+    layers.sort_by_key(|l| l.cut);
+    Ok(layers)
+}
+
+/// What a cut is for.
+pub(super) struct CutSpec {
+    pub kind: CheckpointKind,
+    pub label: Option<String>,
+    pub keep_until_ms: Option<u64>,
+    pub disk_size: u64,
+}
+
+impl CutSpec {
+    pub fn of(kind: CheckpointKind) -> CutSpec {
+        CutSpec {
+            kind,
+            label: None,
+            keep_until_ms: None,
+            disk_size: 0,
+        }
+    }
+}
+
+impl Volume {
+    /// Takes a cut (see the module docs) and makes it durable on this node: the receipt of a
+    /// `local` version. `on_cut` learns the cut's sequence number as soon as the content is
+    /// fixed, before it is made durable.
+    pub(super) async fn cut(
+        &self,
+        spec: CutSpec,
+        on_cut: Option<tokio::sync::oneshot::Sender<u64>>,
+    ) -> Result<Published> {
+        self.cut_waiting.fetch_add(1, SeqCst);
+        let c = self.cut_lock.lock().await;
+        self.cut_waiting.fetch_sub(1, SeqCst);
+        self.cut_locked(&c, spec, on_cut).await
+    }
+
+    /// [`Volume::cut`] for a caller that holds the cut lock.
+    pub(super) async fn cut_locked(
+        &self,
+        _held: &tokio::sync::MutexGuard<'_, ()>,
+        spec: CutSpec,
+        on_cut: Option<tokio::sync::oneshot::Sender<u64>>,
+    ) -> Result<Published> {
+        let started = Instant::now();
+        self.usable()?;
+        while self.st().pending.len() >= MAX_PENDING {
+            // Backpressure: the oldest publishes first (its failure is this cut's).
+            self.drain(None, Some(1)).await?;
+        }
+        let stall_start = Instant::now();
+        let (rec, records) = {
+            let mut j = self.writer.lock().await;
+            let cut = j.last_seq();
+            let (id, f) = match j.rotate() {
+                Ok(r) => r,
+                Err(e) if crate::error::is_no_space(&e) => {
+                    return Err(Error::NoSpace(format!("a new journal segment: {e}")))
+                }
+                Err(e) => return Err(Error::io("rotating journal segment")(e)),
+            };
+            let mut st = self.st_mut();
+            st.files.insert(id, SegFile::new(f));
+            let rec = LayerRecord {
+                cut,
+                version: st.base_version + st.pending.len() as u64 + 1,
+                kind: spec.kind,
+                label: spec.label,
+                keep_until_ms: spec.keep_until_ms,
+                disk_size: spec.disk_size,
+                taken_ms: crate::now_ms(),
+            };
+            let overlay = Arc::new(std::mem::take(&mut st.active));
+            let (bytes, since) = {
+                let mut w = lock(&self.window);
+                (std::mem::take(&mut w.bytes), w.since.take())
+            };
+            st.pending.push_back(Layer {
+                rec: rec.clone(),
+                overlay,
+                bytes,
+                since,
+            });
+            let records: Vec<LayerRecord> = st.pending.iter().map(|l| l.rec.clone()).collect();
+            (rec, records)
+        };
+        let stall = stall_start.elapsed();
+        if let Some(tx) = on_cut {
+            let _ = tx.send(rec.cut);
+        }
+        // Durable on this node: the records through the cut, then the cut itself.
+        self.sync_journal().await?;
+        self.store_pending(records).await?;
+        Ok(Published {
+            version: rec.version,
+            manifest: None,
+            cut_seq: rec.cut,
+            bytes_uploaded: 0,
+            stall,
+            total: started.elapsed(),
+            state: CheckpointState::Local,
+        })
+    }
+
+    /// Replaces `pending.json` with `layers`.
+    async fn store_pending(&self, layers: Vec<LayerRecord>) -> Result<()> {
+        let f = PendingFile {
+            format: PENDING_FORMAT,
+            journal_id: self.journal_id.clone(),
+            layers,
+        };
+        let bytes = serde_json::to_vec(&f)
+            .map_err(|e| Error::Invalid(format!("encoding pending cuts: {e}")))?;
+        let (fs, path) = (self.fs.clone(), self.dir.join(PENDING_FILE));
+        crate::engine::blocking(move || {
+            fs.write_atomic(&path, &bytes)
+                .map_err(Error::io("recording a checkpoint's cut"))
+        })
+        .await
+    }
+
+    /// Rewrites `pending.json` to what is pending now (after a layer was withdrawn).
+    async fn rewrite_pending(&self) {
+        let records: Vec<LayerRecord> = self.st().pending.iter().map(|l| l.rec.clone()).collect();
+        if let Err(e) = self.store_pending(records).await {
+            tracing::warn!(tenant = %self.tenant, workspace = %self.name, error = %e, "rewriting the pending cuts failed");
+        }
+    }
+
+    /// Whether any cut waits for publication.
+    pub(super) fn has_pending(&self) -> bool {
+        !self.st().pending.is_empty()
+    }
+
+    /// The version of the first pending layer whose cut covers `seq`, if any.
+    pub(super) fn pending_covering(&self, seq: u64) -> Option<u64> {
+        self.st()
+            .pending
+            .iter()
+            .find(|l| l.rec.cut >= seq)
+            .map(|l| l.rec.version)
+    }
+
+    /// Publishes pending layers oldest first, until version `through` is the base (or none is
+    /// left; at most `limit` of them). Returns the receipt of the last one it published.
+    pub(super) async fn drain(
+        &self,
+        through: Option<u64>,
+        limit: Option<usize>,
+    ) -> Result<Option<Published>> {
+        let _p = self.publish_lock.lock().await;
+        let mut last = None;
+        let mut n = 0;
+        loop {
+            self.usable()?;
+            self.resolve_ambiguous().await?;
+            let front = {
+                let st = self.st();
+                if through.is_some_and(|t| st.base_version >= t) || limit.is_some_and(|l| n >= l) {
+                    break;
+                }
+                st.pending
+                    .front()
+                    .map(|l| (l.rec.clone(), l.overlay.clone()))
+            };
+            let Some((rec, overlay)) = front else { break };
+            match self.publish_layer(&rec, &overlay).await {
+                Ok(p) => {
+                    self.remember(p.clone());
+                    last = Some(p);
+                    n += 1;
+                }
+                Err(e) => {
+                    self.publish_failed(&e).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(last)
+    }
+
+    /// Publishes pending layers through version `v` and returns `v`'s receipt.
+    pub(super) async fn publish_through(&self, v: u64) -> Result<Published> {
+        self.drain(Some(v), None).await?;
+        if let Some(p) = self.receipt(v) {
+            return Ok(p);
+        }
+        if self.st().base_version < v {
+            // Withdrawn (a background cut folded back): nothing holds its number any more.
+            return Err(Error::Unavailable(
+                self.name.clone(),
+                format!("version {v} was withdrawn before it was published; retry"),
+            ));
+        }
+        let cp = self
+            .catalog
+            .get_checkpoint(&self.tenant, &self.name, v)
+            .await?;
+        Ok(Published {
+            version: v,
+            manifest: Some(cp.manifest),
+            cut_seq: cp.cut_seq,
+            bytes_uploaded: cp.bytes,
+            stall: Duration::ZERO,
+            total: Duration::ZERO,
+            state: CheckpointState::Published,
+        })
+    }
+
+    fn remember(&self, p: Published) {
+        let mut r = lock(&self.receipts);
+        r.push_back(p);
+        while r.len() > 2 * MAX_PENDING {
+            r.pop_front();
+        }
+    }
+
+    fn receipt(&self, v: u64) -> Option<Published> {
+        lock(&self.receipts)
+            .iter()
+            .rev()
+            .find(|p| p.version == v)
+            .cloned()
+    }
+
+    /// After a failed publish of the front layer: fenced volumes fail; a background, detach
+    /// or grow cut that is the only layer and certainly did not commit folds back.
+    async fn publish_failed(&self, e: &Error) {
+        if let Error::Catalog(CatalogError::Fenced { .. }) = e {
+            self.fail(e.to_string());
+            return;
+        }
+        let withdrawn = {
+            let mut st = self.st_mut();
+            let foldable = st.pending.len() == 1
+                && !self.ambiguous.load(SeqCst)
+                && st.pending.front().is_some_and(|l| {
+                    matches!(
+                        l.rec.kind,
+                        CheckpointKind::Auto | CheckpointKind::Detach | CheckpointKind::Resize
+                    )
+                });
+            if foldable {
+                let l = st.pending.pop_front().expect("one layer");
+                let active = std::mem::take(&mut st.active);
+                st.active = active.over(&l.overlay);
+                let mut w = lock(&self.window);
+                w.bytes += l.bytes;
+                w.since = match (l.since, w.since) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+            }
+            foldable
+        };
+        if withdrawn {
+            self.rewrite_pending().await;
+        }
+    }
+
+    /// Publishes one layer on the current base (steps 2–5 of the protocol).
+    async fn publish_layer(&self, rec: &LayerRecord, overlay: &Overlay) -> Result<Published> {
+        let started = Instant::now();
+        let (base, base_version) = {
+            let st = self.st();
+            (st.base.clone(), st.base_version)
+        };
+        let (version, manifest, m, bytes) =
+            self.publish_cut(overlay, &base, base_version, rec).await?;
+        if version != rec.version {
+            tracing::error!(tenant = %self.tenant, workspace = %self.name, reserved = rec.version, version, "a cut committed under another version than it reserved");
+        }
+        self.finish_publish(version, manifest, Arc::new(m), rec.cut, bytes)
+            .await;
+        Ok(Published {
+            version,
+            manifest: Some(manifest),
+            cut_seq: rec.cut,
+            bytes_uploaded: bytes,
+            stall: Duration::ZERO,
+            total: started.elapsed(),
+            state: CheckpointState::Published,
+        })
+    }
+
+    /// Starts publishing pending layers in a task of its own (after a local checkpoint).
+    pub(super) fn kick(&self) {
+        let Some(me) = self.me.upgrade() else { return };
+        tokio::spawn(async move {
+            if let Err(e) = me.drain(None, None).await {
+                if me.closed.load(SeqCst) {
+                    return; // Detached: its final publish covered (or reported) the rest.
+                }
+                tracing::warn!(tenant = %me.tenant, workspace = %me.name, error = %e, "publishing a checkpoint failed; retried in the background");
+            }
+        });
+    }
+}
