@@ -393,6 +393,13 @@ impl Engine {
         let vol = a.vol.clone();
         vol.seal().await;
         let published = if vol.mode() == Mode::Ephemeral {
+            // Unpublished writes are discarded on purpose, but not the local checkpoints a
+            // user was given receipts for.
+            if let Err(e) = vol.publish_pending().await {
+                vol.unseal();
+                *s = Some(a);
+                return Err(e);
+            }
             None
         } else {
             match vol.publish_kind(CheckpointKind::Detach).await {
@@ -429,6 +436,10 @@ impl Engine {
             if let Some(a) = slot.lock().await.take() {
                 a.task.abort();
                 a.vol.close();
+                // A publish still running in its own task ends first (closed, it starts no
+                // other): the next process must not find this one still writing. Bounded: a
+                // store that hangs must not hang a shutdown.
+                let _ = tokio::time::timeout(Duration::from_secs(10), a.vol.quiesce()).await;
             }
             self.set_live(&k, None);
         }
@@ -549,6 +560,8 @@ impl Engine {
     ) -> Result<Workspace> {
         let version = match (version, self.volume(tenant, src)) {
             (None, Some(v)) => Some(v.checkpoint(None).await?.version),
+            // A local checkpoint of this node: forked once it is published.
+            (Some(n), Some(v)) => Some(v.published(n).await?.version),
             (v, _) => v,
         };
         let mode = match mode {

@@ -5,10 +5,16 @@
 //! [`SimFs::power_loss`] throws away everything not durable, except that each file keeps a random
 //! subset of its un-synced writes, the last kept one possibly torn at a random byte: the disk may
 //! have written some of them, in any order, before the lights went out.
+//!
+//! A [`SimFs::process`] handle stands for one process's view: after a power cut every call
+//! through it (and through files it opened) fails, as the process is gone. Work that was still
+//! running in it (a background publish) thus stops at its next file operation instead of
+//! writing into the disk the next process recovers.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 
 use rand::rngs::SmallRng;
@@ -37,6 +43,10 @@ struct State {
 pub struct SimFs {
     state: Arc<Mutex<State>>,
     counters: Arc<Mutex<HashMap<&'static str, u64>>>,
+    /// Power cuts so far.
+    boots: Arc<AtomicU64>,
+    /// Of a process handle: the boot it was made in.
+    born: Option<u64>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -47,6 +57,7 @@ struct SimFile(Arc<Mutex<Inode>>, SimFs);
 
 impl FsFile for SimFile {
     fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        self.1.alive()?;
         let mut i = lock(&self.0);
         let end = off as usize + buf.len();
         if i.data.len() < end {
@@ -57,6 +68,7 @@ impl FsFile for SimFile {
         Ok(())
     }
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
+        self.1.alive()?;
         let i = lock(&self.0);
         let end = off as usize + buf.len();
         if end > i.data.len() {
@@ -69,6 +81,7 @@ impl FsFile for SimFile {
         Ok(())
     }
     fn sync_data(&self) -> io::Result<()> {
+        self.1.alive()?;
         let mut i = lock(&self.0);
         i.durable = i.data.clone();
         i.pending.clear();
@@ -76,12 +89,14 @@ impl FsFile for SimFile {
         Ok(())
     }
     fn set_len(&self, len: u64) -> io::Result<()> {
+        self.1.alive()?;
         let mut i = lock(&self.0);
         i.data.resize(len as usize, 0);
         i.pending.push((0, vec![], Some(len)));
         Ok(())
     }
     fn len(&self) -> io::Result<u64> {
+        self.1.alive()?;
         Ok(lock(&self.0).data.len() as u64)
     }
 }
@@ -98,6 +113,24 @@ impl SimFs {
         SimFs::default()
     }
 
+    /// One process's view of this disk: it dies at the next power cut (see the module docs).
+    pub fn process(&self) -> SimFs {
+        SimFs {
+            born: Some(self.boots.load(SeqCst)),
+            ..self.clone()
+        }
+    }
+
+    fn alive(&self) -> io::Result<()> {
+        match self.born {
+            Some(b) if b != self.boots.load(SeqCst) => {
+                self.count("dead");
+                Err(io::Error::other("the process died in a power cut"))
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn count(&self, what: &'static str) {
         *lock(&self.counters).entry(what).or_default() += 1;
     }
@@ -111,6 +144,7 @@ impl SimFs {
     pub fn power_loss(&self, seed: u64, tear: bool) {
         let mut rng = SmallRng::seed_from_u64(seed);
         let mut st = lock(&self.state);
+        self.boots.fetch_add(1, SeqCst);
         st.names = st.durable_names.clone();
         let inodes: Vec<_> = st.names.values().cloned().collect();
         for ino in inodes {
@@ -153,6 +187,7 @@ impl SimFs {
 
 impl Fs for SimFs {
     fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn FsFile>> {
+        self.alive()?;
         let mut st = lock(&self.state);
         let ino = match st.names.get(path) {
             Some(i) => i.clone(),
@@ -170,6 +205,7 @@ impl Fs for SimFs {
         Ok(Arc::new(SimFile(ino, self.clone())))
     }
     fn remove(&self, path: &Path) -> io::Result<()> {
+        self.alive()?;
         lock(&self.state)
             .names
             .remove(path)
@@ -177,12 +213,14 @@ impl Fs for SimFs {
             .ok_or_else(|| not_found(path))
     }
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.alive()?;
         let mut st = lock(&self.state);
         let i = st.names.remove(from).ok_or_else(|| not_found(from))?;
         st.names.insert(to.to_path_buf(), i);
         Ok(())
     }
     fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
+        self.alive()?;
         let st = lock(&self.state);
         if !st.dirs.iter().any(|d| d == dir) {
             return Err(not_found(dir));
@@ -195,6 +233,7 @@ impl Fs for SimFs {
             .collect())
     }
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        self.alive()?;
         // Directories themselves are modelled as always durable.
         let mut st = lock(&self.state);
         let mut d = Some(dir);
@@ -207,6 +246,7 @@ impl Fs for SimFs {
         Ok(())
     }
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        self.alive()?;
         let mut st = lock(&self.state);
         let now: Vec<_> = st
             .names
@@ -221,10 +261,14 @@ impl Fs for SimFs {
         Ok(())
     }
     fn exists(&self, path: &Path) -> bool {
+        if self.alive().is_err() {
+            return false;
+        }
         let st = lock(&self.state);
         st.names.contains_key(path) || st.dirs.iter().any(|d| d == path)
     }
     fn remove_dir_all(&self, dir: &Path) -> io::Result<()> {
+        self.alive()?;
         let mut st = lock(&self.state);
         st.names.retain(|p, _| !p.starts_with(dir));
         st.dirs.retain(|p| !p.starts_with(dir));

@@ -201,6 +201,8 @@ pub struct Volume {
     cut_waiting: std::sync::atomic::AtomicUsize,
     /// Held while one pending layer (or a compaction) is published.
     publish_lock: tokio::sync::Mutex<()>,
+    /// Serialises writes of `pending.json`.
+    pending_io: tokio::sync::Mutex<()>,
     /// Receipts of the latest publishes, for callers waiting on a version.
     receipts: Mutex<VecDeque<Published>>,
     acked_seq: AtomicU64,

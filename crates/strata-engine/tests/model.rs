@@ -1,4 +1,5 @@
-//! Property test: random sequences of write / trim / write-zeroes / flush / checkpoint / fork /
+//! Property test: random sequences of write / trim / write-zeroes / flush / checkpoint (published,
+//! or local: returned at its cut, forks and rollbacks of it wait for its publication) / fork /
 //! rollback / grow (and writes at the grown end) / restore-on-another-node / reopen against an
 //! in-memory model disk. Every read and every final image must match the model exactly.
 
@@ -43,6 +44,10 @@ enum Op {
     Checkpoint {
         ws: usize,
     },
+    /// A checkpoint returned at its cut (published in the background).
+    LocalCheckpoint {
+        ws: usize,
+    },
     Fork {
         ws: usize,
         pick: usize,
@@ -84,7 +89,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (ws.clone(), range()).prop_map(|(ws, (off, len))| Op::Zero { ws, off, len }),
         2 => (ws.clone(), range()).prop_map(|(ws, (off, len))| Op::Read { ws, off, len }),
         1 => ws.clone().prop_map(|ws| Op::Flush { ws }),
-        2 => ws.clone().prop_map(|ws| Op::Checkpoint { ws }),
+        1 => ws.clone().prop_map(|ws| Op::Checkpoint { ws }),
+        2 => ws.clone().prop_map(|ws| Op::LocalCheckpoint { ws }),
         1 => (ws.clone(), any::<usize>()).prop_map(|(ws, pick)| Op::Fork { ws, pick }),
         1 => (ws.clone(), any::<usize>()).prop_map(|(ws, pick)| Op::Rollback { ws, pick }),
         1 => ws.clone().prop_map(|ws| Op::Restore { ws }),
@@ -185,6 +191,19 @@ impl World {
                     .checkpoint(TENANT, &self.names[ws], None)
                     .await
                     .unwrap();
+                self.history
+                    .get_mut(&self.names[ws])
+                    .unwrap()
+                    .push((p.version, self.disks[ws].clone()));
+            }
+            Op::LocalCheckpoint { ws } => {
+                let p = self
+                    .vol(ws)
+                    .await
+                    .checkpoint_with(None, None, false)
+                    .await
+                    .unwrap();
+                assert_eq!(p.state, strata_engine::CheckpointState::Local);
                 self.history
                     .get_mut(&self.names[ws])
                     .unwrap()

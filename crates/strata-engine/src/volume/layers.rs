@@ -19,8 +19,8 @@
 //! `{ "format": 1, "journal_id", "layers": [{ "cut", "version", "kind", "label",
 //! "keep_until_ms", "disk_size", "taken_ms" }] }`, oldest first. After a crash the journal's
 //! records replay into these layers by sequence number (records `<= cut` of the first layer
-//! whose cut is at least theirs); layers whose cut is at most the local state's `base_seq` are
-//! published already and dropped. A layer is only recorded once its records are durable, and
+//! whose cut is at least theirs); layers whose version the head has reached are published
+//! already and dropped. A layer is only recorded once its records are durable, and
 //! the file holds every layer pending at that moment, so a recorded cut survives with exactly
 //! its content.
 //!
@@ -111,7 +111,7 @@ pub(super) fn load_pending(fs: &dyn Fs, dir: &Path, journal_id: &str) -> Result<
         return Ok(Vec::new());
     }
     let mut layers = f.layers;
-    layers.sort_by_key(|l| l.cut);
+    layers.sort_by_key(|l| l.version);
     Ok(layers)
 }
 
@@ -163,7 +163,7 @@ impl Volume {
             self.drain(None, Some(1)).await?;
         }
         let stall_start = Instant::now();
-        let (rec, records) = {
+        let rec = {
             let mut j = self.writer.lock().await;
             let cut = j.last_seq();
             let (id, f) = match j.rotate() {
@@ -195,8 +195,7 @@ impl Volume {
                 bytes,
                 since,
             });
-            let records: Vec<LayerRecord> = st.pending.iter().map(|l| l.rec.clone()).collect();
-            (rec, records)
+            rec
         };
         let stall = stall_start.elapsed();
         if let Some(tx) = on_cut {
@@ -204,7 +203,7 @@ impl Volume {
         }
         // Durable on this node: the records through the cut, then the cut itself.
         self.sync_journal().await?;
-        self.store_pending(records).await?;
+        self.store_pending().await?;
         Ok(Published {
             version: rec.version,
             manifest: None,
@@ -216,8 +215,11 @@ impl Volume {
         })
     }
 
-    /// Replaces `pending.json` with `layers`.
-    async fn store_pending(&self, layers: Vec<LayerRecord>) -> Result<()> {
+    /// Replaces `pending.json` with the layers pending now. Serialised (one temp file), and the
+    /// snapshot is taken under the same lock, so an older snapshot never lands after a newer.
+    async fn store_pending(&self) -> Result<()> {
+        let _w = self.pending_io.lock().await;
+        let layers: Vec<LayerRecord> = self.st().pending.iter().map(|l| l.rec.clone()).collect();
         let f = PendingFile {
             format: PENDING_FORMAT,
             journal_id: self.journal_id.clone(),
@@ -233,10 +235,9 @@ impl Volume {
         .await
     }
 
-    /// Rewrites `pending.json` to what is pending now (after a layer was withdrawn).
+    /// Rewrites `pending.json` after a layer was withdrawn.
     async fn rewrite_pending(&self) {
-        let records: Vec<LayerRecord> = self.st().pending.iter().map(|l| l.rec.clone()).collect();
-        if let Err(e) = self.store_pending(records).await {
+        if let Err(e) = self.store_pending().await {
             tracing::warn!(tenant = %self.tenant, workspace = %self.name, error = %e, "rewriting the pending cuts failed");
         }
     }
@@ -319,6 +320,39 @@ impl Volume {
             total: Duration::ZERO,
             state: CheckpointState::Published,
         })
+    }
+
+    /// The published receipt of version `v`: waits for it if it is one of this volume's
+    /// pending cuts (they publish in order); otherwise the catalog's (which may not have it).
+    pub async fn published(&self, v: u64) -> Result<Published> {
+        let pending = {
+            let st = self.st();
+            v > st.base_version && v <= st.base_version + st.pending.len() as u64
+        };
+        if pending {
+            return self
+                .in_own_task(move |me| async move { me.publish_through(v).await })
+                .await;
+        }
+        let cp = self
+            .catalog
+            .get_checkpoint(&self.tenant, &self.name, v)
+            .await?;
+        Ok(Published {
+            version: v,
+            manifest: Some(cp.manifest),
+            cut_seq: cp.cut_seq,
+            bytes_uploaded: cp.bytes,
+            stall: Duration::ZERO,
+            total: Duration::ZERO,
+            state: CheckpointState::Published,
+        })
+    }
+
+    /// Publishes every pending cut (and no new one), in its own task.
+    pub(crate) async fn publish_pending(&self) -> Result<Option<Published>> {
+        self.in_own_task(move |me| async move { me.drain(None, None).await })
+            .await
     }
 
     fn remember(&self, p: Published) {

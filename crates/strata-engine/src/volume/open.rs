@@ -60,7 +60,9 @@ impl Volume {
 
         // Cuts recorded and not yet published: their records replay into their own layers.
         let mut recs = super::layers::load_pending(&*p.fs, &p.dir, &journal_id)?;
-        recs.retain(|r| r.cut > base_seq);
+        // Those the head already holds are published (two cuts with no write between them
+        // share a sequence number: the reserved version tells them apart).
+        recs.retain(|r| r.version > ws.head_version && r.cut >= base_seq);
         for (i, r) in recs.iter_mut().enumerate() {
             let v = ws.head_version + i as u64 + 1;
             if r.version != v {
@@ -186,6 +188,7 @@ impl Volume {
             cut_lock: tokio::sync::Mutex::new(()),
             cut_waiting: Default::default(),
             publish_lock: tokio::sync::Mutex::new(()),
+            pending_io: tokio::sync::Mutex::new(()),
             receipts: Mutex::new(VecDeque::new()),
             acked_seq: AtomicU64::new(last),
             synced_seq: AtomicU64::new(last),
