@@ -6,7 +6,8 @@
 //! Node B shares A's catalog and object store. While the clients run, the nemesis does one of:
 //! checkpoint; checkpoint whose client gives up at a random moment; fork of the live workspace;
 //! rollback to an earlier checkpoint; a grow of the disk; detach and attach; freeze and thaw; a GC pass with a short
-//! grace (which also compacts); kill -9 and restart of A; object-store faults for the round (on
+//! grace (which also compacts); kill -9 and restart of A (half the time just after a local
+//! checkpoint, whose publication must resume); object-store faults for the round (on
 //! an S3 store through the fault proxy); SIGSTOP of A past its lease while B takes `s` over,
 //! then SIGCONT (and later `s` moves back).
 //!
@@ -350,10 +351,12 @@ impl Campaign {
             self.count("checkpoint");
             let starts = lock(&w.model).starts();
             let label = format!("n{step}");
+            // Local (returned at the cut, published in the background) or waited for.
+            let wait = self.rng.random_bool(0.3);
             let body = if self.rng.random_bool(0.5) {
-                json!({"label": label})
+                json!({"label": label, "wait": wait})
             } else {
-                json!({})
+                json!({ "wait": wait })
             };
             let (s, v) = api
                 .post(&format!("/v1/workspaces/{name}/checkpoint"), body)
@@ -378,7 +381,7 @@ impl Campaign {
             self.post_cut_off(
                 &api,
                 &format!("/v1/workspaces/{name}/checkpoint"),
-                json!({ "label": label }),
+                json!({ "label": label, "wait": true }),
             )
             .await;
             // It may still complete: judged at the end of the step, by its label.
@@ -503,6 +506,34 @@ impl Campaign {
             }
         } else if roll < 80 {
             self.count("kill -9 and restart");
+            if self.rng.random_bool(0.5) {
+                // A local checkpoint just before the kill: its publication is cut short at a
+                // random point and must resume after the restart, with exactly its content.
+                self.count("local checkpoint, then kill -9");
+                let on_a = if name == "s" && self.s_on_b {
+                    "d"
+                } else {
+                    name
+                };
+                let w = self.ws[on_a].clone();
+                let starts = lock(&w.model).starts();
+                let (s, v) = self
+                    .a
+                    .api(&self.token)
+                    .post(&format!("/v1/workspaces/{on_a}/checkpoint"), json!({}))
+                    .await;
+                let allowed = lock(&w.model).window(&starts);
+                if s == StatusCode::OK {
+                    self.pending.push(Pending {
+                        ws: on_a,
+                        version: v["version"].as_u64(),
+                        label: format!("n{step}"),
+                        allowed,
+                        open_window: None,
+                        fork: None,
+                    });
+                }
+            }
             tokio::time::sleep(Duration::from_millis(self.rng.random_range(0..200))).await;
             drop(self.a.daemon.take()); // SIGKILL
             for w in self.ws.values() {

@@ -128,7 +128,7 @@ async fn a_checkpoint_whose_client_goes_away_loses_nothing() {
         c.write(mib << 20, &buf, false).await.unwrap();
     }
     c.flush().await.unwrap();
-    // The client gives up during the upload (curl -m 0.05).
+    // The client gives up while it waits for the upload (curl -m 0.05).
     let quick = reqwest::Client::builder()
         .timeout(Duration::from_millis(50))
         .build()
@@ -136,7 +136,7 @@ async fn a_checkpoint_whose_client_goes_away_loses_nothing() {
     let r = quick
         .post(format!("{}/v1/workspaces/w/checkpoint", daemon.url))
         .bearer_auth(&a.token)
-        .json(&json!({}))
+        .json(&json!({"wait": true}))
         .send()
         .await;
     assert!(r.is_err(), "the checkpoint was still uploading at 50 ms");
