@@ -20,7 +20,7 @@
 //! lost; a fenced or failed-fsync volume refuses all further writes.
 
 use std::collections::{HashMap, VecDeque};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -41,6 +41,7 @@ use crate::{Error, Result};
 
 mod clean;
 mod compact;
+mod cutlog;
 mod gate;
 mod layers;
 mod open;
@@ -201,8 +202,8 @@ pub struct Volume {
     cut_waiting: std::sync::atomic::AtomicUsize,
     /// Held while one pending layer (or a compaction) is published.
     publish_lock: tokio::sync::Mutex<()>,
-    /// Serialises writes of `pending.json`.
-    pending_io: tokio::sync::Mutex<()>,
+    /// Where cuts are recorded (`cutlog.rs`); its lock serialises the records.
+    cut_log: Mutex<cutlog::CutLog>,
     /// Receipts of the latest publishes, for callers waiting on a version.
     receipts: Mutex<VecDeque<Published>>,
     acked_seq: AtomicU64,

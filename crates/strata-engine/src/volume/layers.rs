@@ -5,7 +5,7 @@
 //! rotates and the active overlay becomes a pending layer holding every write up to the cut's
 //! sequence number. Reads see `active ─▶ pending layers, newest first ─▶ base`. A cut is made
 //! durable on this node (journal fdatasync'd through the cut, then `pending.json` replaced
-//! atomically) and then returned: that is a `local` checkpoint. Layers are published strictly
+//! in place) and then returned: that is a `local` checkpoint. Layers are published strictly
 //! in order, one at a time under the publish lock, by whoever asks first (the background loop,
 //! a `wait`ing caller, the kick a cut gives): pack, upload, manifest, head CAS, then the layer
 //! becomes the base and its segments retire.
@@ -15,14 +15,13 @@
 //! lease, and the other versions a volume makes (compaction, rollback) are made only with no
 //! layer pending and under the cut lock, so a reserved number is the one it commits as.
 //!
-//! `pending.json` (replaced atomically: temp, fdatasync, rename, directory fsync):
-//! `{ "format": 1, "journal_id", "layers": [{ "cut", "version", "kind", "label",
-//! "keep_until_ms", "disk_size", "taken_ms" }] }`, oldest first. After a crash the journal's
-//! records replay into these layers by sequence number (records `<= cut` of the first layer
-//! whose cut is at least theirs); layers whose version the head has reached are published
-//! already and dropped. A layer is only recorded once its records are durable, and
-//! the file holds every layer pending at that moment, so a recorded cut survives with exactly
-//! its content.
+//! Cuts are recorded in `cuts.log` (see `cutlog.rs`: records written in place in a file of
+//! zeros, one fdatasync each). After a crash the journal's records replay into the recorded
+//! layers by sequence number (records `<= cut` of the first layer whose cut is at least
+//! theirs); layers whose version the head has reached are published already and dropped. A
+//! cut is only recorded once its records are durable, so a recorded cut survives with exactly
+//! its content. A cut does not rotate the journal: a segment may hold records of several
+//! layers (it retires once the last of them is published), and a checkpoint adds no file.
 //!
 //! A publish that fails leaves its layer pending, to be retried: a local checkpoint is never
 //! withdrawn. The only exception keeps today's recovery for layers nobody holds a receipt
@@ -32,12 +31,11 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::cutlog::Entry;
 use super::*;
 
 /// At most this many cuts wait for publication; a cut beyond waits for the oldest to publish.
 pub(crate) const MAX_PENDING: usize = 64;
-pub(crate) const PENDING_FORMAT: u32 = 1;
-const PENDING_FILE: &str = "pending.json";
 
 /// Whether a receipt's version is only on this node or in the object store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -73,46 +71,12 @@ pub(crate) struct LayerRecord {
     pub taken_ms: u64,
 }
 
-#[derive(Serialize, Deserialize)]
-struct PendingFile {
-    format: u32,
-    journal_id: String,
-    layers: Vec<LayerRecord>,
-}
-
 /// A pending layer: a cut's record, its overlay, and its share of the remote window.
 pub(super) struct Layer {
     pub rec: LayerRecord,
     pub overlay: Arc<Overlay>,
     pub bytes: u64,
     pub since: Option<Instant>,
-}
-
-/// The recorded cuts of a volume directory whose journal is `journal_id` (none if the file is
-/// absent or belongs to another journal).
-pub(super) fn load_pending(fs: &dyn Fs, dir: &Path, journal_id: &str) -> Result<Vec<LayerRecord>> {
-    let p = dir.join(PENDING_FILE);
-    if !fs.exists(&p) {
-        return Ok(Vec::new());
-    }
-    let bytes = fs
-        .read(&p)
-        .map_err(Error::io(format!("reading {}", p.display())))?;
-    let f: PendingFile = serde_json::from_slice(&bytes)
-        .map_err(|e| Error::Invalid(format!("{}: corrupt: {e}", p.display())))?;
-    if f.format != PENDING_FORMAT {
-        return Err(Error::Invalid(format!(
-            "{}: unsupported format {}",
-            p.display(),
-            f.format
-        )));
-    }
-    if f.journal_id != journal_id {
-        return Ok(Vec::new());
-    }
-    let mut layers = f.layers;
-    layers.sort_by_key(|l| l.version);
-    Ok(layers)
 }
 
 /// What a cut is for.
@@ -164,17 +128,11 @@ impl Volume {
         }
         let stall_start = Instant::now();
         let rec = {
-            let mut j = self.writer.lock().await;
+            // The writer lock orders the cut against appends: every record up to `cut` is in
+            // the overlay taken here, none after it.
+            let j = self.writer.lock().await;
             let cut = j.last_seq();
-            let (id, f) = match j.rotate() {
-                Ok(r) => r,
-                Err(e) if crate::error::is_no_space(&e) => {
-                    return Err(Error::NoSpace(format!("a new journal segment: {e}")))
-                }
-                Err(e) => return Err(Error::io("rotating journal segment")(e)),
-            };
             let mut st = self.st_mut();
-            st.files.insert(id, SegFile::new(f));
             let rec = LayerRecord {
                 cut,
                 version: st.base_version + st.pending.len() as u64 + 1,
@@ -203,7 +161,7 @@ impl Volume {
         }
         // Durable on this node: the records through the cut, then the cut itself.
         self.sync_journal().await?;
-        self.store_pending().await?;
+        self.record(Entry::Cut(rec.clone())).await?;
         Ok(Published {
             version: rec.version,
             manifest: None,
@@ -215,31 +173,24 @@ impl Volume {
         })
     }
 
-    /// Replaces `pending.json` with the layers pending now. Serialised (one temp file), and the
-    /// snapshot is taken under the same lock, so an older snapshot never lands after a newer.
-    async fn store_pending(&self) -> Result<()> {
-        let _w = self.pending_io.lock().await;
-        let layers: Vec<LayerRecord> = self.st().pending.iter().map(|l| l.rec.clone()).collect();
-        let f = PendingFile {
-            format: PENDING_FORMAT,
-            journal_id: self.journal_id.clone(),
-            layers,
-        };
-        let bytes = serde_json::to_vec(&f)
-            .map_err(|e| Error::Invalid(format!("encoding pending cuts: {e}")))?;
-        let (fs, path) = (self.fs.clone(), self.dir.join(PENDING_FILE));
+    /// Appends `e` to the cut log, durably. Appends are serialised by the log's lock and each
+    /// carries the layers pending at that moment for a rewrite of a full log.
+    async fn record(&self, e: Entry) -> Result<()> {
+        let me = self
+            .me
+            .upgrade()
+            .ok_or_else(|| Error::Unavailable(self.name.clone(), "detached".into()))?;
         crate::engine::blocking(move || {
-            fs.write_atomic(&path, &bytes)
-                .map_err(Error::io("recording a checkpoint's cut"))
+            let mut log = lock(&me.cut_log);
+            let live: Vec<Entry> = me
+                .st()
+                .pending
+                .iter()
+                .map(|l| Entry::Cut(l.rec.clone()))
+                .collect();
+            log.append(&e, &live)
         })
         .await
-    }
-
-    /// Rewrites `pending.json` after a layer was withdrawn.
-    async fn rewrite_pending(&self) {
-        if let Err(e) = self.store_pending().await {
-            tracing::warn!(tenant = %self.tenant, workspace = %self.name, error = %e, "rewriting the pending cuts failed");
-        }
     }
 
     /// Whether any cut waits for publication.
@@ -378,6 +329,7 @@ impl Volume {
             self.fail(e.to_string());
             return;
         }
+        let mut withdrawn_version = 0;
         let withdrawn = {
             let mut st = self.st_mut();
             let foldable = st.pending.len() == 1
@@ -390,6 +342,7 @@ impl Volume {
                 });
             if foldable {
                 let l = st.pending.pop_front().expect("one layer");
+                withdrawn_version = l.rec.version;
                 let active = std::mem::take(&mut st.active);
                 st.active = active.over(&l.overlay);
                 let mut w = lock(&self.window);
@@ -402,7 +355,15 @@ impl Volume {
             foldable
         };
         if withdrawn {
-            self.rewrite_pending().await;
+            // Recorded, or after a crash the cut would come back (a withdrawn grow applied).
+            if let Err(e) = self
+                .record(Entry::Withdraw {
+                    version: withdrawn_version,
+                })
+                .await
+            {
+                tracing::warn!(tenant = %self.tenant, workspace = %self.name, error = %e, "recording a withdrawn cut failed");
+            }
         }
     }
 

@@ -59,9 +59,10 @@ impl Volume {
         .store(&*p.fs, &p.dir)?;
 
         // Cuts recorded and not yet published: their records replay into their own layers.
-        let mut recs = super::layers::load_pending(&*p.fs, &p.dir, &journal_id)?;
         // Those the head already holds are published (two cuts with no write between them
         // share a sequence number: the reserved version tells them apart).
+        let (cut_log, entries) = super::cutlog::CutLog::open(p.fs.clone(), &p.dir, &journal_id)?;
+        let mut recs = super::cutlog::pending(entries);
         recs.retain(|r| r.version > ws.head_version && r.cut >= base_seq);
         for (i, r) in recs.iter_mut().enumerate() {
             let v = ws.head_version + i as u64 + 1;
@@ -188,7 +189,7 @@ impl Volume {
             cut_lock: tokio::sync::Mutex::new(()),
             cut_waiting: Default::default(),
             publish_lock: tokio::sync::Mutex::new(()),
-            pending_io: tokio::sync::Mutex::new(()),
+            cut_log: Mutex::new(cut_log),
             receipts: Mutex::new(VecDeque::new()),
             acked_seq: AtomicU64::new(last),
             synced_seq: AtomicU64::new(last),

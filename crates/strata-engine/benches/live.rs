@@ -1,0 +1,150 @@
+//! Checkpoints of a live workspace against its dirty (unpublished) data (issue 16).
+//!
+//! For each dirty size (0, 64 MiB, 1 GiB, 4 GiB; written at random offsets, then flushed) a
+//! writer keeps writing 4 KiB blocks while 20 checkpoints are taken 25 ms apart, without
+//! `wait`: each returns once its cut is durable on the node (a `local` receipt), while the
+//! first one's upload of everything dirty runs in the background. Reported: checkpoint latency
+//! (p50, p99, max: the whole call, cut + fdatasync + pending record), the writer's worst and p99
+//! write latency over the same time, then the time a fork of the live workspace takes (today it
+//! waits for publication) and the time until everything is published.
+//!
+//! `cargo bench -p strata-engine --bench live` (full), a smoke version under `cargo test`.
+//! With `BENCH_JSON=FILE` the results are also written as JSON (bench/run.sh collects them).
+
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+use strata_catalog::{Catalog, SqliteCatalog};
+use strata_engine::fs::RealFs;
+use strata_engine::{CheckpointState, Engine, EngineConfig, Mode, Source};
+use strata_store::Store;
+
+const T: &str = "bench";
+const DISK: u64 = 16 << 30;
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn pct(v: &[Duration], p: usize) -> Duration {
+    v[(v.len() * p / 100).min(v.len() - 1)]
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let full = std::env::args().any(|a| a == "--bench");
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let catalog: Arc<dyn Catalog> =
+        Arc::new(SqliteCatalog::open(&dir.path().join("catalog.db")).unwrap());
+    catalog.create_tenant(T).await.unwrap();
+    let store = Store::open(&format!("file:{}", dir.path().join("objects").display())).unwrap();
+    let mut cfg = EngineConfig::new(dir.path().join("node"));
+    cfg.node_id = Some("live".into());
+    cfg.upload_interval = Duration::from_secs(3600);
+    cfg.upload_max_bytes = u64::MAX;
+    cfg.cache_unsafe = false;
+    let e = Engine::open_with(cfg, catalog, store, Arc::new(RealFs)).unwrap();
+    let sizes: &[u64] = if full {
+        &[0, 64 << 20, 1 << 30, 4 << 30]
+    } else {
+        &[0, 4 << 20]
+    };
+    let n_cp = if full { 20 } else { 5 };
+    let mut rows = vec![];
+    for &dirty in sizes {
+        let name = format!("live-{}", dirty >> 20);
+        e.create_workspace(T, &name, Source::Empty { size: DISK }, Mode::Durable, None)
+            .await
+            .unwrap();
+        let v = e.attach(T, &name).await.unwrap();
+        // 4 KiB random writes up to 1 GiB; 64 KiB ones beyond (to bound the bench's time).
+        let chunk: u64 = if dirty > 1 << 30 { 64 << 10 } else { 4 << 10 };
+        let buf = vec![0x5au8; chunk as usize];
+        let mut rng = SmallRng::seed_from_u64(dirty);
+        let t = Instant::now();
+        for _ in 0..dirty / chunk {
+            let off = rng.random_range(1024..DISK / chunk) * chunk;
+            v.write(off, &buf, false).await.unwrap();
+        }
+        v.flush().await.unwrap();
+        let wrote = t.elapsed();
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = {
+            let (v, stop) = (v.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut lat = vec![];
+                let block = vec![7u8; 4096];
+                let mut i = 0u64;
+                while !stop.load(Relaxed) {
+                    let t = Instant::now();
+                    v.write((i % 256) * 4096, &block, false).await.unwrap();
+                    lat.push(t.elapsed());
+                    i += 1;
+                    tokio::time::sleep(Duration::from_micros(200)).await;
+                }
+                lat
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        let mut cps = vec![];
+        for _ in 0..n_cp {
+            let t = Instant::now();
+            let p = v.checkpoint_with(None, None, false).await.unwrap();
+            cps.push(t.elapsed());
+            assert_eq!(p.state, CheckpointState::Local);
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        stop.store(true, Relaxed);
+        let mut lat = writer.await.unwrap();
+        lat.sort();
+        cps.sort();
+        let t = Instant::now();
+        e.fork(T, &name, None, &format!("{name}-fork"), None)
+            .await
+            .unwrap();
+        let fork = t.elapsed();
+        let t = Instant::now();
+        e.detach(T, &name).await.unwrap();
+        let rest = t.elapsed();
+        let row = json!({
+            "dirty_bytes": dirty, "write_chunk": chunk, "checkpoints": n_cp,
+            "checkpoint_p50_ms": ms(pct(&cps, 50)), "checkpoint_p99_ms": ms(pct(&cps, 99)),
+            "checkpoint_max_ms": ms(*cps.last().unwrap()),
+            "writer_worst_ms": ms(*lat.last().unwrap()), "writer_p99_ms": ms(pct(&lat, 99)),
+            "writes_during": lat.len(), "fork_of_live_ms": ms(fork),
+            "publish_rest_ms": ms(rest), "dirty_write_s": wrote.as_secs_f64(),
+        });
+        println!(
+            "{} MiB dirty: local checkpoint p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; writer worst {:.2} ms, p99 {:.3} ms over {} writes; fork of the live workspace {:.0} ms; detach after {:.0} ms",
+            dirty >> 20,
+            ms(pct(&cps, 50)),
+            ms(pct(&cps, 99)),
+            ms(*cps.last().unwrap()),
+            ms(*lat.last().unwrap()),
+            ms(pct(&lat, 99)),
+            lat.len(),
+            ms(fork),
+            ms(rest)
+        );
+        rows.push(row);
+        e.delete_workspace(T, &name).await.unwrap();
+        e.delete_workspace(T, &format!("{name}-fork"))
+            .await
+            .unwrap();
+    }
+    let p0 = rows[0]["checkpoint_p99_ms"].as_f64().unwrap();
+    let plast = rows.last().unwrap()["checkpoint_p99_ms"].as_f64().unwrap();
+    println!(
+        "ratio of checkpoint p99, largest dirty ÷ none: {:.2}",
+        plast / p0
+    );
+    if let Ok(path) = std::env::var("BENCH_JSON") {
+        let out = json!({ "live_checkpoint": Value::Array(rows) });
+        std::fs::write(&path, serde_json::to_string_pretty(&out).unwrap()).unwrap();
+        println!("results: {path}");
+    }
+}
