@@ -15,7 +15,8 @@
 #   coldstart  3. cold start from S3 with injected latency (moto on loopback) and 6. daemon RSS
 #                 per attached workspace: bench/coldstart.sh
 #   engine     4. fork/checkpoint/restore scaling, 5. shared cache across 8 forks and
-#                 6. memory per extent: crates/strata-engine/benches/scale.rs
+#                 6. memory per extent: crates/strata-engine/benches/scale.rs; 7. checkpoints
+#                 of a live workspace against dirty data: crates/strata-engine/benches/live.rs
 #
 # Installs nothing: it checks its tools first and lists what is missing. Knobs of the parts:
 # BENCH_REPS, BENCH_RUNTIME, BENCH_SIZE_MB (nbd), BENCH_S3_LATENCY_MS, BENCH_TREE_MB, BENCH_WS,
@@ -56,8 +57,10 @@ for s in $scenarios; do
     engine)
       if [ "$smoke" = 1 ]; then
         BENCH_JSON="$tmp/engine.json" cargo test -q -p strata-engine --bench scale
+        BENCH_JSON="$tmp/live.json" cargo test -q -p strata-engine --bench live
       else
         BENCH_JSON="$tmp/engine.json" cargo bench -q -p strata-engine --bench scale
+        BENCH_JSON="$tmp/live.json" cargo bench -q -p strata-engine --bench live
       fi ;;
     nbd) BENCH_OUT="$tmp/nbd.json" bench/nbd.sh | tee "$tmp/nbd.md" ;;
     coldstart) BENCH_OUT="$tmp/coldstart.json" bench/coldstart.sh ;;
@@ -83,6 +86,8 @@ try:
 except Exception:
     res = {}
 parts = {k: load(f"{k}.json") for k in ("nbd", "coldstart", "engine")}
+if parts["engine"] is not None and load("live.json") is not None:
+    parts["engine"].update(load("live.json"))
 res.update({k: v for k, v in parts.items() if v is not None})
 res.update({"started": started, "smoke": smoke == "1",
        "command": ("BENCH_SMOKE=1 " if smoke == "1" else "") + "bench/run.sh",

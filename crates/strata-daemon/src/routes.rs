@@ -667,7 +667,7 @@ async fn metrics(_: Scraper, State(d): D) -> impl IntoResponse {
         &'static str,
         fn(&strata_engine::VolumeStats) -> u64,
     );
-    let series: [Series; 8] = [
+    let series: [Series; 9] = [
         ("strata_volume_bytes_written_total", "counter", |s| {
             s.bytes_written
         }),
@@ -683,6 +683,10 @@ async fn metrics(_: Scraper, State(d): D) -> impl IntoResponse {
             s.window_age_ms
         }),
         ("strata_volume_journal_bytes", "gauge", |s| s.journal_bytes),
+        // Cuts taken (local checkpoints among them) and not yet in the object store.
+        ("strata_volume_pending_versions", "gauge", |s| {
+            s.pending_versions
+        }),
         ("strata_volume_lease_epoch", "gauge", |s| s.lease_epoch),
     ];
     let stats: Vec<_> = d

@@ -160,6 +160,8 @@ impl Volume {
             let _ = tx.send(rec.cut);
         }
         // Durable on this node: the records through the cut, then the cut itself.
+        // In this order: a recorded cut whose records were lost would, after a restart, claim
+        // the sequence numbers of later writes.
         self.sync_journal().await?;
         self.record(Entry::Cut(rec.clone())).await?;
         Ok(Published {
