@@ -245,7 +245,7 @@ mod tests {
         log.append(&Entry::Withdraw { version: 3 }, &[]).unwrap();
         let end = log.pos;
         drop(log);
-        let (mut log, e) = CutLog::open(fs.clone(), d.path(), "j").unwrap();
+        let (log, e) = CutLog::open(fs.clone(), d.path(), "j").unwrap();
         assert_eq!(pending(e), vec![rec(1), rec(2)]);
         // A torn record after the last one is ignored, and overwritten by the next.
         log.file.write_at(&[7u8; 30], end).unwrap();
