@@ -81,7 +81,7 @@ fn parse(buf: &[u8], journal: &str) -> (Vec<Entry>, u64, u64) {
         let n = u64::from_le_bytes(buf[pos + 4..pos + 12].try_into().expect("8"));
         let c = u64::from_le_bytes(buf[pos + 12..pos + 20].try_into().expect("8"));
         let end = pos + HEADER + len;
-        if len == 0 || end > buf.len() || prev.is_some_and(|p| n != p + 1) {
+        if len == 0 || end > buf.len() || prev.is_some_and(|p| p.checked_add(1) != Some(n)) {
             break;
         }
         let payload = &buf[pos + HEADER..end];
@@ -97,7 +97,7 @@ fn parse(buf: &[u8], journal: &str) -> (Vec<Entry>, u64, u64) {
         prev = Some(n);
         pos = end;
     }
-    (out, pos as u64, prev.map_or(0, |p| p + 1))
+    (out, pos as u64, prev.map_or(0, |p| p.saturating_add(1)))
 }
 
 /// A file of `LOG_BYTES` zeros holding `records` at its start, durably at `path`.
@@ -141,8 +141,10 @@ impl CutLog {
             pos,
             next_n,
         };
-        if len < LOG_BYTES {
-            // Not one of ours (shorter than made): start a fresh one with what it held.
+        if len < LOG_BYTES || next_n > u64::MAX / 2 {
+            // Not one of ours (shorter than made, or a count near its end): a fresh file with
+            // what it held, counting from 0.
+            log.next_n = 0;
             log.rewrite(&entries)?;
         }
         Ok((log, entries))
@@ -169,7 +171,7 @@ impl CutLog {
         };
         io().map_err(Error::io("recording a checkpoint's cut"))?;
         self.pos += f.len() as u64;
-        self.next_n += 1;
+        self.next_n = self.next_n.saturating_add(1);
         Ok(())
     }
 
@@ -179,7 +181,7 @@ impl CutLog {
         let mut n = self.next_n;
         for e in entries {
             img.extend(frame(n, &self.payload(e)?));
-            n += 1;
+            n = n.saturating_add(1);
         }
         if img.len() as u64 > LOG_BYTES {
             return Err(Error::Invalid(format!(
