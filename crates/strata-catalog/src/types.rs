@@ -67,6 +67,10 @@ pub enum CheckpointKind {
     Compact,
     /// Everything acknowledged so far, on a larger disk.
     Resize,
+    /// Version 1 of a fork of a live workspace: the source's published base, while the fork's
+    /// data since then is in its journal on the node that forked it (hard links to the
+    /// source's journal), until the fork's first publish. Only that node can attach it.
+    LiveFork,
 }
 
 impl CheckpointKind {
@@ -80,6 +84,7 @@ impl CheckpointKind {
             CheckpointKind::Detach => "detach",
             CheckpointKind::Compact => "compact",
             CheckpointKind::Resize => "resize",
+            CheckpointKind::LiveFork => "livefork",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
@@ -92,6 +97,7 @@ impl CheckpointKind {
             "detach" => CheckpointKind::Detach,
             "compact" => CheckpointKind::Compact,
             "resize" => CheckpointKind::Resize,
+            "livefork" => CheckpointKind::LiveFork,
             _ => return None,
         })
     }

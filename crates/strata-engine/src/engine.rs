@@ -415,6 +415,8 @@ impl Engine {
         a.task.abort();
         let _ = a.task.await;
         vol.close();
+        // A publish started before the close (a checkpoint's) ends before the directory goes.
+        vol.quiesce().await;
         self.set_live(&key, None);
         let res = self.remove_volume_dir(vol.dir()).await;
         let released = self.catalog.release_lease(tenant, ws, &vol.lease()).await;
@@ -600,6 +602,7 @@ impl Engine {
                 a.task.abort();
                 let _ = a.task.await;
                 a.vol.close();
+                a.vol.quiesce().await;
                 self.set_live(&key, None);
                 self.catalog
                     .release_lease(tenant, ws, &a.vol.lease())

@@ -16,6 +16,11 @@ pub trait FsFile: Send + Sync {
     fn sync_data(&self) -> io::Result<()>;
     fn set_len(&self, len: u64) -> io::Result<()>;
     fn len(&self) -> io::Result<u64>;
+    /// How many names the file has (a journal segment shared with a fork has two or more:
+    /// it must never be recycled, only unlinked).
+    fn links(&self) -> io::Result<u64> {
+        Ok(1)
+    }
 }
 
 pub trait Fs: Send + Sync {
@@ -30,6 +35,13 @@ pub trait Fs: Send + Sync {
     fn sync_dir(&self, dir: &Path) -> io::Result<()>;
     fn exists(&self, path: &Path) -> bool;
     fn remove_dir_all(&self, dir: &Path) -> io::Result<()>;
+    /// Gives the file at `from` a second name `to` (durable once `to`'s directory is synced).
+    fn hard_link(&self, _from: &Path, _to: &Path) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "hard links are not supported here",
+        ))
+    }
     /// Bytes an unprivileged writer may still allocate on the file system holding `dir`
     /// (None where the layer cannot tell: simulated file systems).
     fn available(&self, _dir: &Path) -> io::Result<Option<u64>> {
@@ -79,6 +91,9 @@ impl FsFile for RealFile {
     fn len(&self) -> io::Result<u64> {
         Ok(self.0.metadata()?.len())
     }
+    fn links(&self) -> io::Result<u64> {
+        Ok(std::os::unix::fs::MetadataExt::nlink(&self.0.metadata()?))
+    }
 }
 
 impl Fs for RealFs {
@@ -116,6 +131,9 @@ impl Fs for RealFs {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             r => r,
         }
+    }
+    fn hard_link(&self, from: &Path, to: &Path) -> io::Result<()> {
+        std::fs::hard_link(from, to)
     }
     fn available(&self, dir: &Path) -> io::Result<Option<u64>> {
         let st = rustix::fs::statvfs(dir)?;

@@ -412,8 +412,11 @@ impl Journal {
                 "segment {id} is not the oldest sealed segment"
             )));
         }
-        self.segments.remove(&id);
-        self.retire(id, busy)?;
+        let shared = self
+            .segments
+            .remove(&id)
+            .is_some_and(|m| !matches!(m.file.links(), Ok(1)));
+        self.retire(id, busy || shared)?;
         self.fs.sync_dir(&self.dir)
     }
 
@@ -429,6 +432,14 @@ impl Journal {
         } else {
             self.fs.remove(&path)
         }
+    }
+
+    /// Paths of the segments before segment `id` (all sealed), oldest first.
+    pub fn sealed_before(&self, id: u64) -> Vec<PathBuf> {
+        self.segments
+            .range(..id)
+            .map(|(i, _)| seg_path(&self.dir, *i))
+            .collect()
     }
 
     /// Takes every sealed segment whose records are all `<= seq` out of the journal and returns
@@ -453,18 +464,19 @@ impl Journal {
             dir: self.dir.clone(),
         };
         for id in victims {
-            if let Some(m) = self.segments.remove(&id) {
-                r.files.push(m.file);
+            let file = self.segments.remove(&id).map(|m| m.file);
+            if let Some(f) = &file {
+                r.files.push(f.clone());
             }
             // A retired segment stays in the dirty set until a flush syncs it: its name may
             // outlive a power cut (the rename below may not be durable yet), and a segment
             // whose header never reached the disk would end replay before later, flushed
             // segments.
             let path = seg_path(&self.dir, id);
-            if room > 0 {
+            if let (true, Some(f)) = (room > 0, file) {
                 room -= 1;
                 r.recycle
-                    .push((path, self.dir.join(format!("{id:016x}.free"))));
+                    .push((path, self.dir.join(format!("{id:016x}.free")), f));
             } else {
                 r.remove.push(path);
             }
@@ -487,7 +499,7 @@ impl Journal {
 pub(crate) struct Retired {
     pub ids: Vec<u64>,
     files: Vec<Arc<dyn FsFile>>,
-    recycle: Vec<(PathBuf, PathBuf)>,
+    recycle: Vec<(PathBuf, PathBuf, Arc<dyn FsFile>)>,
     remove: Vec<PathBuf>,
     fs: Arc<dyn Fs>,
     dir: PathBuf,
@@ -499,8 +511,10 @@ impl Retired {
     /// and closes the handles. Returns the recycled paths for [`Journal::add_free`].
     pub fn apply(self, busy: &[u64]) -> io::Result<Vec<PathBuf>> {
         let mut free = vec![];
-        for (from, to) in &self.recycle {
-            let in_use = busy.iter().any(|id| *from == seg_path(&self.dir, *id));
+        for (from, to, file) in &self.recycle {
+            let in_use = busy.iter().any(|id| *from == seg_path(&self.dir, *id))
+                // Shared with a fork (a hard link): overwriting it would change the fork's data.
+                || !matches!(file.links(), Ok(1));
             if in_use {
                 self.fs.remove(from)?;
             } else {

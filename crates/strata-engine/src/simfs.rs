@@ -99,6 +99,15 @@ impl FsFile for SimFile {
         self.1.alive()?;
         Ok(lock(&self.0).data.len() as u64)
     }
+    fn links(&self) -> io::Result<u64> {
+        self.1.alive()?;
+        let st = lock(&self.1.state);
+        Ok(st
+            .names
+            .values()
+            .filter(|i| Arc::ptr_eq(i, &self.0))
+            .count() as u64)
+    }
 }
 
 fn not_found(p: &Path) -> io::Error {
@@ -258,6 +267,23 @@ impl Fs for SimFs {
         st.durable_names.extend(now);
         drop(st);
         self.count("sync_dir");
+        Ok(())
+    }
+    fn hard_link(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.alive()?;
+        let mut st = lock(&self.state);
+        let i = st.names.get(from).cloned().ok_or_else(|| not_found(from))?;
+        if st.names.contains_key(to) {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                "link target exists",
+            ));
+        }
+        let parent = to.parent().map(Path::to_path_buf).unwrap_or_default();
+        if !st.dirs.contains(&parent) {
+            return Err(not_found(&parent));
+        }
+        st.names.insert(to.to_path_buf(), i);
         Ok(())
     }
     fn exists(&self, path: &Path) -> bool {

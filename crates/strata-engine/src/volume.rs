@@ -7,8 +7,8 @@
 //! read  ─▶ active overlay ─▶ pending layers (newest first) ─▶ base manifest
 //!          ─▶ journal │ node cache │ store
 //! cut (checkpoint, background upload, sync flush, grow, detach; see `layers.rs`):
-//!   writer lock: rotate segment, active overlay becomes a pending layer (the only I/O stall)
-//!   ─▶ fdatasync through the cut ─▶ pending.json: a `local` version, its number reserved
+//!   writer lock: the active overlay becomes a pending layer (the only stall: microseconds)
+//!   ─▶ fdatasync through the cut ─▶ record in cuts.log: a `local` version, its number reserved
 //! publish (each pending layer, oldest first, one at a time):
 //!   pack + upload objects ─▶ put manifest ─▶ CAS head (version, lease epoch) + receipt
 //!   ─▶ base := new manifest, local state := (version, manifest, cut seq), drop old segments
@@ -48,6 +48,7 @@ mod open;
 mod publish;
 
 pub use layers::CheckpointState;
+pub(crate) use layers::ForkBase;
 use layers::{CutSpec, Layer, LayerRecord};
 
 /// Tunables of one volume (from the engine's config).
@@ -202,6 +203,10 @@ pub struct Volume {
     cut_waiting: std::sync::atomic::AtomicUsize,
     /// Held while one pending layer (or a compaction) is published.
     publish_lock: tokio::sync::Mutex<()>,
+    /// Held while segments are retired, and while a live fork links them.
+    retire_lock: tokio::sync::Mutex<()>,
+    /// The segment a rotating cut (a live fork's) started: those before it end at the cut.
+    sealed_at: AtomicU64,
     /// Where cuts are recorded (`cutlog.rs`); its lock serialises the records.
     cut_log: Mutex<cutlog::CutLog>,
     /// Receipts of the latest publishes, for callers waiting on a version.

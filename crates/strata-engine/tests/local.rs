@@ -293,3 +293,49 @@ async fn local_checkpoints_survive_power_loss_mid_publication() {
     );
     assert!(verified > 0 && mid > 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compaction_whose_reply_is_lost_settles_before_the_next_cut() {
+    let c = Cluster::new().await;
+    let lossy = LossyCatalog::new(c.catalog.clone());
+    let a = Engine::open_with(
+        c.config("a"),
+        lossy.clone(),
+        c.store.clone(),
+        Arc::new(strata_engine::fs::RealFs),
+    )
+    .unwrap();
+    let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
+    write_tag(&v, 1, 0, 64).await;
+    v.checkpoint(None).await.unwrap();
+    write_tag(&v, 2, 0, 60).await;
+    v.checkpoint(None).await.unwrap();
+    // The compaction's head CAS commits, its reply is lost and the head is unreadable for a
+    // while: it must learn its outcome before any cut can reserve the next number.
+    lossy.lose_next_cas_reply.store(true, SeqCst);
+    lossy.blind.store(true, SeqCst);
+    let unblind = {
+        let lossy = lossy.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+            lossy.blind.store(false, SeqCst);
+        })
+    };
+    let p = v
+        .compact(0.5)
+        .await
+        .unwrap()
+        .expect("a sparse object to compact");
+    unblind.await.unwrap();
+    write_tag(&v, 9, 0, 1).await;
+    let l = v.checkpoint_with(None, None, false).await.unwrap();
+    assert_eq!(l.version, p.version + 1);
+    v.published(l.version).await.unwrap();
+    let img = version_image(&a, "w", l.version, "f").await;
+    assert_eq!(
+        img[0], 9,
+        "the local checkpoint after the compaction holds its write"
+    );
+    assert_eq!(&img[1..60], &[2; 59]);
+    assert_eq!(&img[60..64], &[1; 4]);
+}

@@ -130,26 +130,29 @@ impl Volume {
             return Ok(None);
         }
         let cut = self.published_seq.load(SeqCst);
-        let version = self
-            .advance_head(
-                base_version,
-                &NewCheckpoint {
-                    manifest: id,
-                    disk_size: m.disk_size,
-                    label: None,
-                    kind: CheckpointKind::Compact,
-                    bytes: uploaded,
-                    cut_seq: cut,
-                    journal_id: Some(self.journal_id.clone()),
-                    keep_until_ms: None,
-                },
-            )
-            .await
-            .inspect_err(|e| {
-                if let Error::Catalog(CatalogError::Fenced { .. }) = e {
-                    self.fail(e.to_string());
-                }
-            })?;
+        let cp = NewCheckpoint {
+            manifest: id,
+            disk_size: m.disk_size,
+            label: None,
+            kind: CheckpointKind::Compact,
+            bytes: uploaded,
+            cut_seq: cut,
+            journal_id: Some(self.journal_id.clone()),
+            keep_until_ms: None,
+        };
+        let version = match self.advance_head(base_version, &cp).await {
+            Ok(v) => v,
+            Err(e @ Error::Catalog(CatalogError::Fenced { .. })) => {
+                self.fail(e.to_string());
+                return Err(e);
+            }
+            // Settled before the cut lock goes: a cut must not reserve the number this may
+            // have taken (adopting it later would be read as that cut's publish).
+            Err(e) if self.ambiguous.swap(false, SeqCst) => {
+                self.settle(base_version, &cp).await.map_err(|_| e)?
+            }
+            Err(e) => return Err(e),
+        };
         {
             let mut st = self.st_mut();
             st.base = Arc::new(m);

@@ -47,9 +47,10 @@ impl Volume {
             .await
     }
 
-    /// Waits for a publish, rollback or compaction running in its own task to finish (a volume
+    /// Waits for a cut, publish, rollback or compaction running in its own task to finish (a volume
     /// being replaced must not retire segments in a directory its successor opened).
     pub(crate) async fn quiesce(&self) {
+        drop(self.cut_lock.lock().await);
         drop(self.publish_lock.lock().await);
     }
 

@@ -1,11 +1,11 @@
 //! Cuts taken now, published later: local checkpoints.
 //!
 //! Every version this volume publishes (a checkpoint, a background upload, a sync-mode flush,
-//! a grow, the final publish of a detach) starts as a *cut*: under the writer lock the journal
-//! rotates and the active overlay becomes a pending layer holding every write up to the cut's
-//! sequence number. Reads see `active ─▶ pending layers, newest first ─▶ base`. A cut is made
-//! durable on this node (journal fdatasync'd through the cut, then `pending.json` replaced
-//! in place) and then returned: that is a `local` checkpoint. Layers are published strictly
+//! a grow, the final publish of a detach) starts as a *cut*: under the writer lock the active
+//! overlay becomes a pending layer holding every write up to the cut's sequence number. Reads
+//! see `active ─▶ pending layers, newest first ─▶ base`. A cut is made durable on this node
+//! (journal fdatasync'd through the cut, then the cut recorded in `cuts.log`) and then
+//! returned: that is a `local` checkpoint. Layers are published strictly
 //! in order, one at a time under the publish lock, by whoever asks first (the background loop,
 //! a `wait`ing caller, the kick a cut gives): pack, upload, manifest, head CAS, then the layer
 //! becomes the base and its segments retire.
@@ -20,14 +20,20 @@
 //! layers by sequence number (records `<= cut` of the first layer whose cut is at least
 //! theirs); layers whose version the head has reached are published already and dropped. A
 //! cut is only recorded once its records are durable, so a recorded cut survives with exactly
-//! its content. A cut does not rotate the journal: a segment may hold records of several
-//! layers (it retires once the last of them is published), and a checkpoint adds no file.
+//! its content. A cut does not rotate the journal (a live fork's does: it links the sealed
+//! segments): a segment may hold records of several layers (it retires once the last of them
+//! is published), and a checkpoint adds no file. Recorded versions are never renumbered: a
+//! number whose cut was never recorded (its record failed, no receipt was given) is kept after
+//! a crash by an empty stand-in layer. Once a volume is sealed for detach, only the detach's
+//! own cut is taken.
 //!
 //! A publish that fails leaves its layer pending, to be retried: a local checkpoint is never
 //! withdrawn. The only exception keeps today's recovery for layers nobody holds a receipt
 //! for: a background, detach or grow cut that is the only layer left, failing in a way known
 //! not to have committed, folds back under the active overlay (so segment cleaning, which
 //! runs only with no layer pending, can keep the journal bounded through a store outage).
+
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
@@ -71,6 +77,16 @@ pub(crate) struct LayerRecord {
     pub taken_ms: u64,
 }
 
+/// Where a live fork starts: its source's local checkpoint `version`, and the published base
+/// (`base_manifest`, `base_version`, its cut `base_seq`) under the linked journal segments.
+pub(crate) struct ForkBase {
+    pub version: u64,
+    pub base_manifest: Hash,
+    pub base_version: u64,
+    pub base_seq: u64,
+    pub disk_size: u64,
+}
+
 /// A pending layer: a cut's record, its overlay, and its share of the remote window.
 pub(super) struct Layer {
     pub rec: LayerRecord,
@@ -85,6 +101,8 @@ pub(super) struct CutSpec {
     pub label: Option<String>,
     pub keep_until_ms: Option<u64>,
     pub disk_size: u64,
+    /// Seal the journal's active segment at the cut (a live fork links the sealed segments).
+    pub rotate: bool,
 }
 
 impl CutSpec {
@@ -94,6 +112,7 @@ impl CutSpec {
             label: None,
             keep_until_ms: None,
             disk_size: 0,
+            rotate: false,
         }
     }
 }
@@ -107,9 +126,17 @@ impl Volume {
         spec: CutSpec,
         on_cut: Option<tokio::sync::oneshot::Sender<u64>>,
     ) -> Result<Published> {
+        // Counted while it waits (a compaction gives way), uncounted however the wait ends.
+        struct Waiting<'a>(&'a std::sync::atomic::AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, SeqCst);
+            }
+        }
         self.cut_waiting.fetch_add(1, SeqCst);
+        let waiting = Waiting(&self.cut_waiting);
         let c = self.cut_lock.lock().await;
-        self.cut_waiting.fetch_sub(1, SeqCst);
+        drop(waiting);
         self.cut_locked(&c, spec, on_cut).await
     }
 
@@ -122,6 +149,13 @@ impl Volume {
     ) -> Result<Published> {
         let started = Instant::now();
         self.usable()?;
+        if self.sealed.load(SeqCst) && spec.kind != CheckpointKind::Detach {
+            // Detaching: its final cut covers everything; a later one would never publish.
+            return Err(Error::Unavailable(
+                self.name.clone(),
+                "detaching: no new checkpoint is taken".into(),
+            ));
+        }
         while self.st().pending.len() >= MAX_PENDING {
             // Backpressure: the oldest publishes first (its failure is this cut's).
             self.drain(None, Some(1)).await?;
@@ -130,9 +164,24 @@ impl Volume {
         let rec = {
             // The writer lock orders the cut against appends: every record up to `cut` is in
             // the overlay taken here, none after it.
-            let j = self.writer.lock().await;
+            let mut j = self.writer.lock().await;
             let cut = j.last_seq();
+            let rotated = if spec.rotate {
+                match j.rotate() {
+                    Ok(r) => Some(r),
+                    Err(e) if crate::error::is_no_space(&e) => {
+                        return Err(Error::NoSpace(format!("a new journal segment: {e}")))
+                    }
+                    Err(e) => return Err(Error::io("rotating journal segment")(e)),
+                }
+            } else {
+                None
+            };
             let mut st = self.st_mut();
+            if let Some((id, f)) = rotated {
+                st.files.insert(id, SegFile::new(f));
+                self.sealed_at.store(id, SeqCst);
+            }
             let rec = LayerRecord {
                 cut,
                 version: st.base_version + st.pending.len() as u64 + 1,
@@ -162,8 +211,18 @@ impl Volume {
         // Durable on this node: the records through the cut, then the cut itself.
         // In this order: a recorded cut whose records were lost would, after a restart, claim
         // the sequence numbers of later writes.
-        self.sync_journal().await?;
-        self.record(Entry::Cut(rec.clone())).await?;
+        let durable = async {
+            self.sync_journal().await?;
+            self.record(Entry::Cut(rec.clone())).await
+        };
+        if let Err(e) = durable.await {
+            // No receipt: withdraw the cut if no publish has it in hand (one may: then it
+            // publishes, and after a crash its number is kept by an empty stand-in, `open.rs`).
+            if let Ok(_p) = self.publish_lock.try_lock() {
+                self.fold_back(rec.version);
+            }
+            return Err(e);
+        }
         Ok(Published {
             version: rec.version,
             manifest: None,
@@ -331,42 +390,53 @@ impl Volume {
             self.fail(e.to_string());
             return;
         }
-        let mut withdrawn_version = 0;
-        let withdrawn = {
-            let mut st = self.st_mut();
-            let foldable = st.pending.len() == 1
+        // Under the cut lock (tried: the caller holds the publish lock, which comes after it),
+        // so no cut reserves the number again before the withdrawal is recorded.
+        let Ok(_c) = self.cut_lock.try_lock() else {
+            return;
+        };
+        let foldable = {
+            let st = self.st();
+            st.pending.len() == 1
                 && !self.ambiguous.load(SeqCst)
                 && st.pending.front().is_some_and(|l| {
                     matches!(
                         l.rec.kind,
                         CheckpointKind::Auto | CheckpointKind::Detach | CheckpointKind::Resize
                     )
-                });
-            if foldable {
-                let l = st.pending.pop_front().expect("one layer");
-                withdrawn_version = l.rec.version;
-                let active = std::mem::take(&mut st.active);
-                st.active = active.over(&l.overlay);
-                let mut w = lock(&self.window);
-                w.bytes += l.bytes;
-                w.since = match (l.since, w.since) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
-            }
-            foldable
-        };
-        if withdrawn {
-            // Recorded, or after a crash the cut would come back (a withdrawn grow applied).
-            if let Err(e) = self
-                .record(Entry::Withdraw {
-                    version: withdrawn_version,
                 })
-                .await
-            {
-                tracing::warn!(tenant = %self.tenant, workspace = %self.name, error = %e, "recording a withdrawn cut failed");
-            }
+        };
+        if !foldable {
+            return;
         }
+        let Some(version) = self.st().pending.front().map(|l| l.rec.version) else {
+            return;
+        };
+        self.fold_back(version);
+        // Recorded, or after a crash the cut would come back (a withdrawn grow applied).
+        if let Err(e) = self.record(Entry::Withdraw { version }).await {
+            tracing::warn!(tenant = %self.tenant, workspace = %self.name, error = %e, "recording a withdrawn cut failed");
+        }
+    }
+
+    /// Folds the newest pending layer, if it is `version`, back under the active overlay.
+    /// Callers hold the cut lock and know no publish has the layer in hand.
+    fn fold_back(&self, version: u64) {
+        let mut st = self.st_mut();
+        if st.pending.back().map(|l| l.rec.version) != Some(version) {
+            return;
+        }
+        let Some(l) = st.pending.pop_back() else {
+            return;
+        };
+        let active = std::mem::take(&mut st.active);
+        st.active = active.over(&l.overlay);
+        let mut w = lock(&self.window);
+        w.bytes += l.bytes;
+        w.since = match (l.since, w.since) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
     }
 
     /// Publishes one layer on the current base (steps 2–5 of the protocol).
@@ -392,6 +462,67 @@ impl Volume {
             total: started.elapsed(),
             state: CheckpointState::Published,
         })
+    }
+
+    /// A live fork's start, taken from this volume: a local checkpoint whose cut seals the
+    /// journal, then hard links (in `journal_dir`) to every segment holding a record after the
+    /// published base and up to the cut. Errors of the links (a file system without them) are
+    /// `Unsupported` I/O errors. Runs in its own task.
+    pub(crate) async fn fork_into(&self, journal_dir: PathBuf) -> Result<ForkBase> {
+        self.in_own_task(move |v| async move { v.fork_into_now(&journal_dir).await })
+            .await
+    }
+
+    async fn fork_into_now(&self, journal_dir: &Path) -> Result<ForkBase> {
+        let spec = CutSpec {
+            rotate: true,
+            ..CutSpec::of(CheckpointKind::Checkpoint)
+        };
+        let cp = self.cut(spec, None).await?;
+        self.kick();
+        // No segment is renamed, recycled or removed while it is linked (retirement takes this
+        // lock), and segments sealed after the cut hold later writes: only those before it.
+        let _r = self.retire_lock.lock().await;
+        let sealed_at = self.sealed_at.load(SeqCst);
+        // The published cut first, then the base: the base is at least that new, and records
+        // it already holds replay harmlessly on top of it.
+        let base_seq = self.published_seq.load(SeqCst);
+        let (base_manifest, base_version, disk_size) = {
+            let st = self.st();
+            (st.base_id, st.base_version, st.base.disk_size)
+        };
+        if disk_size != self.size() || self.has_pending_grow() {
+            return Err(Error::Unavailable(
+                self.name.clone(),
+                "a grow of the disk is being published".into(),
+            ));
+        }
+        let paths = self.writer.lock().await.sealed_before(sealed_at);
+        let fs = self.fs.clone();
+        let to = journal_dir.to_path_buf();
+        crate::engine::blocking(move || {
+            fs.create_dir_all(&to)
+                .map_err(Error::io("making the fork's journal"))?;
+            for p in &paths {
+                let name = p.file_name().unwrap_or_default();
+                fs.hard_link(p, &to.join(name))
+                    .map_err(Error::io("linking a journal segment into the fork"))?;
+            }
+            fs.sync_dir(&to)
+                .map_err(Error::io("syncing the fork's journal"))
+        })
+        .await?;
+        Ok(ForkBase {
+            version: cp.version,
+            base_manifest,
+            base_version,
+            base_seq,
+            disk_size,
+        })
+    }
+
+    fn has_pending_grow(&self) -> bool {
+        self.st().pending.iter().any(|l| l.rec.disk_size > 0)
     }
 
     /// Starts publishing pending layers in a task of its own (after a local checkpoint).

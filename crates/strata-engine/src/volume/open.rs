@@ -61,15 +61,34 @@ impl Volume {
         // Cuts recorded and not yet published: their records replay into their own layers.
         // Those the head already holds are published (two cuts with no write between them
         // share a sequence number: the reserved version tells them apart).
-        let (cut_log, entries) = super::cutlog::CutLog::open(p.fs.clone(), &p.dir, &journal_id)?;
-        let mut recs = super::cutlog::pending(entries);
-        recs.retain(|r| r.version > ws.head_version && r.cut >= base_seq);
-        for (i, r) in recs.iter_mut().enumerate() {
-            let v = ws.head_version + i as u64 + 1;
-            if r.version != v {
-                tracing::error!(tenant = %p.tenant, workspace = %p.name, recorded = r.version, now = v, "a pending cut's reserved version moved");
-                r.version = v;
+        let (fs, dir, jid) = (p.fs.clone(), p.dir.clone(), journal_id.clone());
+        let (cut_log, entries) =
+            crate::engine::blocking(move || super::cutlog::CutLog::open(fs, &dir, &jid)).await?;
+        let mut recorded = super::cutlog::pending(entries);
+        recorded.retain(|r| r.version > ws.head_version && r.cut >= base_seq);
+        // Each recorded cut commits as the version its receipt named: a number whose cut was
+        // never recorded (its record failed; no receipt was given) is kept by an empty stand-in.
+        let mut recs: Vec<LayerRecord> = Vec::new();
+        let mut last_cut = base_seq;
+        for mut r in recorded {
+            while ws.head_version + recs.len() as u64 + 1 < r.version {
+                recs.push(LayerRecord {
+                    cut: last_cut,
+                    version: ws.head_version + recs.len() as u64 + 1,
+                    kind: CheckpointKind::Auto,
+                    label: None,
+                    keep_until_ms: None,
+                    disk_size: 0,
+                    taken_ms: r.taken_ms,
+                });
             }
+            if r.cut < last_cut || r.disk_size > strata_format::manifest::MAX_DISK_SIZE {
+                tracing::error!(tenant = %p.tenant, workspace = %p.name, version = r.version, "a recorded cut out of order or past the largest disk; kept at the previous cut");
+                r.cut = last_cut;
+                r.disk_size = 0;
+            }
+            last_cut = r.cut;
+            recs.push(r);
         }
         let cuts: Vec<u64> = recs.iter().map(|r| r.cut).collect();
         // One overlay per layer, then the active one.
@@ -190,6 +209,8 @@ impl Volume {
             cut_waiting: Default::default(),
             publish_lock: tokio::sync::Mutex::new(()),
             cut_log: Mutex::new(cut_log),
+            retire_lock: tokio::sync::Mutex::new(()),
+            sealed_at: AtomicU64::new(0),
             receipts: Mutex::new(VecDeque::new()),
             acked_seq: AtomicU64::new(last),
             synced_seq: AtomicU64::new(last),

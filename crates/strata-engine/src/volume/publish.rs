@@ -273,6 +273,7 @@ impl Volume {
     /// the journal under the writer lock (in memory only), renamed or unlinked without it.
     /// A segment a read still holds is unlinked, never recycled (see [`SegFile`]).
     async fn retire_through(&self, cut: u64) -> Result<()> {
+        let _r = self.retire_lock.lock().await;
         let retired = self.writer.lock().await.detach_through(cut);
         let handles: Vec<_> = {
             let mut st = self.st_mut();
@@ -320,6 +321,25 @@ impl Volume {
                 .await?;
             if cp.journal_id.as_deref() != Some(self.journal_id.as_str()) {
                 return Ok(()); // Moved by someone else: the next CAS reports it.
+            }
+            // Only the front pending cut can have committed unseen (publishes run in order,
+            // and compaction and rollback settle their own outcome): anything else adopted here
+            // would be taken for that cut's publish and drop its data.
+            let front = self
+                .st()
+                .pending
+                .front()
+                .map(|l| (l.rec.version, l.rec.cut, l.rec.kind));
+            if let Some((v, cut, kind)) = front {
+                if (v, cut, kind) != (ws.head_version, cp.cut_seq, cp.kind) {
+                    self.fail(format!(
+                        "version {} ({}) committed with its reply lost, but the cut pending is v{v} ({}); re-attach the workspace",
+                        ws.head_version,
+                        cp.kind.as_str(),
+                        kind.as_str()
+                    ));
+                    return Ok(());
+                }
             }
             if cp.kind == CheckpointKind::Rollback {
                 // A rollback changes what blocks read: adopting one now would
@@ -480,7 +500,7 @@ impl Volume {
     /// Reads the head back until it says whether `cp` committed (Some(version)) or not (Err:
     /// the caller's error stands). If the catalog stays unreadable, the volume fails: it must
     /// not go on writing on a base that may no longer be the head.
-    async fn settle(&self, base_version: u64, cp: &NewCheckpoint) -> Result<u64> {
+    pub(super) async fn settle(&self, base_version: u64, cp: &NewCheckpoint) -> Result<u64> {
         for _ in 0..40 {
             match self.committed(base_version, cp).await {
                 Ok(Some(v)) => return Ok(v),
@@ -527,6 +547,8 @@ impl Volume {
             .await?;
         let _p = self.publish_lock.lock().await;
         self.usable()?;
+        // A flag left by an earlier publish is settled first: it is not this rollback's.
+        self.resolve_ambiguous().await?;
         let started = Instant::now();
         let mut m = self
             .reader

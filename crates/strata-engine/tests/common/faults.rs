@@ -87,6 +87,9 @@ impl FsFile for FaultFile {
     fn len(&self) -> io::Result<u64> {
         self.inner.len()
     }
+    fn links(&self) -> io::Result<u64> {
+        self.inner.links()
+    }
 }
 
 impl Fs for FaultFs {
@@ -124,6 +127,9 @@ impl Fs for FaultFs {
     }
     fn remove_dir_all(&self, dir: &Path) -> io::Result<()> {
         RealFs.remove_dir_all(dir)
+    }
+    fn hard_link(&self, from: &Path, to: &Path) -> io::Result<()> {
+        RealFs.hard_link(from, to)
     }
 }
 
