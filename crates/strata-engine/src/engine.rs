@@ -14,6 +14,7 @@ use strata_store::{NodeCache, ObjectReader, Store};
 use tokio::task::JoinHandle;
 
 use crate::fs::{Fs, RealFs};
+mod fork;
 mod templates;
 use crate::volume::{Published, Volume, VolumeOptions, VolumeParts};
 use crate::{EngineConfig, Error, Result};
@@ -36,6 +37,8 @@ pub enum Source {
 struct Attached {
     vol: Arc<Volume>,
     task: JoinHandle<()>,
+    /// Attached at a user's request (not only to publish a live fork).
+    claimed: bool,
 }
 
 type Key = (String, String);
@@ -304,8 +307,27 @@ impl Engine {
         let key = key(tenant, ws);
         let slot = self.slot(&key);
         let mut s = slot.lock().await;
-        if let Some(a) = &*s {
+        let r = self.attach_locked(tenant, ws, &mut s, true).await;
+        if r.is_err() {
+            drop(s);
+            self.tidy_slot(&key, slot);
+        }
+        r
+    }
+
+    /// Attach under the workspace's slot lock. `claim`: asked for by a user (a live fork is
+    /// attached unclaimed, and let go once it has published unless someone claims it).
+    async fn attach_locked(
+        self: &Arc<Self>,
+        tenant: &str,
+        ws: &str,
+        s: &mut Option<Attached>,
+        claim: bool,
+    ) -> Result<Arc<Volume>> {
+        let key = key(tenant, ws);
+        if let Some(a) = s.as_mut() {
             if a.vol.failure().is_none() {
+                a.claimed |= claim;
                 return Ok(a.vol.clone());
             }
             // Fenced (another node took the lease) or failed for good: attaching again starts
@@ -318,6 +340,7 @@ impl Engine {
             }
             self.set_live(&key, None);
         }
+        self.settle_fork_marker(tenant, ws).await?;
         let ttl = self.cfg.lease_ttl.as_millis() as u64;
         let lease_asked = Instant::now();
         let lease = self
@@ -341,8 +364,6 @@ impl Engine {
             Ok(v) => v,
             Err(e) => {
                 let _ = self.catalog.release_lease(tenant, ws, &lease).await;
-                drop(s);
-                self.tidy_slot(&key, slot);
                 return Err(e);
             }
         };
@@ -350,6 +371,7 @@ impl Engine {
         *s = Some(Attached {
             vol: vol.clone(),
             task,
+            claimed: claim,
         });
         self.set_live(&key, Some(vol.clone()));
         tracing::info!(tenant, workspace = ws, epoch = lease.epoch, "attached");
@@ -380,9 +402,23 @@ impl Engine {
     }
 
     async fn detach_now(&self, tenant: &str, ws: &str) -> Result<Option<Published>> {
+        self.detach_if(tenant, ws, false).await
+    }
+
+    /// Detaches (see [`Engine::detach`]); with `only_unclaimed`, only a volume nobody asked for
+    /// (a live fork that has published), and otherwise nothing.
+    async fn detach_if(
+        &self,
+        tenant: &str,
+        ws: &str,
+        only_unclaimed: bool,
+    ) -> Result<Option<Published>> {
         let key = key(tenant, ws);
         let slot = self.slot(&key);
         let mut s = slot.lock().await;
+        if only_unclaimed && s.as_ref().is_none_or(|a| a.claimed) {
+            return Ok(None);
+        }
         let Some(a) = s.take() else {
             drop(s);
             self.tidy_slot(&key, slot);
@@ -550,8 +586,9 @@ impl Engine {
     }
 
     /// Forks `src` (at `version`, or its current state) into a new workspace. O(1): no data is
-    /// copied. Forking an attached workspace without a version checkpoints it first, so the
-    /// fork holds every write acknowledged before the call.
+    /// copied. Forking a workspace attached here without a version is a live fork (see
+    /// `engine/fork.rs`): a local checkpoint, whose journal the fork shares; it holds every
+    /// write acknowledged before the call and is usable at once on this node.
     pub async fn fork(
         self: &Arc<Self>,
         tenant: &str,
@@ -560,15 +597,19 @@ impl Engine {
         new: &str,
         mode: Option<Mode>,
     ) -> Result<Workspace> {
-        let version = match (version, self.volume(tenant, src)) {
-            (None, Some(v)) => Some(v.checkpoint(None).await?.version),
-            // A local checkpoint of this node: forked once it is published.
-            (Some(n), Some(v)) => Some(v.published(n).await?.version),
-            (v, _) => v,
-        };
         let mode = match mode {
             Some(m) => m,
             None => self.catalog.get_workspace(tenant, src).await?.mode,
+        };
+        let version = match (version, self.volume(tenant, src)) {
+            (None, Some(v)) => match self.fork_live(tenant, v.clone(), src, new, mode).await? {
+                Ok(w) => return Ok(w),
+                // Not here (no hard links, a grow being published): once it is published.
+                Err(local) => Some(v.published(local).await?.version),
+            },
+            // A local checkpoint of this node: forked once it is published.
+            (Some(n), Some(v)) => Some(v.published(n).await?.version),
+            (v, _) => v,
         };
         self.create_workspace(
             tenant,

@@ -664,4 +664,38 @@ mod tests {
         );
         assert_eq!(later[0].0, 4);
     }
+
+    #[test]
+    fn a_segment_shared_with_a_fork_is_never_recycled() {
+        let fs = crate::simfs::SimFs::new();
+        let dir = Path::new("/vol/journal");
+        let fork = Path::new("/fork/journal");
+        fs.create_dir_all(fork).unwrap();
+        let (mut j, _) = Journal::open(Arc::new(fs.clone()), dir, 0, MAX, |_, _| {}).unwrap();
+        append(&mut j, 3);
+        j.rotate().unwrap();
+        let shared = j.sealed_before(j.active());
+        for p in &shared {
+            fs.hard_link(p, &fork.join(p.file_name().unwrap())).unwrap();
+        }
+        let linked = fs.read(&fork.join(shared[0].file_name().unwrap())).unwrap();
+        // Published and retired: the pool has room, but the file has a second name.
+        let retired = j.detach_through(3);
+        let ids = retired.ids.clone();
+        let free = retired.apply(&[]).unwrap();
+        assert!(
+            free.is_empty(),
+            "a shared segment went to the pool: {free:?}"
+        );
+        j.retired(&ids, free);
+        // Rotations reuse pooled files: the fork's copy must never change.
+        for _ in 0..3 {
+            append(&mut j, 2);
+            j.rotate().unwrap();
+        }
+        let again = fs.read(&fork.join(shared[0].file_name().unwrap())).unwrap();
+        assert!(again == linked, "the fork's segment was overwritten");
+        let (_, gone) = Journal::open(Arc::new(fs.clone()), fork, 0, MAX, |_, _| {}).unwrap();
+        assert_eq!(gone, 0);
+    }
 }

@@ -48,7 +48,6 @@ mod open;
 mod publish;
 
 pub use layers::CheckpointState;
-pub(crate) use layers::ForkBase;
 use layers::{CutSpec, Layer, LayerRecord};
 
 /// Tunables of one volume (from the engine's config).

@@ -77,10 +77,9 @@ pub(crate) struct LayerRecord {
     pub taken_ms: u64,
 }
 
-/// Where a live fork starts: its source's local checkpoint `version`, and the published base
-/// (`base_manifest`, `base_version`, its cut `base_seq`) under the linked journal segments.
+/// Where a live fork starts: the source's published base (`base_manifest`, `base_version`, its
+/// cut `base_seq`) under the linked journal segments.
 pub(crate) struct ForkBase {
-    pub version: u64,
     pub base_manifest: Hash,
     pub base_version: u64,
     pub base_seq: u64,
@@ -466,14 +465,15 @@ impl Volume {
 
     /// A live fork's start, taken from this volume: a local checkpoint whose cut seals the
     /// journal, then hard links (in `journal_dir`) to every segment holding a record after the
-    /// published base and up to the cut. Errors of the links (a file system without them) are
-    /// `Unsupported` I/O errors. Runs in its own task.
-    pub(crate) async fn fork_into(&self, journal_dir: PathBuf) -> Result<ForkBase> {
+    /// published base and up to the cut. Returns the checkpoint's version, and the fork's base
+    /// unless links cannot be made here (a file system without them, a grow being published):
+    /// then the caller forks the checkpoint once it is published. Runs in its own task.
+    pub(crate) async fn fork_into(&self, journal_dir: PathBuf) -> Result<(u64, Option<ForkBase>)> {
         self.in_own_task(move |v| async move { v.fork_into_now(&journal_dir).await })
             .await
     }
 
-    async fn fork_into_now(&self, journal_dir: &Path) -> Result<ForkBase> {
+    async fn fork_into_now(&self, journal_dir: &Path) -> Result<(u64, Option<ForkBase>)> {
         let spec = CutSpec {
             rotate: true,
             ..CutSpec::of(CheckpointKind::Checkpoint)
@@ -492,33 +492,40 @@ impl Volume {
             (st.base_id, st.base_version, st.base.disk_size)
         };
         if disk_size != self.size() || self.has_pending_grow() {
-            return Err(Error::Unavailable(
-                self.name.clone(),
-                "a grow of the disk is being published".into(),
-            ));
+            return Ok((cp.version, None)); // The fork's base would be the smaller disk.
         }
         let paths = self.writer.lock().await.sealed_before(sealed_at);
         let fs = self.fs.clone();
         let to = journal_dir.to_path_buf();
-        crate::engine::blocking(move || {
+        let linked = crate::engine::blocking(move || {
             fs.create_dir_all(&to)
                 .map_err(Error::io("making the fork's journal"))?;
             for p in &paths {
                 let name = p.file_name().unwrap_or_default();
-                fs.hard_link(p, &to.join(name))
-                    .map_err(Error::io("linking a journal segment into the fork"))?;
+                match fs.hard_link(p, &to.join(name)) {
+                    Ok(()) => {}
+                    // No hard links here (FUSE passthroughs, other file systems).
+                    Err(e)
+                        if e.kind() == std::io::ErrorKind::Unsupported
+                            || matches!(e.raw_os_error(), Some(1 | 18 | 31 | 38 | 95)) =>
+                    {
+                        return Ok(false)
+                    }
+                    Err(e) => return Err(Error::io("linking a journal segment into the fork")(e)),
+                }
             }
             fs.sync_dir(&to)
-                .map_err(Error::io("syncing the fork's journal"))
+                .map_err(Error::io("syncing the fork's journal"))?;
+            Ok(true)
         })
         .await?;
-        Ok(ForkBase {
-            version: cp.version,
+        let base = linked.then_some(ForkBase {
             base_manifest,
             base_version,
             base_seq,
             disk_size,
-        })
+        });
+        Ok((cp.version, base))
     }
 
     fn has_pending_grow(&self) -> bool {

@@ -14,6 +14,16 @@ impl Volume {
             .get_checkpoint(&p.tenant, &p.name, ws.head_version)
             .await?;
         let local = LocalState::load(&*p.fs, &p.dir)?;
+        let ours = |l: &LocalState| {
+            l.base_version == ws.head_version && l.base_manifest == ws.head_manifest
+        };
+        if head.kind == CheckpointKind::LiveFork && !local.as_ref().is_some_and(ours) {
+            // Its head is only the base: the rest is in a journal on the node that forked it.
+            return Err(Error::Unavailable(
+                p.name.clone(),
+                "a fork of a live workspace whose data is still only on the node that forked it; it can be attached anywhere once it has published (that node publishes it right after the fork). If that node is lost for good, the fork is lost with it: delete it".into(),
+            ));
+        }
         let (journal_id, base_seq) = match local {
             Some(l) if head.journal_id.as_deref() == Some(l.journal_id.as_str()) => {
                 // We published the head ourselves (possibly without recording it locally).

@@ -1,0 +1,211 @@
+//! Forks of a live workspace: constant time on the node that holds it (the fork shares the
+//! source's journal through hard links), usable at once, independent afterwards, published in
+//! the background and then attachable anywhere; never served stale by another node before that.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use strata_catalog::CheckpointKind;
+use strata_engine::simfs::SimFs;
+use strata_engine::{Engine, Error, Mode, Volume};
+
+const BLOCKS: u64 = 256;
+const DISK: u64 = BLOCKS * 4096;
+
+async fn image(v: &Volume) -> Vec<u64> {
+    let img = v.read(0, v.size()).await.unwrap();
+    (0..v.size() / 4096)
+        .map(|b| {
+            tag_of(&img[(b * 4096) as usize..((b + 1) * 4096) as usize], b)
+                .unwrap_or_else(|| panic!("block {b} is torn or foreign"))
+        })
+        .collect()
+}
+
+async fn write_tag(v: &Volume, tag: u64, lba: u64, n: u64) {
+    let mut data = Vec::new();
+    for b in lba..lba + n {
+        data.extend(tagged(tag, b));
+    }
+    v.write(lba * 4096, &data, false).await.unwrap();
+}
+
+/// Waits until the live fork `ws` has published and been let go of on `node`.
+async fn released(node: &Arc<Engine>, ws: &str) {
+    let t = Instant::now();
+    while node.volume(TENANT, ws).is_some()
+        || node.workspace(TENANT, ws).await.unwrap().head_version < 2
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "{ws} was not published and released"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_fork_is_usable_at_once_independent_and_published() {
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
+    write_tag(&v, 1, 0, 64).await;
+    v.checkpoint(None).await.unwrap();
+    // Dirty data: flushed, and acknowledged but not flushed.
+    write_tag(&v, 2, 32, 64).await;
+    v.flush().await.unwrap();
+    write_tag(&v, 3, 90, 10).await;
+    let at_fork = image(&v).await;
+    let w = a.fork(TENANT, "w", None, "f", None).await.unwrap();
+    assert_eq!(w.head_version, 1);
+    let log = a.log(TENANT, "f").await.unwrap();
+    assert_eq!(log[0].kind, CheckpointKind::LiveFork);
+    // Usable at once on this node, with everything acknowledged before the fork.
+    let f = a.attach(TENANT, "f").await.unwrap();
+    assert_eq!(image(&f).await, at_fork);
+    // Independent from here on, while the source's segments are published, retired and
+    // (unshared ones) recycled by later writes.
+    write_tag(&f, 4, 0, 8).await;
+    for round in 0..6u64 {
+        write_tag(&v, 10 + round, 100, 100).await;
+        v.checkpoint(None).await.unwrap();
+    }
+    let mut expect = at_fork.clone();
+    expect[..8].fill(4);
+    assert_eq!(image(&f).await, expect, "the fork reads its own data");
+    let src = image(&v).await;
+    assert_eq!(
+        &src[..8],
+        &[1; 8],
+        "the source does not see the fork's writes"
+    );
+    assert_eq!(&src[100..200], &[15; 100]);
+    // Attached here, the fork is refused elsewhere; once published and detached, another node
+    // restores it from the object store alone.
+    let b = c.node("b");
+    assert!(b.attach(TENANT, "f").await.is_err());
+    f.flush().await.unwrap();
+    a.detach(TENANT, "f").await.unwrap();
+    let fb = b.attach(TENANT, "f").await.unwrap();
+    assert_eq!(image(&fb).await, expect);
+    b.detach(TENANT, "f").await.unwrap();
+    a.detach(TENANT, "w").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unclaimed_live_fork_publishes_and_is_let_go() {
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
+    write_tag(&v, 1, 0, 128).await;
+    let at_fork = image(&v).await;
+    a.fork(TENANT, "w", None, "f", None).await.unwrap();
+    released(&a, "f").await;
+    let b = c.node("b");
+    let fb = b.attach(TENANT, "f").await.unwrap();
+    assert_eq!(image(&fb).await, at_fork);
+    b.detach(TENANT, "f").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_parallel_forks_of_one_live_workspace_restore_on_another_node() {
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
+    write_tag(&v, 1, 0, BLOCKS).await;
+    v.checkpoint(None).await.unwrap();
+    write_tag(&v, 2, 0, 128).await;
+    let at_fork = image(&v).await;
+    // A writer keeps going on the source while the forks are taken (its blocks lie above 200).
+    let writer = {
+        let v = v.clone();
+        tokio::spawn(async move {
+            for i in 0..200u64 {
+                write_tag(&v, 1000 + i, 200 + i % 56, 1).await;
+            }
+        })
+    };
+    let names: Vec<String> = (0..8).map(|i| format!("f{i}")).collect();
+    let forks =
+        futures::future::join_all(names.iter().map(|n| a.fork(TENANT, "w", None, n, None))).await;
+    writer.await.unwrap();
+    let mut expect = Vec::new();
+    for (i, (n, r)) in names.iter().zip(forks).enumerate() {
+        r.unwrap_or_else(|e| panic!("fork {n}: {e}"));
+        let f = a.attach(TENANT, n).await.unwrap();
+        let img = image(&f).await;
+        // Below block 200 every fork holds exactly the data from before the forks began; above,
+        // whatever of the concurrent writer's blocks came before its own cut.
+        assert_eq!(&img[..200], &at_fork[..200], "{n}");
+        let tag = 100 + i as u64;
+        write_tag(&f, tag, 8 * i as u64, 8).await;
+        let mut e = img.clone();
+        e[8 * i..8 * i + 8].fill(tag);
+        assert_eq!(image(&f).await, e, "{n} reads its own writes only");
+        let p = a.checkpoint(TENANT, n, None).await.unwrap();
+        expect.push((n.clone(), p.version, e));
+    }
+    for (n, _, _) in &expect {
+        a.detach(TENANT, n).await.unwrap();
+    }
+    let b = c.node("b");
+    for (n, version, e) in &expect {
+        let f = b.attach(TENANT, n).await.unwrap();
+        assert_eq!(f.head_version(), *version);
+        assert_eq!(&image(&f).await, e, "{n} restored on another node");
+        b.detach(TENANT, n).await.unwrap();
+    }
+    a.detach(TENANT, "w").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_fork_survives_power_loss_and_is_never_served_stale_elsewhere() {
+    let c = Cluster::new().await;
+    let disk = SimFs::new();
+    let cfg = c.config("p");
+    let a = c.node_with(cfg.clone(), Arc::new(disk.process()));
+    let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
+    write_tag(&v, 1, 0, 64).await;
+    v.checkpoint(None).await.unwrap();
+    write_tag(&v, 2, 16, 64).await;
+    let at_fork = image(&v).await;
+    a.fork(TENANT, "f", None, "g", None).await.unwrap_err();
+    a.fork(TENANT, "w", None, "f", None).await.unwrap();
+    write_tag(&a.attach(TENANT, "f").await.unwrap(), 3, 0, 4).await;
+    // Power cut right away (the fork's publish may or may not have started; nothing after the
+    // fork was flushed, so the fork reads as at the fork or with its unflushed write).
+    disk.power_loss(7, true);
+    a.abandon().await;
+    drop(v);
+    let a2 = c.node_with(cfg, Arc::new(disk.process()));
+    let f = a2.attach(TENANT, "f").await.unwrap();
+    let got = image(&f).await;
+    let mut with_write = at_fork.clone();
+    with_write[..4].fill(3);
+    assert!(
+        got == at_fork || got == with_write,
+        "the fork after power loss"
+    );
+    let src = a2.attach(TENANT, "w").await.unwrap();
+    assert_eq!(image(&src).await, at_fork, "the source after power loss");
+    // The fork's head is still its `livefork` base if it has not published: another node must
+    // refuse it rather than serve that base, once the lease is free.
+    let fork_head = a2.workspace(TENANT, "f").await.unwrap().head_version;
+    eprintln!("fork head after the power loss: v{fork_head}");
+    if fork_head == 1 {
+        let lease = f.lease();
+        a2.abandon().await;
+        c.catalog.release_lease(TENANT, "f", &lease).await.unwrap();
+        let b = c.node("b");
+        match b.attach(TENANT, "f").await {
+            Err(Error::Unavailable(_, why)) => assert!(why.contains("live workspace"), "{why}"),
+            other => panic!(
+                "a stale live fork was attached elsewhere: {:?}",
+                other.map(|_| ())
+            ),
+        }
+    }
+}
