@@ -252,6 +252,21 @@ impl Engine {
             .catalog
             .get_checkpoint(tenant, ws, version.unwrap_or(w.head_version))
             .await?;
+        if cp.kind == CheckpointKind::LiveFork {
+            // Only the base under data that was in the forking node's journal: never a disk.
+            return Err(Error::Unavailable(
+                ws.to_string(),
+                format!(
+                    "version {} is the start of a fork of a live workspace, not its data; {}",
+                    cp.version,
+                    if w.head_version > cp.version {
+                        "use a later version"
+                    } else {
+                        "it is available once the fork has published (on the node that forked it)"
+                    }
+                ),
+            ));
+        }
         Ok((cp, w))
     }
 
@@ -375,6 +390,10 @@ impl Engine {
         });
         self.set_live(&key, Some(vol.clone()));
         tracing::info!(tenant, workspace = ws, epoch = lease.epoch, "attached");
+        if vol.is_live_fork() {
+            // Its data is only here: published at once (and let go of unless claimed).
+            self.release_when_published(tenant, ws);
+        }
         Ok(vol)
     }
 

@@ -17,9 +17,9 @@ pub trait FsFile: Send + Sync {
     fn set_len(&self, len: u64) -> io::Result<()>;
     fn len(&self) -> io::Result<u64>;
     /// How many names the file has (a journal segment shared with a fork has two or more:
-    /// it must never be recycled, only unlinked).
+    /// it must never be recycled, only unlinked). A layer that cannot tell says "shared".
     fn links(&self) -> io::Result<u64> {
-        Ok(1)
+        Ok(u64::MAX)
     }
 }
 

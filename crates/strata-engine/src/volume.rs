@@ -202,10 +202,10 @@ pub struct Volume {
     cut_waiting: std::sync::atomic::AtomicUsize,
     /// Held while one pending layer (or a compaction) is published.
     publish_lock: tokio::sync::Mutex<()>,
+    /// Its head is the `livefork` start of a fork of a live workspace (cleared by a publish).
+    live_fork: AtomicBool,
     /// Held while segments are retired, and while a live fork links them.
     retire_lock: tokio::sync::Mutex<()>,
-    /// The segment a rotating cut (a live fork's) started: those before it end at the cut.
-    sealed_at: AtomicU64,
     /// Where cuts are recorded (`cutlog.rs`); its lock serialises the records.
     cut_log: Mutex<cutlog::CutLog>,
     /// Receipts of the latest publishes, for callers waiting on a version.
@@ -712,6 +712,11 @@ impl Volume {
 
     pub fn head_version(&self) -> u64 {
         self.st().base_version
+    }
+
+    /// Whether the head is still the `livefork` start of a fork (its data only here).
+    pub fn is_live_fork(&self) -> bool {
+        self.live_fork.load(SeqCst)
     }
 
     pub fn stats(&self) -> VolumeStats {

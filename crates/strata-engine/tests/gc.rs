@@ -75,11 +75,13 @@ async fn check(
     n: &mut u32,
 ) {
     for ws in m.heads.keys().cloned().collect::<Vec<_>>() {
+        // A live fork's version 1 is only its source's base (never read as a disk).
         let listed: BTreeSet<u64> = node
             .log(TENANT, &ws)
             .await
             .unwrap()
             .iter()
+            .filter(|c| c.kind != strata_catalog::CheckpointKind::LiveFork)
             .map(|c| c.version)
             .collect();
         let head = node.workspace(TENANT, &ws).await.unwrap().head_version;
@@ -211,15 +213,29 @@ async fn run_case(seed: u64) {
         } else if op < 66 && m.heads.len() < 5 {
             let before = m.heads[&ws].clone();
             let f = new_ws(&mut m);
-            node.fork(TENANT, &ws, None, &f, None).await.unwrap();
-            // The fork published the source first: record that version.
-            let v = node.workspace(TENANT, &ws).await.unwrap().head_version;
-            m.cps
-                .entry((ws.clone(), v))
-                .or_insert_with(|| before.clone());
-            m.heads.insert(f.clone(), before.clone());
-            m.cps.insert((f.clone(), 1), before);
+            let w = node.fork(TENANT, &ws, None, &f, None).await.unwrap();
             node.attach(TENANT, &f).await.unwrap();
+            // The fork is of a local checkpoint of the source (named by its source), published in
+            // the background; a live fork's own data becomes its version 2.
+            let from: u64 = w.source.rsplit('@').next().unwrap().parse().unwrap();
+            let src = node.volume(TENANT, &ws).unwrap();
+            src.published(from).await.unwrap();
+            m.cps
+                .entry((ws.clone(), from))
+                .or_insert_with(|| before.clone());
+            let first = node.log(TENANT, &f).await.unwrap()[0].kind;
+            let own = if first == strata_catalog::CheckpointKind::LiveFork {
+                let t = std::time::Instant::now();
+                while node.workspace(TENANT, &f).await.unwrap().head_version < 2 {
+                    assert!(t.elapsed() < Duration::from_secs(30), "{f} never published");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                2
+            } else {
+                1
+            };
+            m.heads.insert(f.clone(), before.clone());
+            m.cps.insert((f.clone(), own), before);
             what = "fork";
         } else if op < 76 {
             let mine: Vec<u64> = m

@@ -209,3 +209,30 @@ async fn a_live_fork_survives_power_loss_and_is_never_served_stale_elsewhere() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_fork_of_a_clean_workspace_leaves_the_node_and_its_start_is_never_a_disk() {
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
+    write_tag(&v, 1, 0, 16).await;
+    v.checkpoint(None).await.unwrap();
+    // Nothing dirty: the fork still publishes a version of its own and is let go.
+    a.fork(TENANT, "w", None, "f", None).await.unwrap();
+    // Its version 1 is the start of a live fork: no fork, export or rollback reads it as a disk.
+    assert!(a.fork(TENANT, "f", Some(1), "g", None).await.is_err());
+    assert!(a
+        .export(TENANT, "f", Some(1), &c.path("f1.raw"))
+        .await
+        .is_err());
+    released(&a, "f").await;
+    let b = c.node("b");
+    let fb = b.attach(TENANT, "f").await.unwrap();
+    assert_eq!(&image(&fb).await[..16], &[1; 16]);
+    assert!(b.rollback(TENANT, "f", 1).await.is_err());
+    b.detach(TENANT, "f").await.unwrap();
+    // Later versions are disks like any other.
+    b.fork(TENANT, "f", None, "g", None).await.unwrap();
+    let g = b.attach(TENANT, "g").await.unwrap();
+    assert_eq!(&image(&g).await[..16], &[1; 16]);
+}

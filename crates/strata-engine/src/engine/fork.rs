@@ -12,9 +12,13 @@
 //! head without the matching local state, so another node never serves the stale base (if
 //! this node is lost first, the fork is lost with it: delete it).
 //!
-//! Crash safety: `forking.json` marks a fork directory until the fork's catalog row exists.
-//! An attach that finds the marker keeps the directory if the catalog has the fork (at its
-//! `livefork` version 1) and removes it otherwise (a fork that never completed).
+//! Crash safety: the links come first, then `forking.json` (naming the fork's source,
+//! `ws:SRC@VERSION`, unique since only the source's lease holder forks it live), then
+//! `state.json`, then the catalog row, then the marker goes. An attach that finds the marker
+//! keeps the directory if the catalog has that very fork (version 1 a `livefork` of that
+//! source) and removes it otherwise; a directory with links but no `state.json` is swept at the
+//! next start (`sweep_unfinished_forks`). Once the row may exist (also when its reply was
+//! lost), the directory is never removed by the fork.
 
 use super::*;
 use crate::local::LocalState;
@@ -53,13 +57,10 @@ impl Engine {
         let r = self
             .fork_live_locked(tenant, &vol, src, new, mode, &mut s)
             .await;
-        let keep = matches!(r, Ok(Ok(_)));
+        let attached = s.is_some();
         drop(s);
-        if !keep {
+        if !attached {
             self.tidy_slot(&key, slot);
-        }
-        if let Ok(Ok(_)) = &r {
-            self.release_when_published(tenant, new);
         }
         r
     }
@@ -90,44 +91,54 @@ impl Engine {
         // A directory left for this name by a workspace that no longer exists.
         let dir = self.volume_dir(tenant, new);
         self.remove_volume_dir(&dir).await?;
-        let journal_id = crate::local::new_journal_id();
-        let (fs, d, j) = (self.fs.clone(), dir.clone(), journal_id.clone());
-        blocking(move || {
-            fs.create_dir_all(&d)
-                .map_err(Error::io("making the fork's directory"))?;
-            if let Some(parent) = d.parent() {
-                fs.sync_dir(parent)
-                    .map_err(Error::io("syncing the fork's parent"))?;
+        let made = self.make_fork(tenant, vol, src, new, mode, &dir).await;
+        let (w, source) = match made {
+            Ok(Ok(made)) => made,
+            Ok(Err(local)) => {
+                self.remove_volume_dir(&dir).await?;
+                return Ok(Err(local));
             }
-            fs.write_atomic(&d.join(MARKER), j.as_bytes())
-                .map_err(Error::io("marking the fork's directory"))
-        })
-        .await?;
-        let made = self
-            .make_fork(tenant, vol, src, new, mode, &dir, &journal_id)
-            .await;
-        match made {
-            Ok(Ok(w)) => {
-                let (fs, d) = (self.fs.clone(), dir.clone());
-                blocking(move || {
-                    fs.remove(&d.join(MARKER))
-                        .and_then(|_| fs.sync_dir(&d))
-                        .map_err(Error::io("completing the fork's directory"))
-                })
-                .await?;
-                self.attach_locked(tenant, new, s, false).await?;
-                Ok(Ok(w))
-            }
-            other => {
-                if let Err(e) = self.remove_volume_dir(&dir).await {
-                    tracing::warn!(tenant, workspace = new, error = %e, "removing an unfinished fork's directory failed");
+            Err((e, source)) => {
+                // A row that committed with its reply lost is this fork: kept.
+                let ours = match &source {
+                    Some(src) => self.is_our_fork(tenant, new, src).await.unwrap_or(false),
+                    None => false,
+                };
+                if !ours {
+                    if let Err(e) = self.remove_volume_dir(&dir).await {
+                        tracing::warn!(tenant, workspace = new, error = %e, "removing an unfinished fork's directory failed");
+                    }
+                    return Err(e);
                 }
-                other
+                (
+                    self.catalog.get_workspace(tenant, new).await?,
+                    source.unwrap_or_default(),
+                )
             }
+        };
+        // The fork exists from here on: its directory is never removed (an attach completes it).
+        let (fs, d) = (self.fs.clone(), dir.clone());
+        let unmarked = blocking(move || {
+            fs.remove(&d.join(MARKER))
+                .and_then(|_| fs.sync_dir(&d))
+                .map_err(Error::io("completing the fork's directory"))
+        })
+        .await;
+        if let Err(e) = unmarked {
+            tracing::warn!(tenant, workspace = new, error = %e, "the fork's marker stays; its next attach completes it");
         }
+        if let Err(e) = self.attach_locked(tenant, new, s, false).await {
+            return Err(Error::Unavailable(
+                new.to_string(),
+                format!("the fork ({source}) exists, but attaching it here failed: {e}; attach it on this node to finish it"),
+            ));
+        }
+        Ok(Ok(w))
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// The links, marker, local state and catalog row of a fork. Err carries the fork's source
+    /// (`ws:SRC@VERSION`) once the catalog row may exist.
+    #[allow(clippy::type_complexity)]
     async fn make_fork(
         self: &Arc<Self>,
         tenant: &str,
@@ -136,22 +147,34 @@ impl Engine {
         new: &str,
         mode: Mode,
         dir: &Path,
-        journal_id: &str,
-    ) -> Result<std::result::Result<Workspace, u64>> {
-        let (version, base) = vol.fork_into(dir.join("journal")).await?;
+    ) -> std::result::Result<std::result::Result<(Workspace, String), u64>, (Error, Option<String>)>
+    {
+        let (version, base) = vol
+            .fork_into(dir.join("journal"))
+            .await
+            .map_err(|e| (e, None))?;
         let Some(b) = base else {
             return Ok(Err(version));
         };
-        LocalState {
+        // Unique: only the source's lease holder forks it live, and its versions are reserved.
+        let source = format!("ws:{src}@{version}");
+        let state = LocalState {
             format: crate::local::LOCAL_FORMAT,
             tenant: tenant.to_string(),
             workspace: new.to_string(),
-            journal_id: journal_id.to_string(),
+            journal_id: crate::local::new_journal_id(),
             base_version: 1,
             base_manifest: b.base_manifest,
             base_seq: b.base_seq,
-        }
-        .store(&*self.fs, dir)?;
+        };
+        let (fs, d, marker) = (self.fs.clone(), dir.to_path_buf(), source.clone());
+        blocking(move || {
+            fs.write_atomic(&d.join(MARKER), marker.as_bytes())
+                .map_err(Error::io("marking the fork's directory"))?;
+            state.store(&*fs, &d)
+        })
+        .await
+        .map_err(|e| (e, None))?;
         let w = self
             .catalog
             .create_workspace(&NewWorkspace {
@@ -160,11 +183,12 @@ impl Engine {
                 mode,
                 disk_size: b.disk_size,
                 manifest: b.base_manifest,
-                source: format!("ws:{src}@{version}"),
+                source: source.clone(),
                 kind: CheckpointKind::LiveFork,
                 ttl_ms: None,
             })
-            .await?;
+            .await
+            .map_err(|e| (e.into(), Some(source.clone())))?;
         tracing::info!(
             tenant,
             workspace = new,
@@ -173,12 +197,24 @@ impl Engine {
             base = b.base_version,
             "forked a live workspace"
         );
-        Ok(Ok(w))
+        Ok(Ok((w, source)))
+    }
+
+    /// Whether the catalog's `ws` is the live fork made from `source` (its version 1 a
+    /// `livefork` of exactly that source).
+    async fn is_our_fork(&self, tenant: &str, ws: &str, source: &str) -> Result<bool> {
+        let w = match self.catalog.get_workspace(tenant, ws).await {
+            Ok(w) => w,
+            Err(CatalogError::NotFound { .. }) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        };
+        let first = self.catalog.get_checkpoint(tenant, ws, 1).await?;
+        Ok(w.source == source && first.kind == CheckpointKind::LiveFork)
     }
 
     /// Publishes a live fork's data in the background, then detaches it unless a user attached
     /// it meanwhile (it can then be attached on any node).
-    fn release_when_published(self: &Arc<Self>, tenant: &str, ws: &str) {
+    pub(super) fn release_when_published(self: &Arc<Self>, tenant: &str, ws: &str) {
         let (e, t, w) = (self.clone(), tenant.to_string(), ws.to_string());
         tokio::spawn(async move {
             let Some(v) = e.volume(&t, &w) else { return };
@@ -197,20 +233,20 @@ impl Engine {
     }
 
     /// Before an attach: a directory still marked as an unfinished fork is kept only if the
-    /// catalog has that fork (its `livefork` version 1); otherwise it is removed.
+    /// catalog has that very fork (the marker names its source); otherwise it is removed.
     pub(super) async fn settle_fork_marker(&self, tenant: &str, ws: &str) -> Result<()> {
         let dir = self.volume_dir(tenant, ws);
         if !self.fs.exists(&dir.join(MARKER)) {
             return Ok(());
         }
-        let complete = match self.catalog.get_workspace(tenant, ws).await {
-            Ok(w) if w.head_version == 1 => {
-                self.catalog.get_checkpoint(tenant, ws, 1).await?.kind == CheckpointKind::LiveFork
-            }
-            Ok(_) | Err(CatalogError::NotFound { .. }) => false,
-            Err(e) => return Err(e.into()),
-        };
-        if complete {
+        let source = String::from_utf8_lossy(
+            &self
+                .fs
+                .read(&dir.join(MARKER))
+                .map_err(Error::io("reading a fork's marker"))?,
+        )
+        .into_owned();
+        if self.is_our_fork(tenant, ws, &source).await? {
             let (fs, d) = (self.fs.clone(), dir.clone());
             blocking(move || {
                 fs.remove(&d.join(MARKER))
@@ -225,6 +261,41 @@ impl Engine {
                 "removing the directory of a fork that never completed"
             );
             self.remove_volume_dir(&dir).await
+        }
+    }
+
+    /// Removes what a fork interrupted before its local state was written left behind
+    /// (directories with journal links but no `state.json`: they pin the source's old
+    /// segments). For a restart, before workspaces resume.
+    pub fn sweep_unfinished_forks(&self) {
+        let root = self.cfg.data_dir.join("volumes");
+        let Ok(tenants) = std::fs::read_dir(&root) else {
+            return;
+        };
+        for t in tenants.flatten() {
+            let Ok(wss) = std::fs::read_dir(t.path()) else {
+                continue;
+            };
+            for w in wss.flatten() {
+                let p = w.path();
+                if p.join("state.json").exists() || !p.join("journal").exists() {
+                    continue;
+                }
+                let key = key(
+                    &t.file_name().to_string_lossy(),
+                    &w.file_name().to_string_lossy(),
+                );
+                let slot = self.slot(&key);
+                let Ok(s) = slot.try_lock() else { continue };
+                if s.is_none() && !p.join("state.json").exists() {
+                    tracing::info!(dir = %p.display(), "removing an unfinished fork");
+                    if let Err(e) = std::fs::remove_dir_all(&p) {
+                        tracing::warn!(dir = %p.display(), error = %e, "removing an unfinished fork failed");
+                    }
+                }
+                drop(s);
+                self.tidy_slot(&key, slot.clone());
+            }
         }
     }
 }

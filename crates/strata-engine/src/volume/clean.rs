@@ -10,6 +10,8 @@ impl Volume {
     /// never (or not yet) publish. Returns the bytes reclaimed.
     pub async fn clean_journal(&self, slack: u64) -> Result<u64> {
         let _p = self.publish_lock.lock().await;
+        // A live fork links segments under this lock: none is removed meanwhile.
+        let _r = self.retire_lock.lock().await;
         let mut reclaimed = 0u64;
         loop {
             self.usable()?;

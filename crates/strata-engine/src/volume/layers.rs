@@ -136,16 +136,27 @@ impl Volume {
         let waiting = Waiting(&self.cut_waiting);
         let c = self.cut_lock.lock().await;
         drop(waiting);
-        self.cut_locked(&c, spec, on_cut).await
+        Ok(self.cut_sealing(&c, spec, on_cut).await?.0)
     }
 
     /// [`Volume::cut`] for a caller that holds the cut lock.
     pub(super) async fn cut_locked(
         &self,
-        _held: &tokio::sync::MutexGuard<'_, ()>,
+        held: &tokio::sync::MutexGuard<'_, ()>,
         spec: CutSpec,
         on_cut: Option<tokio::sync::oneshot::Sender<u64>>,
     ) -> Result<Published> {
+        Ok(self.cut_sealing(held, spec, on_cut).await?.0)
+    }
+
+    /// A cut, and with `spec.rotate` the id of the segment it started (every segment before
+    /// it ends at or before the cut).
+    async fn cut_sealing(
+        &self,
+        _held: &tokio::sync::MutexGuard<'_, ()>,
+        spec: CutSpec,
+        on_cut: Option<tokio::sync::oneshot::Sender<u64>>,
+    ) -> Result<(Published, Option<u64>)> {
         let started = Instant::now();
         self.usable()?;
         if self.sealed.load(SeqCst) && spec.kind != CheckpointKind::Detach {
@@ -160,7 +171,7 @@ impl Volume {
             self.drain(None, Some(1)).await?;
         }
         let stall_start = Instant::now();
-        let rec = {
+        let (rec, sealed) = {
             // The writer lock orders the cut against appends: every record up to `cut` is in
             // the overlay taken here, none after it.
             let mut j = self.writer.lock().await;
@@ -177,10 +188,10 @@ impl Volume {
                 None
             };
             let mut st = self.st_mut();
-            if let Some((id, f)) = rotated {
+            let sealed = rotated.map(|(id, f)| {
                 st.files.insert(id, SegFile::new(f));
-                self.sealed_at.store(id, SeqCst);
-            }
+                id
+            });
             let rec = LayerRecord {
                 cut,
                 version: st.base_version + st.pending.len() as u64 + 1,
@@ -201,7 +212,7 @@ impl Volume {
                 bytes,
                 since,
             });
-            rec
+            (rec, sealed)
         };
         let stall = stall_start.elapsed();
         if let Some(tx) = on_cut {
@@ -222,7 +233,7 @@ impl Volume {
             }
             return Err(e);
         }
-        Ok(Published {
+        let p = Published {
             version: rec.version,
             manifest: None,
             cut_seq: rec.cut,
@@ -230,7 +241,8 @@ impl Volume {
             stall,
             total: started.elapsed(),
             state: CheckpointState::Local,
-        })
+        };
+        Ok((p, sealed))
     }
 
     /// Appends `e` to the cut log, durably. Appends are serialised by the log's lock and each
@@ -478,12 +490,17 @@ impl Volume {
             rotate: true,
             ..CutSpec::of(CheckpointKind::Checkpoint)
         };
-        let cp = self.cut(spec, None).await?;
+        let (cp, sealed) = {
+            let c = self.cut_lock.lock().await;
+            self.cut_sealing(&c, spec, None).await?
+        };
         self.kick();
+        let Some(sealed_at) = sealed else {
+            return Ok((cp.version, None));
+        };
         // No segment is renamed, recycled or removed while it is linked (retirement takes this
         // lock), and segments sealed after the cut hold later writes: only those before it.
         let _r = self.retire_lock.lock().await;
-        let sealed_at = self.sealed_at.load(SeqCst);
         // The published cut first, then the base: the base is at least that new, and records
         // it already holds replay harmlessly on top of it.
         let base_seq = self.published_seq.load(SeqCst);

@@ -42,7 +42,13 @@ impl Volume {
                     .map_err(Error::io("discarding stale journal"))?;
                 (new_journal_id(), 0)
             }
-            None => (new_journal_id(), 0),
+            None => {
+                // Without local state nothing here is this workspace's: not a journal (an
+                // interrupted fork's links), not recorded cuts.
+                p.fs.remove_dir_all(&p.dir)
+                    .map_err(Error::io("clearing a volume directory without state"))?;
+                (new_journal_id(), 0)
+            }
         };
         p.fs.create_dir_all(&p.dir)
             .map_err(Error::io(format!("creating {}", p.dir.display())))?;
@@ -220,7 +226,7 @@ impl Volume {
             publish_lock: tokio::sync::Mutex::new(()),
             cut_log: Mutex::new(cut_log),
             retire_lock: tokio::sync::Mutex::new(()),
-            sealed_at: AtomicU64::new(0),
+            live_fork: AtomicBool::new(head.kind == CheckpointKind::LiveFork),
             receipts: Mutex::new(VecDeque::new()),
             acked_seq: AtomicU64::new(last),
             synced_seq: AtomicU64::new(last),

@@ -195,7 +195,12 @@ impl Volume {
     ) -> Result<Option<u64>> {
         self.usable()?;
         let target = upto.unwrap_or_else(|| self.acked_seq.load(SeqCst));
-        if self.published_seq.load(SeqCst) >= target && (upto.is_some() || !self.has_pending()) {
+        // A live fork's head is only a base: its first publish always makes a version, even
+        // with nothing new since the fork (or the fork could never leave this node).
+        if self.published_seq.load(SeqCst) >= target
+            && (upto.is_some() || !self.has_pending())
+            && !self.is_live_fork()
+        {
             return Ok(None);
         }
         let v = match self.pending_covering(target) {
@@ -255,6 +260,7 @@ impl Volume {
             }
         }
         self.published_seq.fetch_max(cut, SeqCst);
+        self.live_fork.store(false, SeqCst);
         self.counters.publishes.fetch_add(1, SeqCst);
         self.counters.bytes_uploaded.fetch_add(bytes, SeqCst);
         // Local state first, then drop the segments it covers.
@@ -545,6 +551,11 @@ impl Volume {
             .catalog
             .get_checkpoint(&self.tenant, &self.name, version)
             .await?;
+        if target.kind == CheckpointKind::LiveFork {
+            return Err(Error::Invalid(format!(
+                "version {version} is the start of a fork of a live workspace, not its data: roll back to a later version"
+            )));
+        }
         let _p = self.publish_lock.lock().await;
         self.usable()?;
         // A flag left by an earlier publish is settled first: it is not this rollback's.
