@@ -281,6 +281,8 @@ impl Daemon {
     /// Re-attaches and re-exports every workspace this node has local state for (after a clean
     /// restart or a kill -9), unless its lease is now held by another node.
     pub async fn resume(self: &Arc<Self>) -> Vec<(String, String)> {
+        // What an interrupted live fork left (links without local state) goes first.
+        self.engine.sweep_unfinished_forks();
         // Mounted workspaces first: they are mounted again, not exported.
         let mut resumed = self.resume_mounts().await;
         let root = self.engine.config().data_dir.join("volumes");
