@@ -136,7 +136,13 @@ async fn mount(api: &Api, ws: &str, target: &Path, mkfs: bool) {
     );
 }
 
+/// Held by `mount_refusals` while its `unshare` holds a copy of every mount that existed when it
+/// started (other tests' too), and by every umount of the other tests: otherwise theirs could
+/// find their filesystem kept alive by that copy (a 409, rightly).
+static OTHER_NAMESPACE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn umount(api: &Api, ws: &str) {
+    let _ns = OTHER_NAMESPACE.lock().await;
     let (s, v) = api.delete(&format!("/v1/workspaces/{ws}/mount")).await;
     assert_eq!(s, StatusCode::OK, "{v}");
 }
@@ -403,6 +409,7 @@ async fn mount_refusals() {
     // A copy of the mount in another mount namespace (what a running container holds) keeps
     // the filesystem alive: umount says so and leaves it mounted.
     if have("unshare") {
+        let _ns = OTHER_NAMESPACE.lock().await;
         let mut ns = std::process::Command::new("unshare")
             .args(["--mount", "--propagation", "private", "sleep", "30"])
             .spawn()
