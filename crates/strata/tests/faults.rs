@@ -106,7 +106,10 @@ async fn every_head_is_complete_under_object_store_faults() {
             version = loop {
                 tries += 1;
                 let (s, v) = api
-                    .post(&format!("/v1/workspaces/{ws}/checkpoint"), json!({}))
+                    .post(
+                        &format!("/v1/workspaces/{ws}/checkpoint"),
+                        json!({ "wait": true }),
+                    )
                     .await;
                 if s == StatusCode::OK {
                     break v["version"].as_u64().unwrap();
@@ -195,7 +198,10 @@ async fn reads_through_faults_are_right_or_clean_errors() {
     for i in 0..16u64 {
         c.write(i * (256 << 10), &block(9, i), false).await.unwrap();
     }
-    let (s, v) = api.post("/v1/workspaces/src/checkpoint", json!({})).await;
+    // Published: a cold node forks it next.
+    let (s, v) = api
+        .post("/v1/workspaces/src/checkpoint", json!({"wait": true}))
+        .await;
     assert_eq!(s, StatusCode::OK, "{v}");
     // A cold node reads through the faulty proxy.
     let proxy = faultproxy::start(&moto, 5).await;

@@ -136,7 +136,8 @@ async fn a_killed_node_s_workspaces_restore_on_another_node_from_their_heads() {
         let (s, cp) = api
             .post(
                 &format!("/v1/workspaces/{ws}/checkpoint"),
-                json!({"label": "one"}),
+                // Published before the node dies: that is what another node may count on.
+                json!({"label": "one", "wait": true}),
             )
             .await;
         assert_eq!(s, StatusCode::OK, "{cp}");
@@ -227,7 +228,9 @@ async fn a_paused_node_is_fenced_and_never_moves_the_head() {
         .unwrap();
     ca.write(0, &[1; 65536], false).await.unwrap();
     ca.flush().await.unwrap();
-    let (s, v) = api_a.post("/v1/workspaces/sb/checkpoint", json!({})).await;
+    let (s, v) = api_a
+        .post("/v1/workspaces/sb/checkpoint", json!({"wait": true}))
+        .await;
     assert_eq!(s, StatusCode::OK, "{v}");
     // Pause a past its lease (2 s TTL); b takes over.
     a.signal("STOP");
@@ -238,7 +241,9 @@ async fn a_paused_node_is_fenced_and_never_moves_the_head() {
     assert!(cb.read(0, 65536).await.unwrap().iter().all(|&x| x == 1));
     cb.write(65536, &[2; 4096], false).await.unwrap();
     cb.flush().await.unwrap();
-    let (s, cp_b) = api_b.post("/v1/workspaces/sb/checkpoint", json!({})).await;
+    let (s, cp_b) = api_b
+        .post("/v1/workspaces/sb/checkpoint", json!({"wait": true}))
+        .await;
     assert_eq!(s, StatusCode::OK, "{cp_b}");
     let head_b = cp_b["version"].as_u64().unwrap();
     let lease_b = api_b.get("/v1/workspaces/sb").await.1["lease"].clone();
@@ -320,7 +325,10 @@ async fn concurrent_forks_and_checkpoints_through_two_nodes_keep_histories_linea
                     let api = &apis[node];
                     if rng.random_bool(0.6) {
                         let (s, v) = api
-                            .post(&format!("/v1/workspaces/w{ws}/checkpoint"), json!({}))
+                            .post(
+                                &format!("/v1/workspaces/w{ws}/checkpoint"),
+                                json!({ "wait": true }),
+                            )
                             .await;
                         if node == ws / 2 {
                             assert_eq!(s, StatusCode::OK, "checkpoint on the holder: {v}");
@@ -549,9 +557,9 @@ async fn gc_on_s3_and_postgres_reclaims_only_what_nobody_references() {
         for round in 1..=3u8 {
             c.write(0, &vec![round; 1 << 20], false).await.unwrap();
             let body = if round == 2 {
-                json!({"label": "keep"})
+                json!({"label": "keep", "wait": true})
             } else {
-                json!({})
+                json!({ "wait": true })
             };
             let (s, v) = api
                 .post(&format!("/v1/workspaces/{ws}/checkpoint"), body)

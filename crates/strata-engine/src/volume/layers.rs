@@ -159,6 +159,9 @@ impl Volume {
     ) -> Result<(Published, Option<u64>)> {
         let started = Instant::now();
         self.usable()?;
+        // Past the local lease deadline another node may hold the workspace: a cut taken now
+        // could never be published, so no receipt is given for one (as for a flush).
+        self.lease_valid()?;
         if self.sealed.load(SeqCst) && spec.kind != CheckpointKind::Detach {
             // Detaching: its final cut covers everything; a later one would never publish.
             return Err(Error::Unavailable(
@@ -233,6 +236,8 @@ impl Volume {
             }
             return Err(e);
         }
+        // Likewise once durable: if the lease may have passed meanwhile, the receipt is withheld.
+        self.lease_valid()?;
         let p = Published {
             version: rec.version,
             manifest: None,
