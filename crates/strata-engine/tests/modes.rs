@@ -176,10 +176,18 @@ async fn a_fenced_writer_cannot_move_the_head() {
         "no flush succeeds without a lease"
     );
     let head_before = c.catalog.get_workspace(TENANT, "f").await.unwrap();
+    // Refused: at once, since its lease ran out locally (no local receipt either), or by the
+    // catalog's fence.
     let e = va.checkpoint(None).await.unwrap_err();
     assert!(
-        matches!(e, Error::Catalog(CatalogError::Fenced { .. })),
+        matches!(e, Error::Catalog(CatalogError::Fenced { .. }))
+            || matches!(&e, Error::Unavailable(_, why) if why.contains("lease")),
         "{e}"
+    );
+    let e = va.checkpoint_with(None, None, false).await.unwrap_err();
+    assert!(
+        e.to_string().contains("lease"),
+        "a local receipt without a lease: {e}"
     );
     let head_after = c.catalog.get_workspace(TENANT, "f").await.unwrap();
     assert_eq!(head_before.head_version, head_after.head_version);
