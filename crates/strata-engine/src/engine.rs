@@ -322,7 +322,7 @@ impl Engine {
         let key = key(tenant, ws);
         let slot = self.slot(&key);
         let mut s = slot.lock().await;
-        let r = self.attach_locked(tenant, ws, &mut s, true).await;
+        let r = self.attach_locked(tenant, ws, &mut s, true, None).await;
         if r.is_err() {
             drop(s);
             self.tidy_slot(&key, slot);
@@ -338,6 +338,7 @@ impl Engine {
         ws: &str,
         s: &mut Option<Attached>,
         claim: bool,
+        inherit: Option<crate::volume::Inheritance>,
     ) -> Result<Arc<Volume>> {
         let key = key(tenant, ws);
         if let Some(a) = s.as_mut() {
@@ -373,6 +374,7 @@ impl Engine {
             lease: lease.clone(),
             opts: self.opts(),
             space: self.space.clone(),
+            inherit,
         })
         .await;
         let vol = match opened {

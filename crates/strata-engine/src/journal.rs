@@ -248,6 +248,55 @@ impl Journal {
         Ok((j, discarded))
     }
 
+    /// A journal over segments hard-linked from a live source (a live fork): their
+    /// metadata (id, length, last record, nonce) is taken from the source's journal, which
+    /// wrote and synced them, instead of replaying them; records continue after `last_seq`
+    /// in a new active segment.
+    pub fn adopt(
+        fs: Arc<dyn Fs>,
+        dir: &Path,
+        segs: &[(u64, u64, u64, u64)],
+        last_seq: u64,
+        max_segment: u64,
+    ) -> io::Result<Journal> {
+        let mut segments = BTreeMap::new();
+        for &(id, len, last, nonce) in segs {
+            let file = fs.open(&seg_path(dir, id), false)?;
+            segments.insert(
+                id,
+                SegMeta {
+                    file,
+                    len,
+                    last_seq: last,
+                    nonce,
+                    prepared: false,
+                },
+            );
+        }
+        let mut j = Journal {
+            fs,
+            dir: dir.to_path_buf(),
+            active: segs.iter().map(|s| s.0).max().unwrap_or(0),
+            segments,
+            next_seq: last_seq + 1,
+            dirty: BTreeMap::new(),
+            dir_dirty: false,
+            max_segment,
+            free: vec![],
+            rotated: vec![],
+        };
+        j.rotate()?;
+        Ok(j)
+    }
+
+    /// (id, length, last record, nonce) of the segments before segment `id`, oldest first.
+    pub fn sealed_meta_before(&self, id: u64) -> Vec<(u64, u64, u64, u64)> {
+        self.segments
+            .range(..id)
+            .map(|(i, m)| (*i, m.len, m.last_seq, m.nonce))
+            .collect()
+    }
+
     pub fn last_seq(&self) -> u64 {
         self.next_seq - 1
     }
@@ -432,14 +481,6 @@ impl Journal {
         } else {
             self.fs.remove(&path)
         }
-    }
-
-    /// Paths of the segments before segment `id` (all sealed), oldest first.
-    pub fn sealed_before(&self, id: u64) -> Vec<PathBuf> {
-        self.segments
-            .range(..id)
-            .map(|(i, _)| seg_path(&self.dir, *i))
-            .collect()
     }
 
     /// Takes every sealed segment whose records are all `<= seq` out of the journal and returns
@@ -674,7 +715,11 @@ mod tests {
         let (mut j, _) = Journal::open(Arc::new(fs.clone()), dir, 0, MAX, |_, _| {}).unwrap();
         append(&mut j, 3);
         j.rotate().unwrap();
-        let shared = j.sealed_before(j.active());
+        let shared: Vec<PathBuf> = j
+            .sealed_meta_before(j.active())
+            .iter()
+            .map(|m| seg_path(dir, m.0))
+            .collect();
         for p in &shared {
             fs.hard_link(p, &fork.join(p.file_name().unwrap())).unwrap();
         }

@@ -48,6 +48,7 @@ mod open;
 mod publish;
 
 pub use layers::CheckpointState;
+pub(crate) use layers::Inheritance;
 use layers::{CutSpec, Layer, LayerRecord};
 
 /// Tunables of one volume (from the engine's config).
@@ -245,6 +246,8 @@ pub(crate) struct VolumeParts {
     pub lease_asked: Instant,
     pub opts: VolumeOptions,
     pub space: Arc<crate::space::SpaceGuard>,
+    /// A live fork's start, taken from its source instead of a replay (see `layers.rs`).
+    pub inherit: Option<layers::Inheritance>,
 }
 
 /// The local end of a lease of `ttl` requested at `asked`: 80% of the TTL, leaving a margin for

@@ -92,7 +92,7 @@ impl Engine {
         let dir = self.volume_dir(tenant, new);
         self.remove_volume_dir(&dir).await?;
         let made = self.make_fork(tenant, vol, src, new, mode, &dir).await;
-        let (w, source) = match made {
+        let (w, source, inherit) = match made {
             Ok(Ok(made)) => made,
             Ok(Err(local)) => {
                 self.remove_volume_dir(&dir).await?;
@@ -110,10 +110,9 @@ impl Engine {
                     }
                     return Err(e);
                 }
-                (
-                    self.catalog.get_workspace(tenant, new).await?,
-                    source.unwrap_or_default(),
-                )
+                // Its inheritance went with the error: the attach replays the links instead.
+                let w = self.catalog.get_workspace(tenant, new).await?;
+                (w, source.unwrap_or_default(), None)
             }
         };
         // The fork exists from here on: its directory is never removed (an attach completes it).
@@ -127,7 +126,7 @@ impl Engine {
         if let Err(e) = unmarked {
             tracing::warn!(tenant, workspace = new, error = %e, "the fork's marker stays; its next attach completes it");
         }
-        if let Err(e) = self.attach_locked(tenant, new, s, false).await {
+        if let Err(e) = self.attach_locked(tenant, new, s, false, inherit).await {
             return Err(Error::Unavailable(
                 new.to_string(),
                 format!("the fork ({source}) exists, but attaching it here failed: {e}; attach it on this node to finish it"),
@@ -147,8 +146,10 @@ impl Engine {
         new: &str,
         mode: Mode,
         dir: &Path,
-    ) -> std::result::Result<std::result::Result<(Workspace, String), u64>, (Error, Option<String>)>
-    {
+    ) -> std::result::Result<
+        std::result::Result<(Workspace, String, Option<crate::volume::Inheritance>), u64>,
+        (Error, Option<String>),
+    > {
         let (version, base) = vol
             .fork_into(dir.join("journal"))
             .await
@@ -197,7 +198,7 @@ impl Engine {
             base = b.base_version,
             "forked a live workspace"
         );
-        Ok(Ok((w, source)))
+        Ok(Ok((w, source, Some(b.inherit))))
     }
 
     /// Whether the catalog's `ws` is the live fork made from `source` (its version 1 a

@@ -78,12 +78,23 @@ pub(crate) struct LayerRecord {
 }
 
 /// Where a live fork starts: the source's published base (`base_manifest`, `base_version`, its
-/// cut `base_seq`) under the linked journal segments.
+/// cut `base_seq`) under the linked journal segments, and what it inherits of them.
 pub(crate) struct ForkBase {
     pub base_manifest: Hash,
     pub base_version: u64,
     pub base_seq: u64,
     pub disk_size: u64,
+    pub inherit: Inheritance,
+}
+
+/// What a live fork's volume takes from its source instead of replaying the linked segments:
+/// their journal metadata and the blocks they hold after the base (the source's pending layers
+/// up to the fork's cut, merged), with their remote-window bytes.
+pub(crate) struct Inheritance {
+    pub segs: Vec<(u64, u64, u64, u64)>,
+    pub last_seq: u64,
+    pub overlay: Overlay,
+    pub bytes: u64,
 }
 
 /// A pending layer: a cut's record, its overlay, and its share of the remote window.
@@ -507,24 +518,46 @@ impl Volume {
         // lock), and segments sealed after the cut hold later writes: only those before it.
         let _r = self.retire_lock.lock().await;
         // The published cut first, then the base: the base is at least that new, and records
-        // it already holds replay harmlessly on top of it.
+        // it already holds replay harmlessly on top of it (after a crash of the fork).
         let base_seq = self.published_seq.load(SeqCst);
-        let (base_manifest, base_version, disk_size) = {
+        let segs = self.writer.lock().await.sealed_meta_before(sealed_at);
+        // The base and the layers not yet in it, up to the fork's cut, in one look: together
+        // they are the disk at the cut.
+        let (base_manifest, base_version, disk_size, overlay, bytes) = {
             let st = self.st();
-            (st.base_id, st.base_version, st.base.disk_size)
+            let mut merged = Overlay::default();
+            let mut bytes = 0;
+            for l in st.pending.iter().filter(|l| l.rec.version <= cp.version) {
+                merged = (*l.overlay).clone().over(&merged);
+                bytes += l.bytes;
+            }
+            (
+                st.base_id,
+                st.base_version,
+                st.base.disk_size,
+                merged,
+                bytes,
+            )
         };
         if disk_size != self.size() || self.has_pending_grow() {
             return Ok((cp.version, None)); // The fork's base would be the smaller disk.
         }
-        let paths = self.writer.lock().await.sealed_before(sealed_at);
+        let paths: Vec<PathBuf> = segs
+            .iter()
+            .map(|s| journal_dir.join(format!("{:016x}.seg", s.0)))
+            .collect();
+        let from = self.dir.join("journal");
+        let paths: Vec<(PathBuf, PathBuf)> = paths
+            .into_iter()
+            .map(|to| (from.join(to.file_name().unwrap_or_default()), to))
+            .collect();
         let fs = self.fs.clone();
         let to = journal_dir.to_path_buf();
         let linked = crate::engine::blocking(move || {
             fs.create_dir_all(&to)
                 .map_err(Error::io("making the fork's journal"))?;
-            for p in &paths {
-                let name = p.file_name().unwrap_or_default();
-                match fs.hard_link(p, &to.join(name)) {
+            for (p, linked) in &paths {
+                match fs.hard_link(p, linked) {
                     Ok(()) => {}
                     // No hard links here (FUSE passthroughs, other file systems).
                     Err(e)
@@ -546,6 +579,12 @@ impl Volume {
             base_version,
             base_seq,
             disk_size,
+            inherit: Inheritance {
+                segs,
+                last_seq: cp.cut_seq,
+                overlay,
+                bytes,
+            },
         });
         Ok((cp.version, base))
     }

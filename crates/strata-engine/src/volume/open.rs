@@ -112,37 +112,63 @@ impl Volume {
         let mut layer_bytes: Vec<u64> = vec![0; cuts.len() + 1];
         let mut files: HashMap<u64, SegFile> = HashMap::new();
         let disk_blocks = base.disk_blocks();
-        let (mut journal, discarded) = Journal::open(
-            p.fs.clone(),
-            &p.dir.join("journal"),
-            base_seq,
-            p.opts.segment_max_bytes,
-            |r, file| {
-                if r.lba + r.nblocks > disk_blocks {
-                    tracing::error!(
-                        lba = r.lba,
-                        "journal record past the end of the disk; ignored"
-                    );
-                    return;
+        let inherited = p.inherit.is_some();
+        let opened = if let Some(inh) = p.inherit {
+            // A live fork: the source's merged layers stand for the replay of the linked
+            // segments (the same records: its journal wrote and synced them at the cut).
+            let (fs, dir, max) = (
+                p.fs.clone(),
+                p.dir.join("journal"),
+                p.opts.segment_max_bytes,
+            );
+            let segs = inh.segs.clone();
+            let j = crate::engine::blocking(move || {
+                Journal::adopt(fs, &dir, &segs, inh.last_seq, max)
+                    .map_err(Error::io("opening the fork's journal"))
+            })
+            .await?;
+            for (id, ..) in &inh.segs {
+                if let Some(f) = j.file(*id) {
+                    files.insert(*id, SegFile::new(f));
                 }
-                files
-                    .entry(r.seg)
-                    .or_insert_with(|| SegFile::new(file.clone()));
-                let layer = cuts.partition_point(|&c| c < r.seq);
-                let loc = match r.kind {
-                    Kind::Write => {
-                        layer_bytes[layer] += r.nblocks * BLOCK_SIZE;
-                        Loc::Journal {
-                            seg: r.seg,
-                            off: r.data_off,
-                        }
+            }
+            overlays[cuts.len()] = inh.overlay;
+            layer_bytes[cuts.len()] = inh.bytes;
+            (j, 0)
+        } else {
+            Journal::open(
+                p.fs.clone(),
+                &p.dir.join("journal"),
+                base_seq,
+                p.opts.segment_max_bytes,
+                |r, file| {
+                    if r.lba + r.nblocks > disk_blocks {
+                        tracing::error!(
+                            lba = r.lba,
+                            "journal record past the end of the disk; ignored"
+                        );
+                        return;
                     }
-                    Kind::Zero => Loc::Zero,
-                };
-                overlays[layer].insert(r.lba, r.nblocks, r.seq, loc);
-            },
-        )
-        .map_err(Error::io("replaying journal"))?;
+                    files
+                        .entry(r.seg)
+                        .or_insert_with(|| SegFile::new(file.clone()));
+                    let layer = cuts.partition_point(|&c| c < r.seq);
+                    let loc = match r.kind {
+                        Kind::Write => {
+                            layer_bytes[layer] += r.nblocks * BLOCK_SIZE;
+                            Loc::Journal {
+                                seg: r.seg,
+                                off: r.data_off,
+                            }
+                        }
+                        Kind::Zero => Loc::Zero,
+                    };
+                    overlays[layer].insert(r.lba, r.nblocks, r.seq, loc);
+                },
+            )
+            .map_err(Error::io("replaying journal"))?
+        };
+        let (mut journal, discarded) = opened;
         if discarded > 0 {
             tracing::info!(tenant = %p.tenant, workspace = %p.name, discarded, "dropped torn journal tail");
         }
@@ -151,7 +177,7 @@ impl Volume {
         // …and so does what opening wrote (the new active segment's header): a segment whose
         // header never reached the disk would end replay there after a power cut.
         let batch = journal.take_dirty();
-        let replayed = files.values().map(|f| &f.file);
+        let replayed = files.values().map(|f| &f.file).filter(|_| !inherited);
         for f in replayed.chain(batch.files.iter().map(|(_, f)| f)) {
             f.sync_data()
                 .map_err(Error::io("syncing replayed journal"))?;
