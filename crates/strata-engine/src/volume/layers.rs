@@ -528,7 +528,12 @@ impl Volume {
             let mut merged = Overlay::default();
             let mut bytes = 0;
             for l in st.pending.iter().filter(|l| l.rec.version <= cp.version) {
-                merged = (*l.overlay).clone().over(&merged);
+                // The first (usually the largest) layer is copied as it is, not run by run.
+                merged = if merged.runs() == 0 {
+                    (*l.overlay).clone()
+                } else {
+                    (*l.overlay).clone().over(&merged)
+                };
                 bytes += l.bytes;
             }
             (
