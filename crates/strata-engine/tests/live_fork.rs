@@ -10,28 +10,10 @@ use std::time::{Duration, Instant};
 use common::*;
 use strata_catalog::CheckpointKind;
 use strata_engine::simfs::SimFs;
-use strata_engine::{Engine, Error, Mode, Volume};
+use strata_engine::{Engine, Error, Mode};
 
 const BLOCKS: u64 = 256;
 const DISK: u64 = BLOCKS * 4096;
-
-async fn image(v: &Volume) -> Vec<u64> {
-    let img = v.read(0, v.size()).await.unwrap();
-    (0..v.size() / 4096)
-        .map(|b| {
-            tag_of(&img[(b * 4096) as usize..((b + 1) * 4096) as usize], b)
-                .unwrap_or_else(|| panic!("block {b} is torn or foreign"))
-        })
-        .collect()
-}
-
-async fn write_tag(v: &Volume, tag: u64, lba: u64, n: u64) {
-    let mut data = Vec::new();
-    for b in lba..lba + n {
-        data.extend(tagged(tag, b));
-    }
-    v.write(lba * 4096, &data, false).await.unwrap();
-}
 
 /// Waits until the live fork `ws` has published and been let go of on `node`.
 async fn released(node: &Arc<Engine>, ws: &str) {

@@ -14,34 +14,15 @@ mod common;
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 
-use common::faults::LossyCatalog;
 use common::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use strata_catalog::CheckpointKind;
 use strata_engine::simfs::SimFs;
-use strata_engine::{CheckpointState, Engine, Mode, Volume};
+use strata_engine::{CheckpointState, Engine, Mode};
 
 const BLOCKS: u64 = 64;
 const DISK: u64 = BLOCKS * 4096;
-
-async fn image(v: &Volume) -> Vec<u64> {
-    let img = v.read(0, v.size()).await.unwrap();
-    (0..v.size() / 4096)
-        .map(|b| {
-            tag_of(&img[(b * 4096) as usize..((b + 1) * 4096) as usize], b)
-                .unwrap_or_else(|| panic!("block {b} is torn or foreign"))
-        })
-        .collect()
-}
-
-async fn write_tag(v: &Volume, tag: u64, lba: u64, n: u64) {
-    let mut data = Vec::new();
-    for b in lba..lba + n {
-        data.extend(tagged(tag, b));
-    }
-    v.write(lba * 4096, &data, false).await.unwrap();
-}
 
 /// The image of `version` of `ws`, read through a fork attached on `node`.
 async fn version_image(node: &Arc<Engine>, ws: &str, version: u64, fork: &str) -> Vec<u64> {
@@ -148,14 +129,7 @@ async fn a_wait_returns_a_published_receipt_and_a_detached_workspace_publishes()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_cas_reply_of_a_local_checkpoint_is_adopted_not_repeated() {
     let c = Cluster::new().await;
-    let lossy = LossyCatalog::new(c.catalog.clone());
-    let a = Engine::open_with(
-        c.config("a"),
-        lossy.clone(),
-        c.store.clone(),
-        Arc::new(strata_engine::fs::RealFs),
-    )
-    .unwrap();
+    let (a, lossy) = lossy_node(&c, "a");
     let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
     write_tag(&v, 1, 0, 8).await;
     lossy.lose_next_cas_reply.store(true, SeqCst);
@@ -297,14 +271,7 @@ async fn local_checkpoints_survive_power_loss_mid_publication() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_compaction_whose_reply_is_lost_settles_before_the_next_cut() {
     let c = Cluster::new().await;
-    let lossy = LossyCatalog::new(c.catalog.clone());
-    let a = Engine::open_with(
-        c.config("a"),
-        lossy.clone(),
-        c.store.clone(),
-        Arc::new(strata_engine::fs::RealFs),
-    )
-    .unwrap();
+    let (a, lossy) = lossy_node(&c, "a");
     let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
     write_tag(&v, 1, 0, 64).await;
     v.checkpoint(None).await.unwrap();

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::faults::{FaultFs, LossyCatalog, Switches};
+use common::faults::{FaultFs, Switches};
 use common::*;
 use object_store::memory::InMemory;
 use object_store::throttle::{ThrottleConfig, ThrottledStore};
@@ -140,17 +140,11 @@ async fn a_checkpoint_whose_caller_goes_away_loses_nothing() {
 }
 
 /// Node "a" on a catalog whose replies can be lost.
-fn lossy_node(c: &Cluster) -> (Arc<Engine>, Arc<LossyCatalog>) {
-    let lossy = LossyCatalog::new(c.catalog.clone());
-    let fs = Arc::new(strata_engine::fs::RealFs);
-    let a = Engine::open_with(c.config("a"), lossy.clone(), c.store.clone(), fs).unwrap();
-    (a, lossy)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_cas_reply_does_not_wedge_the_volume() {
     let c = Cluster::new().await;
-    let (a, lossy) = lossy_node(&c);
+    let (a, lossy) = lossy_node(&c, "a");
     let v = empty_volume(&a, "cas", DISK, Mode::Durable).await;
     let mut expect = HashMap::new();
     for round in 1..=3u64 {
@@ -187,7 +181,7 @@ async fn a_lost_cas_reply_does_not_wedge_the_volume() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollback_whose_reply_is_lost_settles_before_writes_resume() {
     let c = Cluster::new().await;
-    let (a, lossy) = lossy_node(&c);
+    let (a, lossy) = lossy_node(&c, "a");
     let v = empty_volume(&a, "rb", DISK, Mode::Durable).await;
     v.write(0, &tagged(1, 0), false).await.unwrap();
     let p1 = v.checkpoint(None).await.unwrap();

@@ -346,19 +346,7 @@ impl Volume {
                 format!("version {v} was withdrawn before it was published; retry"),
             ));
         }
-        let cp = self
-            .catalog
-            .get_checkpoint(&self.tenant, &self.name, v)
-            .await?;
-        Ok(Published {
-            version: v,
-            manifest: Some(cp.manifest),
-            cut_seq: cp.cut_seq,
-            bytes_uploaded: cp.bytes,
-            stall: Duration::ZERO,
-            total: Duration::ZERO,
-            state: CheckpointState::Published,
-        })
+        self.catalog_receipt(v).await
     }
 
     /// The published receipt of version `v`: waits for it if it is one of this volume's
@@ -373,6 +361,11 @@ impl Volume {
                 .in_own_task(move |me| async move { me.publish_through(v).await })
                 .await;
         }
+        self.catalog_receipt(v).await
+    }
+
+    /// The receipt of published version `v`, from its catalog row.
+    async fn catalog_receipt(&self, v: u64) -> Result<Published> {
         let cp = self
             .catalog
             .get_checkpoint(&self.tenant, &self.name, v)

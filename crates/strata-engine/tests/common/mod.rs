@@ -146,3 +146,36 @@ pub fn tag_of(block: &[u8], lba: u64) -> Option<u64> {
     let tag = u64::from_le_bytes(block[..8].try_into().ok()?);
     (block == tagged(tag, lba).as_slice()).then_some(tag)
 }
+
+/// The tags of every block of `v` (panics on a torn or foreign block).
+pub async fn image(v: &strata_engine::Volume) -> Vec<u64> {
+    let img = v.read(0, v.size()).await.unwrap();
+    (0..v.size() / 4096)
+        .map(|b| {
+            tag_of(&img[(b * 4096) as usize..((b + 1) * 4096) as usize], b)
+                .unwrap_or_else(|| panic!("block {b} is torn or foreign"))
+        })
+        .collect()
+}
+
+/// Writes blocks `lba..lba+n` of `v`, tagged `tag`.
+pub async fn write_tag(v: &strata_engine::Volume, tag: u64, lba: u64, n: u64) {
+    let mut data = Vec::new();
+    for b in lba..lba + n {
+        data.extend(tagged(tag, b));
+    }
+    v.write(lba * 4096, &data, false).await.unwrap();
+}
+
+/// A node on the cluster's store whose catalog can lose a head CAS's reply (see `faults`).
+pub fn lossy_node(c: &Cluster, node: &str) -> (Arc<Engine>, Arc<faults::LossyCatalog>) {
+    let lossy = faults::LossyCatalog::new(c.catalog.clone());
+    let e = Engine::open_with(
+        c.config(node),
+        lossy.clone(),
+        c.store.clone(),
+        Arc::new(strata_engine::fs::RealFs),
+    )
+    .unwrap();
+    (e, lossy)
+}
