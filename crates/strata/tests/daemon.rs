@@ -369,8 +369,25 @@ async fn kill_9_resume_and_restore_on_another_daemon() {
     // w is attached on node a: node b is refused, with the holder named.
     let (s, v) = b.post("/v1/workspaces/w/attach", json!({})).await;
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
-    let (s, att) = b.post("/v1/workspaces/f/attach", json!({})).await;
-    assert_eq!(s, StatusCode::OK, "{att}");
+    // f is a fork of the live workspace: node a holds it until it has published its data
+    // (at once, in the background) and let go; until then node b is refused, never served the
+    // base it started from.
+    let started = std::time::Instant::now();
+    let att = loop {
+        let (s, att) = b.post("/v1/workspaces/f/attach", json!({})).await;
+        if s == StatusCode::OK {
+            break att;
+        }
+        assert!(
+            s == StatusCode::CONFLICT || s == StatusCode::SERVICE_UNAVAILABLE,
+            "{s} {att}"
+        );
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(30),
+            "the live fork never became attachable elsewhere: {att}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
     let mut c = Client::connect_unix(Path::new(att["socket"].as_str().unwrap()), "f")
         .await
         .unwrap();
