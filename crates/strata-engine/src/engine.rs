@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use strata_catalog::{
@@ -14,10 +14,13 @@ use strata_store::{NodeCache, ObjectReader, Store};
 use tokio::task::JoinHandle;
 
 use crate::fs::{Fs, RealFs};
+mod background;
 mod fork;
 mod templates;
+
 use crate::volume::{Published, Volume, VolumeOptions, VolumeParts};
 use crate::{EngineConfig, Error, Result};
+use background::background;
 
 /// Where a new workspace starts.
 #[derive(Clone, Debug)]
@@ -745,53 +748,6 @@ impl Engine {
 
 /// Per-volume background work: lease renewal and window-bounded uploads, as two independent
 /// loops so a slow upload can never delay a renewal past the lease's local deadline.
-async fn background(vol: Weak<Volume>, interval: Duration, ttl: Duration, segment_max: u64) {
-    tokio::join!(renew(vol.clone(), ttl), work(vol, interval, segment_max));
-}
-
-async fn renew(vol: Weak<Volume>, ttl: Duration) {
-    // Three tries before the local deadline (80% of the TTL).
-    let every = (ttl / 4).max(Duration::from_millis(10));
-    loop {
-        tokio::time::sleep(every).await;
-        let Some(v) = vol.upgrade() else { return };
-        if v.failure().is_some() {
-            return; // Fenced or failed for good: nothing left to renew.
-        }
-        match tokio::time::timeout(every, v.renew_lease()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::warn!(workspace = v.name(), error = %e, "lease renewal failed"),
-            Err(_) => tracing::warn!(workspace = v.name(), "lease renewal timed out"),
-        }
-    }
-}
-
-async fn work(vol: Weak<Volume>, interval: Duration, segment_max: u64) {
-    let tick = (interval / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
-    let mut backoff = Duration::ZERO;
-    loop {
-        tokio::time::sleep(tick + backoff).await;
-        let Some(v) = vol.upgrade() else { return };
-        if let Some(why) = v.failure() {
-            tracing::warn!(workspace = v.name(), %why, "background uploads stop: the volume refuses writes; detach it");
-            return;
-        }
-        if let Err(e) = v.prepare_journal().await {
-            tracing::warn!(workspace = v.name(), error = %e, "preparing a journal segment failed");
-        }
-        if let Err(e) = v.clean_journal(4 * segment_max).await {
-            tracing::warn!(workspace = v.name(), error = %e, "journal cleaning failed");
-        }
-        match v.maybe_upload().await {
-            Ok(_) => backoff = Duration::ZERO,
-            Err(e) => {
-                backoff = (backoff * 2).clamp(Duration::from_millis(100), Duration::from_secs(30));
-                tracing::warn!(workspace = v.name(), error = %e, retry_in = ?backoff, "background upload failed");
-            }
-        }
-    }
-}
-
 /// Runs blocking work (tools, file-tree walks) off the runtime's workers.
 pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T> + Send + 'static,

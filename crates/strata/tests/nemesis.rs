@@ -26,7 +26,7 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -42,90 +42,10 @@ use strata_nbd::client::Client;
 mod grow;
 #[path = "nemesis/model.rs"]
 mod model;
+#[path = "nemesis/node.rs"]
+mod node;
 use model::*;
-
-/// A node: its daemon (None while killed) and how to start it again.
-struct Node {
-    daemon: Option<Daemon>,
-    data: PathBuf,
-    args: Vec<String>,
-    env: Vec<(String, String)>,
-    url: String,
-}
-
-impl Node {
-    fn start(data: &Path, args: Vec<String>, env: Vec<(String, String)>) -> Node {
-        let mut n = Node {
-            daemon: None,
-            data: data.to_path_buf(),
-            args,
-            env,
-            url: String::new(),
-        };
-        n.restart();
-        n
-    }
-    fn restart(&mut self) {
-        let args: Vec<&str> = self.args.iter().map(|s| s.as_str()).collect();
-        let env: Vec<(&str, &str)> = self
-            .env
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_str()))
-            .collect();
-        let d = serve_node(&self.data, &args, &env);
-        self.url = d.url.clone();
-        self.daemon = Some(d);
-    }
-    fn api(&self, token: &str) -> Api {
-        Api::with_timeout(&self.url, token, Duration::from_secs(30))
-    }
-}
-
-/// `serve_env` with the binary chosen by `STRATA_NEMESIS_BIN` (the mutation check).
-fn serve_node(data: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
-    match std::env::var("STRATA_NEMESIS_BIN") {
-        Ok(bin) if !bin.is_empty() => serve_bin(Path::new(&bin), data, extra, env),
-        _ => serve_env(data, extra, env),
-    }
-}
-
-/// Attaches `ws` through `api` until it works (a lease may still be held elsewhere) and returns
-/// its socket.
-async fn attach(api: &Api, ws: &str, within: Duration) -> Option<String> {
-    let until = Instant::now() + within;
-    while Instant::now() < until {
-        let (s, v) = api
-            .post(&format!("/v1/workspaces/{ws}/attach"), json!({}))
-            .await;
-        if s == StatusCode::OK {
-            return v["socket"].as_str().map(String::from);
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    None
-}
-
-/// Reads every block of `ws` at `sock` (after a FLUSH on that connection, so whatever is read
-/// is also durable); None if the workspace cannot be reached.
-async fn read_all(sock: &str, ws: &str, flush: bool) -> Option<Vec<u64>> {
-    let mut c = tokio::time::timeout(
-        Duration::from_secs(10),
-        Client::connect_unix(Path::new(sock), ws),
-    )
-    .await
-    .ok()?
-    .ok()?;
-    if flush {
-        c.flush().await.ok()?;
-    }
-    let mut out = Vec::with_capacity(BLOCKS as usize);
-    for b in 0..BLOCKS {
-        let data = c.read(b * 4096, 4096).await.ok()?;
-        out.push(tag_of(&data, b).unwrap_or(u64::MAX));
-    }
-    let _ = c.disconnect().await;
-    Some(out)
-}
+use node::*;
 
 /// A checkpoint waiting to be verified: its version (or label, if its reply was lost) and what
 /// each block may hold.

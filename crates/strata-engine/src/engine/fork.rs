@@ -37,32 +37,23 @@ impl Engine {
         new: &str,
         mode: Mode,
     ) -> Result<std::result::Result<Workspace, u64>> {
-        let (t, s, n) = (tenant.to_string(), src.to_string(), new.to_string());
-        self.in_own_task(move |e| async move { e.fork_live_now(&t, vol, &s, &n, mode).await })
-            .await
-    }
-
-    async fn fork_live_now(
-        self: &Arc<Self>,
-        tenant: &str,
-        vol: Arc<Volume>,
-        src: &str,
-        new: &str,
-        mode: Mode,
-    ) -> Result<std::result::Result<Workspace, u64>> {
         name::validate("workspace name", new)?;
-        let key = key(tenant, new);
-        let slot = self.slot(&key);
-        let mut s = slot.lock().await;
-        let r = self
-            .fork_live_locked(tenant, &vol, src, new, mode, &mut s)
-            .await;
-        let attached = s.is_some();
-        drop(s);
-        if !attached {
-            self.tidy_slot(&key, slot);
-        }
-        r
+        let (tenant, src, new) = (tenant.to_string(), src.to_string(), new.to_string());
+        self.in_own_task(move |e| async move {
+            let key = key(&tenant, &new);
+            let slot = e.slot(&key);
+            let mut s = slot.lock().await;
+            let r = e
+                .fork_live_locked(&tenant, &vol, &src, &new, mode, &mut s)
+                .await;
+            let attached = s.is_some();
+            drop(s);
+            if !attached {
+                e.tidy_slot(&key, slot);
+            }
+            r
+        })
+        .await
     }
 
     async fn fork_live_locked(

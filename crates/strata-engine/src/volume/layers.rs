@@ -540,14 +540,12 @@ impl Volume {
         if disk_size != self.size() || self.has_pending_grow() {
             return Ok((cp.version, None)); // The fork's base would be the smaller disk.
         }
-        let paths: Vec<PathBuf> = segs
-            .iter()
-            .map(|s| journal_dir.join(format!("{:016x}.seg", s.0)))
-            .collect();
+        // (source's segment, the fork's name for it): the same file name in each journal.
         let from = self.dir.join("journal");
-        let paths: Vec<(PathBuf, PathBuf)> = paths
-            .into_iter()
-            .map(|to| (from.join(to.file_name().unwrap_or_default()), to))
+        let paths: Vec<(PathBuf, PathBuf)> = segs
+            .iter()
+            .map(|s| format!("{:016x}.seg", s.0))
+            .map(|name| (from.join(&name), journal_dir.join(name)))
             .collect();
         let fs = self.fs.clone();
         let to = journal_dir.to_path_buf();

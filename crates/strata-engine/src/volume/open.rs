@@ -29,9 +29,7 @@ impl Volume {
                 // We published the head ourselves (possibly without recording it locally).
                 (l.journal_id, head.cut_seq.max(l.base_seq))
             }
-            Some(l) if l.base_version == ws.head_version && l.base_manifest == ws.head_manifest => {
-                (l.journal_id, l.base_seq)
-            }
+            Some(l) if ours(&l) => (l.journal_id, l.base_seq),
             Some(l) => {
                 tracing::warn!(
                     tenant = %p.tenant, workspace = %p.name, local_base = l.base_version,
