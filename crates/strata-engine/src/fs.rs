@@ -124,7 +124,9 @@ impl Fs for RealFs {
         std::fs::File::open(dir)?.sync_all()
     }
     fn exists(&self, path: &Path) -> bool {
-        path.exists()
+        // Unreadable (EIO, EACCES) counts as present: callers then fail on reading it rather
+        // than take local state for absent and discard a journal.
+        path.try_exists().unwrap_or(true)
     }
     fn remove_dir_all(&self, dir: &Path) -> io::Result<()> {
         match std::fs::remove_dir_all(dir) {

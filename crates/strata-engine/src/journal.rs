@@ -63,6 +63,9 @@ pub(crate) struct Journal {
     free: Vec<PathBuf>,
     /// Segments `append` rotated into, not yet handed to the volume.
     rotated: Vec<(u64, Arc<dyn FsFile>)>,
+    /// Segments shared with a live fork (or from its source) since this journal opened:
+    /// never recycled, even once the other side let go (a read there may still be running).
+    shared: std::collections::BTreeSet<u64>,
 }
 
 /// Recycled files kept for reuse; more are deleted.
@@ -243,6 +246,7 @@ impl Journal {
             max_segment,
             free,
             rotated: vec![],
+            shared: Default::default(),
         };
         j.rotate()?;
         Ok((j, discarded))
@@ -284,6 +288,7 @@ impl Journal {
             max_segment,
             free: vec![],
             rotated: vec![],
+            shared: segs.iter().map(|s| s.0).collect(),
         };
         j.rotate()?;
         Ok(j)
@@ -295,6 +300,11 @@ impl Journal {
             .range(..id)
             .map(|(i, m)| (*i, m.len, m.last_seq, m.nonce))
             .collect()
+    }
+
+    /// Marks segments as shared with a live fork (see `shared`).
+    pub fn mark_shared(&mut self, ids: impl IntoIterator<Item = u64>) {
+        self.shared.extend(ids);
     }
 
     pub fn last_seq(&self) -> u64 {
@@ -461,10 +471,12 @@ impl Journal {
                 "segment {id} is not the oldest sealed segment"
             )));
         }
-        let shared = self
-            .segments
-            .remove(&id)
-            .is_some_and(|m| !matches!(m.file.links(), Ok(1)));
+        let shared = self.shared.contains(&id)
+            || self
+                .segments
+                .remove(&id)
+                .is_some_and(|m| !matches!(m.file.links(), Ok(1)));
+        self.segments.remove(&id);
         self.retire(id, busy || shared)?;
         self.fs.sync_dir(&self.dir)
     }
@@ -514,7 +526,7 @@ impl Journal {
             // whose header never reached the disk would end replay before later, flushed
             // segments.
             let path = seg_path(&self.dir, id);
-            if let (true, Some(f)) = (room > 0, file) {
+            if let (true, Some(f)) = (room > 0 && !self.shared.contains(&id), file) {
                 room -= 1;
                 r.recycle
                     .push((path, self.dir.join(format!("{id:016x}.free")), f));

@@ -92,7 +92,12 @@ impl Engine {
             Err((e, source)) => {
                 // A row that committed with its reply lost is this fork: kept.
                 let ours = match &source {
-                    Some(src) => self.is_our_fork(tenant, new, src).await.unwrap_or(false),
+                    Some(src) => match self.is_our_fork(tenant, new, src).await {
+                        Ok(o) => o,
+                        // Unknown: the row may exist, so the directory stays (marked: the next
+                        // attach decides).
+                        Err(_) => return Err(e),
+                    },
                     None => false,
                 };
                 if !ours {
@@ -270,7 +275,9 @@ impl Engine {
             };
             for w in wss.flatten() {
                 let p = w.path();
-                if p.join("state.json").exists() || !p.join("journal").exists() {
+                // An unreadable entry counts as present: only a sure absence is swept.
+                let has = |n: &str| p.join(n).try_exists().unwrap_or(true);
+                if has("state.json") || !has("journal") {
                     continue;
                 }
                 let key = key(
@@ -279,7 +286,7 @@ impl Engine {
                 );
                 let slot = self.slot(&key);
                 let Ok(s) = slot.try_lock() else { continue };
-                if s.is_none() && !p.join("state.json").exists() {
+                if s.is_none() && !has("state.json") {
                     tracing::info!(dir = %p.display(), "removing an unfinished fork");
                     if let Err(e) = std::fs::remove_dir_all(&p) {
                         tracing::warn!(dir = %p.display(), error = %e, "removing an unfinished fork failed");

@@ -23,9 +23,11 @@ pub(crate) fn object_usage(m: &Manifest) -> Vec<(u64, u64)> {
 
 impl Volume {
     /// Whether a compaction gives way: cuts are pending or waiting (checkpoints never wait for
-    /// a compaction, and versions they reserved come first).
+    /// a compaction, and versions they reserved come first), or the volume is an unpublished
+    /// live fork.
     fn yields(&self) -> bool {
-        self.has_pending() || self.cut_waiting.load(SeqCst) > 0
+        // A live fork's head is only a base: its next version must be its data, not a rewrite.
+        self.has_pending() || self.cut_waiting.load(SeqCst) > 0 || self.is_live_fork()
     }
 
     /// Rewrites the live data of every head object whose live fraction is below `threshold`

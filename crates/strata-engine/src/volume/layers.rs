@@ -105,6 +105,19 @@ pub(super) struct Layer {
     pub since: Option<Instant>,
 }
 
+/// The receipt of a published checkpoint row.
+fn receipt_of(cp: &strata_catalog::Checkpoint) -> Published {
+    Published {
+        version: cp.version,
+        manifest: Some(cp.manifest),
+        cut_seq: cp.cut_seq,
+        bytes_uploaded: cp.bytes,
+        stall: Duration::ZERO,
+        total: Duration::ZERO,
+        state: CheckpointState::Published,
+    }
+}
+
 /// What a cut is for.
 pub(super) struct CutSpec {
     pub kind: CheckpointKind,
@@ -346,7 +359,27 @@ impl Volume {
                 format!("version {v} was withdrawn before it was published; retry"),
             ));
         }
-        self.catalog_receipt(v).await
+        // Published by an earlier drain, or adopted after a lost reply: a publish of this
+        // journal's cuts. A number a withdrawn cut left may have gone to another kind of version
+        // (a compaction's, a rollback's): that is not this cut's receipt.
+        let cp = self
+            .catalog
+            .get_checkpoint(&self.tenant, &self.name, v)
+            .await?;
+        let a_cut = matches!(
+            cp.kind,
+            CheckpointKind::Auto
+                | CheckpointKind::Checkpoint
+                | CheckpointKind::Detach
+                | CheckpointKind::Resize
+        );
+        if !a_cut || cp.journal_id.as_deref() != Some(self.journal_id.as_str()) {
+            return Err(Error::Unavailable(
+                self.name.clone(),
+                format!("version {v} was withdrawn before it was published; retry"),
+            ));
+        }
+        Ok(receipt_of(&cp))
     }
 
     /// The published receipt of version `v`: waits for it if it is one of this volume's
@@ -370,15 +403,7 @@ impl Volume {
             .catalog
             .get_checkpoint(&self.tenant, &self.name, v)
             .await?;
-        Ok(Published {
-            version: v,
-            manifest: Some(cp.manifest),
-            cut_seq: cp.cut_seq,
-            bytes_uploaded: cp.bytes,
-            stall: Duration::ZERO,
-            total: Duration::ZERO,
-            state: CheckpointState::Published,
-        })
+        Ok(receipt_of(&cp))
     }
 
     /// Publishes every pending cut (and no new one), in its own task.
@@ -570,6 +595,12 @@ impl Volume {
             Ok(true)
         })
         .await?;
+        if linked {
+            self.writer
+                .lock()
+                .await
+                .mark_shared(segs.iter().map(|s| s.0));
+        }
         let base = linked.then_some(ForkBase {
             base_manifest,
             base_version,
