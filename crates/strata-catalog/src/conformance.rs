@@ -43,6 +43,7 @@ pub async fn run_all(cat: Arc<dyn Catalog>) {
     tenants_and_templates(&*cat).await;
     heads_move_only_by_cas_with_the_current_lease(&*cat).await;
     leases_expire_and_fence(&*cat).await;
+    a_node_renews_its_leases_in_one_call(&*cat).await;
     concurrent_checkpoints_one_winner_per_version(cat.clone()).await;
     ttls_expire(&*cat).await;
     tenants_do_not_see_each_other(&*cat).await;
@@ -506,6 +507,59 @@ async fn leases_expire_and_fence(cat: &dyn Catalog) {
         .unwrap();
     assert_eq!(b2.epoch, b.epoch + 1);
     cat.release_lease("acme", "w2", &b2).await.unwrap();
+}
+
+async fn a_node_renews_its_leases_in_one_call(cat: &dyn Catalog) {
+    assert!(cat.renew_leases(&[], 1000).await.unwrap().is_empty());
+    let mut batch = vec![];
+    for i in 0..3 {
+        let n = format!("batch{i}");
+        cat.create_workspace(&new_ws("acme", &n, h(70 + i)))
+            .await
+            .unwrap();
+        let g = cat.acquire_lease("acme", &n, "node-a", 300).await.unwrap();
+        batch.push(LeaseRenewal {
+            tenant: "acme".into(),
+            workspace: n,
+            lease: g,
+        });
+    }
+    // batch1 is taken over by node-b once it expires; the others are renewed far ahead.
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    let b = cat
+        .acquire_lease("acme", "batch1", "node-b", 60_000)
+        .await
+        .unwrap();
+    let out = cat.renew_leases(&batch, 60_000).await.unwrap();
+    assert_eq!(out.len(), 3);
+    assert!(out[0].is_ok() && out[2].is_ok(), "{out:?}");
+    assert!(
+        matches!(&out[1], Err(CatalogError::Fenced { held, current, holder })
+            if *held == batch[1].lease.epoch && *current == b.epoch && holder.as_deref() == Some("node-b")),
+        "{out:?}"
+    );
+    // Renewed: node-b cannot take batch0 or batch2 now, and node-a's hold on batch1 is gone.
+    for i in [0, 2] {
+        let n = format!("batch{i}");
+        assert!(matches!(
+            cat.acquire_lease("acme", &n, "node-b", 60_000).await,
+            Err(CatalogError::LeaseHeld { .. })
+        ));
+        let l = cat.get_lease("acme", &n).await.unwrap();
+        assert!(l.expires_ms > now_ms() + 30_000, "{l:?}");
+        cat.release_lease("acme", &n, &batch[i].lease)
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        cat.get_lease("acme", "batch1")
+            .await
+            .unwrap()
+            .holder
+            .as_deref(),
+        Some("node-b")
+    );
+    cat.release_lease("acme", "batch1", &b).await.unwrap();
 }
 
 async fn concurrent_checkpoints_one_winner_per_version(cat: Arc<dyn Catalog>) {

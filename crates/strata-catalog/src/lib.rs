@@ -140,6 +140,24 @@ pub trait Catalog: Send + Sync + 'static {
         lease: &LeaseGrant,
         ttl_ms: u64,
     ) -> Result<()>;
+    /// Extends many held leases at once: a node renews everything it holds in one round trip
+    /// (one transaction), so the catalog's load does not grow with its attached workspaces.
+    /// One outcome per lease, in order: `Ok`, or `Fenced` if it was taken over; an error of
+    /// the whole call (catalog unreachable) is the outer `Err`. The default renews one by one.
+    async fn renew_leases(&self, leases: &[LeaseRenewal], ttl_ms: u64) -> Result<Vec<Result<()>>> {
+        let mut out = Vec::with_capacity(leases.len());
+        for l in leases {
+            match self
+                .renew_lease(&l.tenant, &l.workspace, &l.lease, ttl_ms)
+                .await
+            {
+                Ok(()) => out.push(Ok(())),
+                Err(e @ CatalogError::Fenced { .. }) => out.push(Err(e)),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
     /// Releases a held lease (no-op if already taken over).
     async fn release_lease(&self, tenant: &str, workspace: &str, lease: &LeaseGrant) -> Result<()>;
     async fn get_lease(&self, tenant: &str, workspace: &str) -> Result<Lease>;

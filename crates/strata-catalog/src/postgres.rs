@@ -476,6 +476,49 @@ impl Catalog for PostgresCatalog {
         Ok(())
     }
 
+    async fn renew_leases(&self, leases: &[LeaseRenewal], ttl_ms: u64) -> Result<Vec<Result<()>>> {
+        if leases.is_empty() {
+            return Ok(vec![]);
+        }
+        let c = self.conn().await?;
+        // One statement for every lease of the node; the ones it did not extend were taken over.
+        let col = |f: fn(&LeaseRenewal) -> &str| leases.iter().map(f).collect::<Vec<&str>>();
+        let (tenants, names, holders) = (
+            col(|l| &l.tenant),
+            col(|l| &l.workspace),
+            col(|l| &l.lease.node),
+        );
+        let epochs: Vec<i64> = leases.iter().map(|l| l.lease.epoch as i64).collect();
+        let rows = c
+            .query(
+                &format!(
+                    "UPDATE leases l SET expires_ms = ({SERVER_NOW}) + $5 \
+                     FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[]) AS r(tenant, workspace, holder, epoch) \
+                     WHERE l.tenant = r.tenant AND l.workspace = r.workspace AND l.holder = r.holder AND l.epoch = r.epoch \
+                     RETURNING l.tenant, l.workspace, l.epoch"
+                ),
+                &[&tenants, &names, &holders, &epochs, &(ttl_ms as i64)],
+            )
+            .await
+            .map_err(be)?;
+        let renewed: std::collections::HashSet<(String, String, u64)> =
+            rows.iter().map(|r| (r.get(0), r.get(1), u(r, 2))).collect();
+        let mut out = Vec::with_capacity(leases.len());
+        for l in leases {
+            if renewed.contains(&(l.tenant.clone(), l.workspace.clone(), l.lease.epoch)) {
+                out.push(Ok(()));
+            } else {
+                let cur = lease_of(&c, &l.tenant, &l.workspace).await?;
+                out.push(Err(CatalogError::Fenced {
+                    held: l.lease.epoch,
+                    current: cur.epoch,
+                    holder: cur.holder,
+                }));
+            }
+        }
+        Ok(out)
+    }
+
     async fn release_lease(&self, tenant: &str, workspace: &str, lease: &LeaseGrant) -> Result<()> {
         let c = self.conn().await?;
         c.execute(

@@ -1,19 +1,18 @@
 //! The embedded catalog: one SQLite file (WAL, synchronous=FULL) under the data directory.
 
-use std::sync::{Arc, Mutex};
-
 use async_trait::async_trait;
-use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use rusqlite::{params, OptionalExtension, TransactionBehavior};
 use strata_format::manifest::ObjectRef;
 use strata_format::Hash;
 
 use crate::*;
 
 pub struct SqliteCatalog {
-    conn: Arc<Mutex<Connection>>,
+    worker: worker::Worker,
 }
 
 mod sql;
+mod worker;
 
 use sql::*;
 
@@ -387,18 +386,23 @@ impl Catalog for SqliteCatalog {
         ttl_ms: u64,
     ) -> Result<()> {
         let (t, n, lease) = (tenant.to_string(), workspace.to_string(), lease.clone());
-        self.run(move |c| {
-            let k = c
-                .execute(
-                    "UPDATE leases SET expires_ms = ?5 WHERE tenant = ?1 AND workspace = ?2 AND holder = ?3 AND epoch = ?4",
-                    params![t, n, lease.node, lease.epoch as i64, (now_ms() + ttl_ms) as i64],
-                )
+        self.run_urgent(move |c| renew_one(c, &t, &n, &lease, ttl_ms)?)
+            .await
+    }
+
+    async fn renew_leases(&self, leases: &[LeaseRenewal], ttl_ms: u64) -> Result<Vec<Result<()>>> {
+        let leases = leases.to_vec();
+        self.run_urgent(move |c| {
+            // One transaction, one fsync, for every lease of the node.
+            let tx = c
+                .transaction_with_behavior(TransactionBehavior::Immediate)
                 .map_err(be)?;
-            if k == 0 {
-                let l = lease_of(c, &t, &n).map_err(be)?;
-                return Err(CatalogError::Fenced { held: lease.epoch, current: l.epoch, holder: l.holder });
+            let mut out = Vec::with_capacity(leases.len());
+            for l in &leases {
+                out.push(renew_one(&tx, &l.tenant, &l.workspace, &l.lease, ttl_ms)?);
             }
-            Ok(())
+            tx.commit().map_err(be)?;
+            Ok(out)
         })
         .await
     }

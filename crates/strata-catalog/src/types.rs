@@ -183,6 +183,14 @@ pub struct LeaseGrant {
     pub expires_ms: u64,
 }
 
+/// One held lease to extend, in a node's batch ([`crate::Catalog::renew_leases`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseRenewal {
+    pub tenant: String,
+    pub workspace: String,
+    pub lease: LeaseGrant,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
     pub holder: Option<String>,

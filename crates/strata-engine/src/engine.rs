@@ -20,7 +20,7 @@ mod templates;
 
 use crate::volume::{Published, Volume, VolumeOptions, VolumeParts};
 use crate::{EngineConfig, Error, Result};
-use background::background;
+use background::{renew_leases, work};
 
 /// Where a new workspace starts.
 #[derive(Clone, Debug)]
@@ -60,6 +60,9 @@ pub struct Engine {
     space: Arc<crate::space::SpaceGuard>,
     /// Attached volumes, for lookups: changed only by the holder of the workspace's slot.
     live: std::sync::RwLock<HashMap<Key, Arc<Volume>>>,
+    /// The node's lease renewal (one catalog call for every attached volume), started at the
+    /// first attach.
+    renewer: std::sync::OnceLock<JoinHandle<()>>,
 }
 
 fn key(tenant: &str, ws: &str) -> Key {
@@ -125,6 +128,7 @@ impl Engine {
             slots: Default::default(),
             live: Default::default(),
             space,
+            renewer: Default::default(),
         }))
     }
 
@@ -157,11 +161,12 @@ impl Engine {
         }
     }
 
-    fn spawn_background(&self, vol: &Arc<Volume>) -> JoinHandle<()> {
-        tokio::spawn(background(
+    fn spawn_background(self: &Arc<Self>, vol: &Arc<Volume>) -> JoinHandle<()> {
+        self.renewer
+            .get_or_init(|| tokio::spawn(renew_leases(Arc::downgrade(self), self.cfg.lease_ttl)));
+        tokio::spawn(work(
             Arc::downgrade(vol),
             self.cfg.upload_interval,
-            self.cfg.lease_ttl,
             self.cfg.segment_max_bytes,
         ))
     }
@@ -288,6 +293,11 @@ impl Engine {
         if idle {
             m.remove(k);
         }
+    }
+
+    fn attached_volumes(&self) -> Vec<Arc<Volume>> {
+        let m = self.live.read().unwrap_or_else(|p| p.into_inner());
+        m.values().cloned().collect()
     }
 
     fn set_live(&self, k: &Key, vol: Option<Arc<Volume>>) {
@@ -517,6 +527,7 @@ impl Engine {
         for slot in slots {
             if let Some(a) = &*slot.lock().await {
                 a.task.abort();
+                a.vol.stop_renewal();
             }
         }
     }

@@ -44,6 +44,7 @@ mod compact;
 mod cutlog;
 mod gate;
 mod layers;
+mod lease;
 mod open;
 mod publish;
 
@@ -178,6 +179,8 @@ pub struct Volume {
     /// granted it and shortened by a safety margin, so it always falls before the catalog's
     /// expiry. Past it, writes and flushes are refused until a renewal succeeds.
     lease_deadline: Mutex<Instant>,
+    /// Set when the node stops renewing this volume's lease (a paused node, in fault tests).
+    renewal_stopped: AtomicBool,
     journal_id: String,
     opts: VolumeOptions,
     gate: Arc<tokio::sync::RwLock<()>>,
@@ -242,18 +245,12 @@ pub(crate) struct VolumeParts {
     pub reader: Arc<ObjectReader>,
     pub catalog: Arc<dyn Catalog>,
     pub lease: LeaseGrant,
-    /// When the request that obtained `lease` was sent (see [`lease_deadline`]).
+    /// When the request that obtained `lease` was sent (see [`lease::lease_deadline`]).
     pub lease_asked: Instant,
     pub opts: VolumeOptions,
     pub space: Arc<crate::space::SpaceGuard>,
     /// A live fork's start, taken from its source instead of a replay (see `layers.rs`).
     pub inherit: Option<layers::Inheritance>,
-}
-
-/// The local end of a lease of `ttl` requested at `asked`: 80% of the TTL, leaving a margin for
-/// clock-rate drift and for a write already past the check when the deadline falls.
-pub(crate) fn lease_deadline(asked: Instant, ttl: Duration) -> Instant {
-    asked + ttl.mul_f64(0.8)
 }
 
 impl Volume {
@@ -307,34 +304,12 @@ impl Volume {
         self.lease_valid()
     }
 
-    /// Refuses to acknowledge a write or flush once the local lease deadline has passed: by
-    /// then another node may be allowed to take the workspace over.
-    fn lease_valid(&self) -> Result<()> {
-        let d = *lock(&self.lease_deadline);
-        let now = Instant::now();
-        if now >= d {
-            return Err(Error::Unavailable(
-                self.name.clone(),
-                format!(
-                    "lease not renewed for {} ms past its safe end (catalog unreachable or node paused); writes are refused until renewal succeeds",
-                    now.duration_since(d).as_millis()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
     /// Why the volume refuses writes for good (fenced, failed fsync), if it does.
     pub fn failure(&self) -> Option<String> {
         lock(&self.failed).clone()
     }
 
-    /// Whether the lease is still locally valid (the `nodes` view and tests).
-    pub fn lease_ok(&self) -> bool {
-        self.lease_valid().is_ok()
-    }
-
-    fn fail(&self, why: String) {
+    pub(crate) fn fail(&self, why: String) {
         tracing::error!(tenant = %self.tenant, workspace = %self.name, %why, "volume failed; refusing further writes");
         lock(&self.failed).get_or_insert(why);
     }
@@ -682,31 +657,6 @@ impl Volume {
         // A flush that completes after the lease could have passed to another node must not
         // claim success: that node restores from the head, without this node's journal.
         self.lease_valid()
-    }
-
-    /// Renews the lease; on failure the volume stops acknowledging writes.
-    pub async fn renew_lease(&self) -> Result<()> {
-        let g = self.lease();
-        let ttl = self.opts.lease_ttl.as_millis() as u64;
-        let asked = Instant::now();
-        match self
-            .catalog
-            .renew_lease(&self.tenant, &self.name, &g, ttl)
-            .await
-        {
-            Ok(()) => {
-                lock(&self.lease).expires_ms = crate::now_ms() + ttl;
-                let d = lease_deadline(asked, self.opts.lease_ttl);
-                let mut cur = lock(&self.lease_deadline);
-                *cur = (*cur).max(d);
-                Ok(())
-            }
-            Err(e @ CatalogError::Fenced { .. }) => {
-                self.fail(e.to_string());
-                Err(e.into())
-            }
-            Err(e) => Err(e.into()),
-        }
     }
 
     pub(crate) fn dir(&self) -> &PathBuf {

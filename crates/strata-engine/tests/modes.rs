@@ -6,9 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use std::sync::atomic::Ordering::SeqCst;
 use strata_catalog::CatalogError;
+use strata_engine::fs::RealFs;
 use strata_engine::simfs::SimFs;
-use strata_engine::{Error, Mode, Source};
+use strata_engine::{Engine, Error, Mode, Source};
 
 const DISK: u64 = 1 << 20;
 
@@ -247,6 +249,46 @@ async fn a_node_that_cannot_renew_stops_acknowledging_before_its_lease_can_be_ta
     va.renew_lease().await.unwrap();
     va.write(8192, &tagged(3, 2), false).await.unwrap();
     va.flush().await.unwrap();
+}
+
+/// A node renews every lease it holds in one catalog call per period, not one call per
+/// workspace: with 64 workspaces and a 2 s TTL, per-workspace renewals were 128 fsync'd catalog
+/// transactions a second, and under a heavy write load they fell behind until leases ran out
+/// (the soak test saw writes refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_renews_all_its_leases_in_one_call_per_period() {
+    let c = Cluster::new().await;
+    let mut cfg = c.config("a");
+    cfg.lease_ttl = Duration::from_millis(400);
+    let lossy = common::faults::LossyCatalog::new(c.catalog.clone());
+    let a = Engine::open_with(cfg, lossy.clone(), c.store.clone(), Arc::new(RealFs)).unwrap();
+    let n = 24;
+    let mut vols = vec![];
+    for i in 0..n {
+        vols.push(empty_volume(&a, &format!("l{i}"), DISK, Mode::Durable).await);
+    }
+    let (calls0, leases0) = (
+        lossy.batch_renewals.load(SeqCst),
+        lossy.batched_leases.load(SeqCst),
+    );
+    // Three TTLs: without renewals every lease would have run out locally by now.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    for (i, v) in vols.iter().enumerate() {
+        assert!(v.lease_ok(), "l{i} lost its lease");
+        v.write(0, &tagged(1, 0), false).await.unwrap();
+        v.flush().await.unwrap();
+    }
+    let calls = lossy.batch_renewals.load(SeqCst) - calls0;
+    let leases = lossy.batched_leases.load(SeqCst) - leases0;
+    eprintln!("{calls} renewal calls carried {leases} leases in 1.2 s");
+    // One call per 100 ms period (a quarter TTL), each carrying every workspace.
+    assert!((6..=14).contains(&calls), "{calls} calls");
+    assert_eq!(leases, calls * n);
+    assert_eq!(lossy.single_renewals.load(SeqCst), 0);
+    // A paused node stops renewing all of them.
+    a.stop_background().await;
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    assert!(vols.iter().all(|v| !v.lease_ok()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

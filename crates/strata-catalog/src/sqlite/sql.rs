@@ -1,11 +1,11 @@
 //! SQLite schema, row mapping, opening and the helpers the catalog's queries share.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
 
 use rusqlite::{params, Connection, OptionalExtension};
 use strata_format::Hash;
 
+use super::worker::{Lane, Worker};
 use super::SqliteCatalog;
 use crate::*;
 
@@ -133,6 +133,31 @@ pub(super) fn lease_of(c: &Connection, tenant: &str, ws: &str) -> rusqlite::Resu
     }))
 }
 
+/// Extends one lease: the outer error is the database's, the inner one `Fenced`.
+pub(super) fn renew_one(
+    c: &Connection,
+    tenant: &str,
+    ws: &str,
+    lease: &LeaseGrant,
+    ttl_ms: u64,
+) -> Result<Result<()>> {
+    let k = c
+        .execute(
+            "UPDATE leases SET expires_ms = ?5 WHERE tenant = ?1 AND workspace = ?2 AND holder = ?3 AND epoch = ?4",
+            params![tenant, ws, lease.node, lease.epoch as i64, (now_ms() + ttl_ms) as i64],
+        )
+        .map_err(be)?;
+    if k == 0 {
+        let l = lease_of(c, tenant, ws).map_err(be)?;
+        return Ok(Err(CatalogError::Fenced {
+            held: lease.epoch,
+            current: l.epoch,
+            holder: l.holder,
+        }));
+    }
+    Ok(Ok(()))
+}
+
 pub(super) fn get_ws(c: &Connection, tenant: &str, name: &str) -> Result<Workspace> {
     c.query_row(
         &format!("SELECT {WS_COLS} FROM workspaces WHERE tenant = ?1 AND name = ?2"),
@@ -176,24 +201,27 @@ impl SqliteCatalog {
                 .map_err(be)?;
             tx.commit().map_err(be)?;
         }
-        Ok(SqliteCatalog {
-            conn: Arc::new(Mutex::new(conn)),
-        })
+        let worker = Worker::start(conn)
+            .map_err(|e| CatalogError::Backend(format!("starting the catalog thread: {e}")))?;
+        Ok(SqliteCatalog { worker })
     }
 
-    /// Runs `f` on the connection in a blocking thread.
+    /// Runs `f` on the connection in the catalog's thread, in order.
     pub(super) async fn run<T, F>(&self, f: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnOnce(&mut Connection) -> Result<T> + Send + 'static,
     {
-        let conn = self.conn.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut c = conn.lock().unwrap_or_else(|p| p.into_inner());
-            f(&mut c)
-        })
-        .await
-        .map_err(|e| CatalogError::Backend(format!("catalog task failed: {e}")))?
+        self.worker.run(Lane::Normal, f).await
+    }
+
+    /// Like [`Self::run`], ahead of every call not yet started: lease renewals.
+    pub(super) async fn run_urgent<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection) -> Result<T> + Send + 'static,
+    {
+        self.worker.run(Lane::Urgent, f).await
     }
 }
 

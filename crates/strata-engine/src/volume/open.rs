@@ -231,7 +231,11 @@ impl Volume {
             catalog: p.catalog,
             space: p.space,
             lease: Mutex::new(p.lease),
-            lease_deadline: Mutex::new(super::lease_deadline(p.lease_asked, p.opts.lease_ttl)),
+            lease_deadline: Mutex::new(super::lease::lease_deadline(
+                p.lease_asked,
+                p.opts.lease_ttl,
+            )),
+            renewal_stopped: AtomicBool::new(false),
             journal_id,
             opts: p.opts,
             gate: Arc::new(tokio::sync::RwLock::new(())),

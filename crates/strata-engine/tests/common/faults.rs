@@ -139,6 +139,10 @@ pub struct LossyCatalog {
     pub inner: Arc<dyn Catalog>,
     pub lose_next_cas_reply: AtomicBool,
     pub blind: AtomicBool,
+    /// Lease renewal calls: single, batched, and leases in all batches.
+    pub single_renewals: AtomicU64,
+    pub batch_renewals: AtomicU64,
+    pub batched_leases: AtomicU64,
 }
 
 impl LossyCatalog {
@@ -147,6 +151,9 @@ impl LossyCatalog {
             inner,
             lose_next_cas_reply: AtomicBool::new(false),
             blind: AtomicBool::new(false),
+            single_renewals: AtomicU64::new(0),
+            batch_renewals: AtomicU64::new(0),
+            batched_leases: AtomicU64::new(0),
         })
     }
 }
@@ -242,7 +249,13 @@ impl Catalog for LossyCatalog {
         self.inner.acquire_lease(t, ws, node, ttl).await
     }
     async fn renew_lease(&self, t: &str, ws: &str, l: &LeaseGrant, ttl: u64) -> Result<()> {
+        self.single_renewals.fetch_add(1, SeqCst);
         self.inner.renew_lease(t, ws, l, ttl).await
+    }
+    async fn renew_leases(&self, l: &[LeaseRenewal], ttl: u64) -> Result<Vec<Result<()>>> {
+        self.batch_renewals.fetch_add(1, SeqCst);
+        self.batched_leases.fetch_add(l.len() as u64, SeqCst);
+        self.inner.renew_leases(l, ttl).await
     }
     async fn release_lease(&self, t: &str, ws: &str, l: &LeaseGrant) -> Result<()> {
         self.inner.release_lease(t, ws, l).await
