@@ -47,10 +47,12 @@ mod layers;
 mod lease;
 mod open;
 mod publish;
+mod rebase;
 
 pub use layers::CheckpointState;
 pub(crate) use layers::Inheritance;
 use layers::{CutSpec, Layer, LayerRecord};
+pub(crate) use rebase::record_fork_layer;
 
 /// Tunables of one volume (from the engine's config).
 #[derive(Clone, Debug)]

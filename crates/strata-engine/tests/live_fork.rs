@@ -15,6 +15,37 @@ use strata_engine::{Engine, Error, Mode};
 const BLOCKS: u64 = 256;
 const DISK: u64 = BLOCKS * 4096;
 
+/// The fork `ws` starts exactly at its source's checkpoint: a live fork's version 2 is that
+/// checkpoint itself (it rebased onto it: the same manifest, nothing uploaded again); a fork
+/// taken from the published checkpoint (the source had published past the fork's cut) starts
+/// on its manifest. Returns how many rebased.
+async fn rebased(c: &Cluster, ws: &str) -> usize {
+    let w = c.catalog.get_workspace(TENANT, ws).await.unwrap();
+    let (src, v) = w
+        .source
+        .strip_prefix("ws:")
+        .and_then(|s| s.split_once('@'))
+        .unwrap();
+    let at = c
+        .catalog
+        .get_checkpoint(TENANT, src, v.parse().unwrap())
+        .await
+        .unwrap();
+    let first = c.catalog.get_checkpoint(TENANT, ws, 1).await.unwrap();
+    if first.kind != CheckpointKind::LiveFork {
+        assert_eq!(first.manifest, at.manifest, "{ws} forked from {}", w.source);
+        return 0;
+    }
+    let second = c.catalog.get_checkpoint(TENANT, ws, 2).await.unwrap();
+    assert_eq!(
+        second.manifest, at.manifest,
+        "{ws} rebased onto {}",
+        w.source
+    );
+    assert_eq!(second.bytes, 0, "{ws} uploaded nothing for its start");
+    1
+}
+
 /// Waits until the live fork `ws` has published and been let go of on `node`.
 async fn released(node: &Arc<Engine>, ws: &str) {
     let t = Instant::now();
@@ -86,6 +117,7 @@ async fn an_unclaimed_live_fork_publishes_and_is_let_go() {
     let at_fork = image(&v).await;
     a.fork(TENANT, "w", None, "f", None).await.unwrap();
     released(&a, "f").await;
+    assert_eq!(rebased(&c, "f").await, 1);
     let b = c.node("b");
     let fb = b.attach(TENANT, "f").await.unwrap();
     assert_eq!(image(&fb).await, at_fork);
@@ -130,9 +162,13 @@ async fn eight_parallel_forks_of_one_live_workspace_restore_on_another_node() {
         let p = a.checkpoint(TENANT, n, None).await.unwrap();
         expect.push((n.clone(), p.version, e));
     }
+    let mut live = 0;
     for (n, _, _) in &expect {
         a.detach(TENANT, n).await.unwrap();
+        live += rebased(&c, n).await;
     }
+    eprintln!("{live} of 8 forks were live forks and rebased");
+    assert!(live > 0);
     let b = c.node("b");
     for (n, version, e) in &expect {
         let f = b.attach(TENANT, n).await.unwrap();
@@ -141,6 +177,69 @@ async fn eight_parallel_forks_of_one_live_workspace_restore_on_another_node() {
         b.detach(TENANT, n).await.unwrap();
     }
     a.detach(TENANT, "w").await.unwrap();
+}
+
+/// A fork rebases only onto its very cut: when the source's checkpoint never published (its
+/// node crashed) and another node committed other data under that version number, the fork
+/// uploads its own data, and reads exactly as at the fork everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_fork_never_rebases_onto_another_node_s_version() {
+    let c = Cluster::new().await;
+    let lossy = common::faults::LossyCatalog::new(c.catalog.clone());
+    let cfg = c.config("a");
+    let a = Engine::open_with(
+        cfg.clone(),
+        lossy.clone(),
+        c.store.clone(),
+        Arc::new(strata_engine::fs::RealFs),
+    )
+    .unwrap();
+    let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
+    write_tag(&v, 1, 0, BLOCKS).await;
+    v.checkpoint(None).await.unwrap();
+    // From here the catalog refuses every head CAS of this node: the fork's cut (version 3 of
+    // the source) stays local, and so does the fork.
+    lossy
+        .refuse_cas
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    write_tag(&v, 2, 0, 128).await;
+    let at_fork = image(&v).await;
+    a.fork(TENANT, "w", None, "f", None).await.unwrap();
+    assert_eq!(
+        c.catalog
+            .get_workspace(TENANT, "w")
+            .await
+            .unwrap()
+            .head_version,
+        2
+    );
+    let lease = v.lease();
+    a.abandon().await;
+    drop(v);
+    // Node b takes the source over from its head and commits other data as version 3.
+    c.catalog.release_lease(TENANT, "w", &lease).await.unwrap();
+    let b = c.node("b");
+    let vb = b.attach(TENANT, "w").await.unwrap();
+    write_tag(&vb, 9, 0, 16).await;
+    assert_eq!(b.checkpoint(TENANT, "w", None).await.unwrap().version, 3);
+    b.detach(TENANT, "w").await.unwrap();
+    // Node a restarts: the fork publishes its own data instead of rebasing onto b's version 3.
+    let a2 = c.node_with(cfg, Arc::new(strata_engine::fs::RealFs));
+    let f = a2.attach(TENANT, "f").await.unwrap();
+    assert_eq!(image(&f).await, at_fork);
+    a2.checkpoint(TENANT, "f", None).await.unwrap();
+    let second = c.catalog.get_checkpoint(TENANT, "f", 2).await.unwrap();
+    assert!(second.bytes > 0, "the fork uploaded its data");
+    let w3 = c.catalog.get_checkpoint(TENANT, "w", 3).await.unwrap();
+    assert_ne!(second.manifest, w3.manifest);
+    a2.detach(TENANT, "f").await.unwrap();
+    let fb = b.attach(TENANT, "f").await.unwrap();
+    assert_eq!(
+        image(&fb).await,
+        at_fork,
+        "the fork restored on another node"
+    );
+    b.detach(TENANT, "f").await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,14 +7,17 @@
 //! (kind `livefork`), its local state says its journal replays on top of it, and it is attached
 //! on this node at once (its writes go to its own new segments). It then publishes its data as
 //! version 2 in the background and, unless someone attached it meanwhile, lets go of it.
+//! That version 2 is the source's checkpoint itself once the source has published it (the
+//! fork rebases onto it, `volume/rebase.rs`), so the shared data is uploaded once.
 //!
 //! Until that publish, only this node has the fork's data: `Volume::open` refuses a `livefork`
 //! head without the matching local state, so another node never serves the stale base (if
 //! this node is lost first, the fork is lost with it: delete it).
 //!
 //! Crash safety: the links come first, then `forking.json` (naming the fork's source,
-//! `ws:SRC@VERSION`, unique since only the source's lease holder forks it live), then
-//! `state.json`, then the catalog row, then the marker goes. An attach that finds the marker
+//! `ws:SRC@VERSION`, unique since only the source's lease holder forks it live), then the
+//! first layer's record in `cuts.log`, then `state.json`, then the catalog row, then the
+//! marker goes. An attach that finds the marker
 //! keeps the directory if the catalog has that very fork (version 1 a `livefork` of that
 //! source) and removes it otherwise; a directory with links but no `state.json` is swept at the
 //! next start (`sweep_unfinished_forks`). Once the row may exist (also when its reply was
@@ -164,10 +167,12 @@ impl Engine {
             base_manifest: b.base_manifest,
             base_seq: b.base_seq,
         };
-        let (fs, d, marker) = (self.fs.clone(), dir.to_path_buf(), source.clone());
+        let (fs, d, marker, adopt) = (self.fs.clone(), dir.to_path_buf(), source.clone(), b.adopt);
         blocking(move || {
             fs.write_atomic(&d.join(MARKER), marker.as_bytes())
                 .map_err(Error::io("marking the fork's directory"))?;
+            // Its first layer: the source's checkpoint, published by rebasing onto it.
+            crate::volume::record_fork_layer(fs.clone(), &d, &state.journal_id, &adopt)?;
             state.store(&*fs, &d)
         })
         .await

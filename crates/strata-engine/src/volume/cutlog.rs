@@ -232,6 +232,7 @@ mod tests {
             keep_until_ms: None,
             disk_size: 0,
             taken_ms: 0,
+            adopt: None,
         }
     }
 

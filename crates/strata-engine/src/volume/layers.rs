@@ -75,6 +75,20 @@ pub(crate) struct LayerRecord {
     /// The disk size this version publishes at, if a grow asked for more (0: the base's).
     pub disk_size: u64,
     pub taken_ms: u64,
+    /// A live fork's first layer: the disk at a checkpoint of its source (see `rebase.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adopt: Option<Adopt>,
+}
+
+/// The source checkpoint a live fork's first layer holds exactly: version `version` of
+/// `workspace`, cut `cut` of journal `journal`. Once the catalog has that very checkpoint, the
+/// layer publishes as its manifest instead of uploading the same blocks again.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct Adopt {
+    pub workspace: String,
+    pub version: u64,
+    pub journal: String,
+    pub cut: u64,
 }
 
 /// Where a live fork starts: the source's published base (`base_manifest`, `base_version`, its
@@ -85,6 +99,8 @@ pub(crate) struct ForkBase {
     pub base_seq: u64,
     pub disk_size: u64,
     pub inherit: Inheritance,
+    /// The source's checkpoint the fork starts from (its first layer, version 2).
+    pub adopt: Adopt,
 }
 
 /// What a live fork's volume takes from its source instead of replaying the linked segments:
@@ -227,6 +243,7 @@ impl Volume {
                 keep_until_ms: spec.keep_until_ms,
                 disk_size: spec.disk_size,
                 taken_ms: crate::now_ms(),
+                adopt: None,
             };
             let overlay = Arc::new(std::mem::take(&mut st.active));
             let (bytes, since) = {
@@ -445,10 +462,12 @@ impl Volume {
             st.pending.len() == 1
                 && !self.ambiguous.load(SeqCst)
                 && st.pending.front().is_some_and(|l| {
-                    matches!(
-                        l.rec.kind,
-                        CheckpointKind::Auto | CheckpointKind::Detach | CheckpointKind::Resize
-                    )
+                    // A live fork's first layer stays: folded, it could no longer rebase.
+                    l.rec.adopt.is_none()
+                        && matches!(
+                            l.rec.kind,
+                            CheckpointKind::Auto | CheckpointKind::Detach | CheckpointKind::Resize
+                        )
                 })
         };
         if !foldable {
@@ -491,6 +510,11 @@ impl Volume {
             let st = self.st();
             (st.base.clone(), st.base_version)
         };
+        if let Some(a) = &rec.adopt {
+            if let Some(p) = self.publish_adopted(rec, a, base_version).await? {
+                return Ok(p);
+            }
+        }
         let (version, manifest, m, bytes) =
             self.publish_cut(overlay, &base, base_version, rec).await?;
         if version != rec.version {
@@ -565,6 +589,11 @@ impl Volume {
         if disk_size != self.size() || self.has_pending_grow() {
             return Ok((cp.version, None)); // The fork's base would be the smaller disk.
         }
+        if base_version > cp.version {
+            // Published past the fork's cut meanwhile (other cuts, concurrent forks): that base
+            // holds later writes. The cut is published, so the fork is taken from it instead.
+            return Ok((cp.version, None));
+        }
         // (source's segment, the fork's name for it): the same file name in each journal.
         let from = self.dir.join("journal");
         let paths: Vec<(PathBuf, PathBuf)> = segs
@@ -611,6 +640,12 @@ impl Volume {
                 last_seq: cp.cut_seq,
                 overlay,
                 bytes,
+            },
+            adopt: Adopt {
+                workspace: self.name.clone(),
+                version: cp.version,
+                journal: self.journal_id.clone(),
+                cut: cp.cut_seq,
             },
         });
         Ok((cp.version, base))

@@ -94,6 +94,7 @@ impl Volume {
                     keep_until_ms: None,
                     disk_size: 0,
                     taken_ms: r.taken_ms,
+                    adopt: None,
                 });
             }
             if r.cut < last_cut || r.disk_size > strata_format::manifest::MAX_DISK_SIZE {
@@ -130,8 +131,10 @@ impl Volume {
                     files.insert(*id, SegFile::new(f));
                 }
             }
-            overlays[cuts.len()] = inh.overlay;
-            layer_bytes[cuts.len()] = inh.bytes;
+            // In the layer recorded for them (the fork's first, `rebase.rs`), else the active.
+            let at = cuts.partition_point(|&c| c < inh.last_seq);
+            overlays[at] = inh.overlay;
+            layer_bytes[at] = inh.bytes;
             (j, 0)
         } else {
             Journal::open(

@@ -139,6 +139,8 @@ pub struct LossyCatalog {
     pub inner: Arc<dyn Catalog>,
     pub lose_next_cas_reply: AtomicBool,
     pub blind: AtomicBool,
+    /// Every head CAS fails without committing (the catalog is unreachable for it).
+    pub refuse_cas: AtomicBool,
     /// Lease renewal calls: single, batched, and leases in all batches.
     pub single_renewals: AtomicU64,
     pub batch_renewals: AtomicU64,
@@ -151,6 +153,7 @@ impl LossyCatalog {
             inner,
             lose_next_cas_reply: AtomicBool::new(false),
             blind: AtomicBool::new(false),
+            refuse_cas: AtomicBool::new(false),
             single_renewals: AtomicU64::new(0),
             batch_renewals: AtomicU64::new(0),
             batched_leases: AtomicU64::new(0),
@@ -168,6 +171,9 @@ impl Catalog for LossyCatalog {
         lease: &LeaseGrant,
         cp: &NewCheckpoint,
     ) -> Result<u64> {
+        if self.refuse_cas.load(SeqCst) {
+            return Err(CatalogError::Backend("catalog unreachable".into()));
+        }
         let r = self
             .inner
             .advance_head(tenant, workspace, expected, lease, cp)

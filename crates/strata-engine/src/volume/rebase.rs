@@ -1,0 +1,121 @@
+//! A live fork rebases onto its source's checkpoint instead of uploading the same data again.
+//!
+//! The fork starts (version 1, kind `livefork`) at its source's published base, with one
+//! recorded layer on top holding what the source had not yet published at the fork's cut: the
+//! disk at the source's local checkpoint `V` exactly. When the source publishes `V`, that layer
+//! publishes as `V`'s manifest (version 2 of the fork, nothing uploaded); the fork's own writes
+//! then publish on top of it as usual.
+//!
+//! The catalog's checkpoint `V` is taken only if it is that very cut: the source's journal and
+//! cut sequence number (a node that took the source over after a crash of this one may have
+//! committed other data as `V`). If `V` is not that cut, if the source is gone, or it does not
+//! publish within the publish deadline, the layer is uploaded like any other: the rebase saves
+//! work and space, correctness never depends on it. The head invariant holds either way: the
+//! fork's head names only a manifest already fully in the object store.
+
+use std::path::Path;
+
+use super::cutlog::{CutLog, Entry};
+use super::layers::{Adopt, CheckpointState, LayerRecord};
+use super::*;
+
+/// Records a new live fork's first layer (version 2, through the source's cut) in its cut log,
+/// durably: written by the fork, before its local state.
+pub(crate) fn record_fork_layer(
+    fs: Arc<dyn Fs>,
+    dir: &Path,
+    journal: &str,
+    adopt: &Adopt,
+) -> Result<()> {
+    let (mut log, _) = CutLog::open(fs, dir, journal)?;
+    let rec = LayerRecord {
+        cut: adopt.cut,
+        version: 2,
+        kind: CheckpointKind::Auto,
+        label: None,
+        keep_until_ms: None,
+        disk_size: 0,
+        taken_ms: crate::now_ms(),
+        adopt: Some(adopt.clone()),
+    };
+    log.append(&Entry::Cut(rec.clone()), &[Entry::Cut(rec)])
+}
+
+impl Volume {
+    /// Publishes the layer `rec` as the source checkpoint `a` once the catalog has it: Some
+    /// receipt, or None when that checkpoint will not come (the caller uploads the layer).
+    pub(super) async fn publish_adopted(
+        &self,
+        rec: &LayerRecord,
+        a: &Adopt,
+        base_version: u64,
+    ) -> Result<Option<Published>> {
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(10);
+        let cp = loop {
+            self.usable()?;
+            // The head first, then the row: a row missing once the head was already past it
+            // before the look is gone for good (not about to be committed).
+            let head = match self.catalog.get_workspace(&self.tenant, &a.workspace).await {
+                Ok(w) => w.head_version,
+                Err(CatalogError::NotFound { .. }) => return Ok(None),
+                Err(e) => return Err(e.into()),
+            };
+            match self
+                .catalog
+                .get_checkpoint(&self.tenant, &a.workspace, a.version)
+                .await
+            {
+                Ok(cp) => {
+                    let same =
+                        cp.journal_id.as_deref() == Some(a.journal.as_str()) && cp.cut_seq == a.cut;
+                    if !same {
+                        tracing::info!(tenant = %self.tenant, workspace = %self.name, source = %a.workspace, version = a.version, "the source's version is not the fork's cut; uploading the fork's data instead");
+                        return Ok(None);
+                    }
+                    break cp;
+                }
+                Err(CatalogError::NotFound { .. }) if head >= a.version => return Ok(None),
+                Err(CatalogError::NotFound { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+            if started.elapsed() > self.opts.publish_deadline {
+                tracing::warn!(tenant = %self.tenant, workspace = %self.name, source = %a.workspace, version = a.version, "the source did not publish the fork's checkpoint in time; uploading the fork's data instead");
+                return Ok(None);
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        };
+        let m = self
+            .reader
+            .store()
+            .get_manifest(&self.tenant, &cp.manifest)
+            .await?;
+        if m.disk_size != self.size() {
+            return Ok(None); // Not the fork's disk (a fork is never made across a grow).
+        }
+        let ncp = NewCheckpoint {
+            manifest: cp.manifest,
+            disk_size: m.disk_size,
+            label: rec.label.clone(),
+            kind: rec.kind,
+            bytes: 0,
+            cut_seq: rec.cut,
+            journal_id: Some(self.journal_id.clone()),
+            keep_until_ms: rec.keep_until_ms,
+        };
+        let version = self.advance_head(base_version, &ncp).await?;
+        tracing::info!(tenant = %self.tenant, workspace = %self.name, version, source = %a.workspace, source_version = a.version, "a live fork rebased onto its source's checkpoint");
+        self.finish_publish(version, cp.manifest, Arc::new(m), rec.cut, 0)
+            .await;
+        Ok(Some(Published {
+            version,
+            manifest: Some(cp.manifest),
+            cut_seq: rec.cut,
+            bytes_uploaded: 0,
+            stall: Duration::ZERO,
+            total: started.elapsed(),
+            state: CheckpointState::Published,
+        }))
+    }
+}
