@@ -326,18 +326,34 @@ impl Volume {
 
     fn plan(&self, lba: u64, n: u64) -> Vec<(u64, u64, Src)> {
         let st = self.st();
-        let layers: Vec<&Overlay> = std::iter::once(&st.active)
-            .chain(st.pending.iter().rev().map(|l| &*l.overlay))
-            .collect();
+        // Active, then pending layers newest first, then the base; under a local rollback to
+        // version V only layers up to V, then V's manifest once it is published.
+        let mut layers: Vec<&Overlay> = vec![&st.active];
+        let mut base: &Manifest = &st.base;
+        let mut floor = u64::MAX;
+        for l in st.pending.iter().rev() {
+            if l.rec.version > floor {
+                continue;
+            }
+            layers.push(&l.overlay);
+            if let Some(v) = l.rec.rollback_to {
+                floor = floor.min(v);
+                if let Some((_, m)) = &l.under {
+                    base = m; // Every layer still below is later than V.
+                    break;
+                }
+            }
+        }
         let mut out = Vec::new();
-        self.plan_layers(&st, &layers, lba, n, &mut out);
+        self.plan_layers(&st, base, &layers, lba, n, &mut out);
         out
     }
 
-    /// The plan of `lba..lba+n` through `layers` (topmost first), then the base.
+    /// The plan of `lba..lba+n` through `layers` (topmost first), then `base`.
     fn plan_layers(
         &self,
         st: &State,
+        base: &Manifest,
         layers: &[&Overlay],
         lba: u64,
         n: u64,
@@ -345,11 +361,11 @@ impl Volume {
     ) {
         let Some((top, below)) = layers.split_first() else {
             let mut pieces = Vec::new();
-            st.base.resolve(lba, n, &mut pieces);
+            base.resolve(lba, n, &mut pieces);
             for p in &pieces {
                 let src = match p.at {
                     None => Src::Zero,
-                    Some((o, off)) => Src::Object(st.base.objects[o as usize], off),
+                    Some((o, off)) => Src::Object(base.objects[o as usize], off),
                 };
                 out.push((p.lba, p.len, src));
             }
@@ -360,7 +376,7 @@ impl Volume {
         for (s, len, hit) in hits {
             match hit {
                 Hit::Here(r) => out.push((s, len, self.src_of(st, r.loc))),
-                Hit::Below => self.plan_layers(st, below, s, len, out),
+                Hit::Below => self.plan_layers(st, base, below, s, len, out),
             }
         }
     }

@@ -7,6 +7,9 @@
 //!   operation: before, during or after its upload, before or after its head CAS): after
 //!   recovery every local checkpoint is published with exactly its content, and the disk is a
 //!   state at or after the last flush or local checkpoint.
+//! - A rollback to a version still local is taken at once (a `local` receipt) and reads as
+//!   that version; it survives power loss like a checkpoint and publishes as a `rollback`
+//!   version with exactly the target's data.
 //! - A head CAS whose reply was lost is adopted, not published twice.
 
 mod common;
@@ -97,6 +100,87 @@ async fn a_local_checkpoint_is_taken_at_the_cut_and_published_in_order() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_to_a_local_checkpoint_is_immediate_and_publishes_in_order() {
+    let c = Cluster::new().await;
+    let lossy = common::faults::LossyCatalog::new(c.catalog.clone());
+    let a = Engine::open_with(
+        c.config("a"),
+        lossy.clone(),
+        c.store.clone(),
+        Arc::new(strata_engine::fs::RealFs),
+    )
+    .unwrap();
+    let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
+    // Nothing publishes: every version below stays local until the catalog answers again.
+    lossy.refuse_cas.store(true, SeqCst);
+    write_tag(&v, 1, 0, 16).await;
+    let p2 = v.checkpoint_with(None, None, false).await.unwrap();
+    let img2 = image(&v).await;
+    write_tag(&v, 2, 8, 16).await;
+    let p3 = v.checkpoint_with(None, None, false).await.unwrap();
+    let img3 = image(&v).await;
+    write_tag(&v, 3, 0, 4).await;
+    let before = image(&v).await;
+    let r = a.rollback(TENANT, "w", p2.version).await.unwrap();
+    assert_eq!((r.version, r.state), (5, CheckpointState::Local));
+    assert_eq!(image(&v).await, img2, "reads are v2's at once");
+    // Writes go on top of the rolled-back disk; a rollback to a rollback nests.
+    write_tag(&v, 4, 30, 2).await;
+    let mut after = img2.clone();
+    after[30..32].fill(4);
+    assert_eq!(image(&v).await, after);
+    let r2 = a.rollback(TENANT, "w", p3.version).await.unwrap();
+    assert_eq!((r2.version, r2.state), (7, CheckpointState::Local));
+    assert_eq!(image(&v).await, img3);
+    let r3 = a.rollback(TENANT, "w", r.version).await.unwrap();
+    assert_eq!(r3.version, 8);
+    assert_eq!(image(&v).await, img2);
+    assert_eq!(v.stats().pending_versions, 7);
+    // The catalog answers: everything publishes in order, each version with its data.
+    lossy.refuse_cas.store(false, SeqCst);
+    let p = v.published(r3.version).await.unwrap();
+    assert_eq!(p.state, CheckpointState::Published);
+    assert_eq!(
+        image(&v).await,
+        img2,
+        "publication changes nothing a guest reads"
+    );
+    let log = a.log(TENANT, "w").await.unwrap();
+    let kinds: Vec<(u64, CheckpointKind)> = log.iter().map(|c| (c.version, c.kind)).collect();
+    assert_eq!(
+        kinds[1..],
+        [
+            (2, CheckpointKind::Checkpoint),
+            (3, CheckpointKind::Checkpoint),
+            (4, CheckpointKind::Auto),
+            (5, CheckpointKind::Rollback),
+            (6, CheckpointKind::Auto),
+            (7, CheckpointKind::Rollback),
+            (8, CheckpointKind::Rollback),
+        ]
+    );
+    assert_eq!(log[4].label.as_deref(), Some("rollback to v2"));
+    let m = |n: u64| log.iter().find(|c| c.version == n).unwrap().manifest;
+    assert_eq!(m(5), m(2), "a rollback publishes its target's manifest");
+    assert_eq!(m(7), m(3));
+    assert_eq!(m(8), m(2));
+    for (n, want) in [
+        (4, &before),
+        (5, &img2),
+        (6, &after),
+        (7, &img3),
+        (8, &img2),
+    ] {
+        assert_eq!(
+            &version_image(&a, "w", n, &format!("v{n}")).await,
+            want,
+            "v{n}"
+        );
+    }
+    a.detach(TENANT, "w").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wait_returns_a_published_receipt_and_a_detached_workspace_publishes() {
     let c = Cluster::new().await;
     let a = c.node("a");
@@ -152,6 +236,9 @@ async fn a_lost_cas_reply_of_a_local_checkpoint_is_adopted_not_repeated() {
     );
 }
 
+/// Rollbacks that were taken locally (their target still pending), across the cases.
+static LOCAL_ROLLBACKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 fn cases() -> u64 {
     std::env::var("STRATA_LOCAL_CASES")
         .ok()
@@ -167,13 +254,31 @@ async fn power_case(cluster: &Cluster, seed: u64) -> (usize, bool) {
     let name = format!("p{seed}");
     let mut cfg = cluster.config("crash");
     cfg.segment_max_bytes = rng.random_range(8..64) * 4096;
-    let node = cluster.node_with(cfg.clone(), Arc::new(disk.process()));
+    // Half the cases keep the catalog refusing head CASes for a while: cuts stay local
+    // (publishes fail and retry), so rollbacks find their targets still pending.
+    let lossy = common::faults::LossyCatalog::new(cluster.catalog.clone());
+    let node = Engine::open_with(
+        cfg.clone(),
+        lossy.clone(),
+        cluster.store.clone(),
+        Arc::new(disk.process()),
+    )
+    .unwrap();
     let vol = empty_volume(&node, &name, DISK, Mode::Durable).await;
+    let refuse_until = if rng.random_bool(0.5) {
+        lossy.refuse_cas.store(true, SeqCst);
+        rng.random_range(0..40u64)
+    } else {
+        0
+    };
     // states[k]: the disk after the first k writes and trims.
     let mut states: Vec<Vec<u64>> = vec![vec![0; BLOCKS as usize]];
     let mut durable = 0usize;
-    let mut locals: Vec<(u64, usize)> = Vec::new();
+    let mut locals: Vec<(u64, usize, CheckpointKind)> = Vec::new();
     for i in 0..rng.random_range(1..40u64) {
+        if i == refuse_until {
+            lossy.refuse_cas.store(false, SeqCst);
+        }
         let r = rng.random_range(0..100);
         let mut next = states.last().unwrap().clone();
         if r < 60 {
@@ -192,10 +297,29 @@ async fn power_case(cluster: &Cluster, seed: u64) -> (usize, bool) {
         } else if r < 76 {
             vol.flush().await.unwrap();
             durable = states.len() - 1;
-        } else if r < 94 {
+        } else if r < 91 {
             let p = vol.checkpoint_with(None, None, false).await.unwrap();
             assert_eq!(p.state, CheckpointState::Local);
-            locals.push((p.version, states.len() - 1));
+            locals.push((p.version, states.len() - 1, CheckpointKind::Checkpoint));
+            durable = states.len() - 1;
+        } else if r < 96 && !locals.is_empty() {
+            // A rollback to one of them: at once while it is still local.
+            let (to, k, _) = if rng.random_bool(0.5) {
+                *locals.last().unwrap()
+            } else {
+                locals[rng.random_range(0..locals.len())]
+            };
+            let p = node.rollback(TENANT, &name, to).await.unwrap();
+            if p.state == CheckpointState::Local {
+                LOCAL_ROLLBACKS.fetch_add(1, SeqCst);
+            }
+            states.push(states[k].clone());
+            assert_eq!(
+                image(&vol).await,
+                states[k],
+                "seed {seed}: rolled back to v{to}"
+            );
+            locals.push((p.version, states.len() - 1, CheckpointKind::Rollback));
             durable = states.len() - 1;
         } else {
             // Let background publication get somewhere (or not) before the next step.
@@ -226,7 +350,7 @@ async fn power_case(cluster: &Cluster, seed: u64) -> (usize, bool) {
         "seed {seed}: the recovered disk is not a state at or after the last flush or local checkpoint (state {durable} of {})",
         states.len() - 1
     );
-    for &(version, k) in &locals {
+    for &(version, k, _) in &locals {
         vol.published(version).await.unwrap();
         let img = version_image(&node2, &name, version, &format!("{name}v{version}")).await;
         assert!(
@@ -235,13 +359,9 @@ async fn power_case(cluster: &Cluster, seed: u64) -> (usize, bool) {
         );
     }
     let log = node2.log(TENANT, &name).await.unwrap();
-    for (version, _) in &locals {
+    for (version, _, kind) in &locals {
         let c = log.iter().find(|c| c.version == *version).unwrap();
-        assert_eq!(
-            c.kind,
-            CheckpointKind::Checkpoint,
-            "seed {seed}: v{version}"
-        );
+        assert_eq!(c.kind, *kind, "seed {seed}: v{version}");
     }
     node2.detach(TENANT, &name).await.unwrap();
     node2.delete_workspace(TENANT, &name).await.unwrap();
@@ -261,11 +381,12 @@ async fn local_checkpoints_survive_power_loss_mid_publication() {
         verified += n;
         mid += cut_short as u64;
     }
+    let rollbacks = LOCAL_ROLLBACKS.load(SeqCst);
     eprintln!(
-        "{} power-loss cases ({mid} with a publish cut short): {verified} local checkpoints verified after recovery",
+        "{} power-loss cases ({mid} with a publish cut short): {verified} local checkpoints and rollbacks verified after recovery, {rollbacks} rollbacks taken locally",
         cases()
     );
-    assert!(verified > 0 && mid > 0);
+    assert!(verified > 0 && mid > 0 && rollbacks > 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -233,6 +233,7 @@ mod tests {
             disk_size: 0,
             taken_ms: 0,
             adopt: None,
+            rollback_to: None,
         }
     }
 

@@ -78,6 +78,10 @@ pub(crate) struct LayerRecord {
     /// A live fork's first layer: the disk at a checkpoint of its source (see `rebase.rs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adopt: Option<Adopt>,
+    /// A rollback taken locally: this layer is the disk at this earlier version (reads under
+    /// it see only that version; see `rebase.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollback_to: Option<u64>,
 }
 
 /// The source checkpoint a live fork's first layer holds exactly: version `version` of
@@ -119,6 +123,9 @@ pub(super) struct Layer {
     pub overlay: Arc<Overlay>,
     pub bytes: u64,
     pub since: Option<Instant>,
+    /// For a rollback layer whose target version is published: that version's manifest (id
+    /// and content), which reads under this layer resolve to.
+    pub under: Option<(Hash, Arc<Manifest>)>,
 }
 
 /// The receipt of a published checkpoint row.
@@ -142,6 +149,8 @@ pub(super) struct CutSpec {
     pub disk_size: u64,
     /// Seal the journal's active segment at the cut (a live fork links the sealed segments).
     pub rotate: bool,
+    /// A local rollback to this version (an empty layer; see `rebase.rs`).
+    pub rollback_to: Option<u64>,
 }
 
 impl CutSpec {
@@ -152,6 +161,7 @@ impl CutSpec {
             keep_until_ms: None,
             disk_size: 0,
             rotate: false,
+            rollback_to: None,
         }
     }
 }
@@ -244,6 +254,7 @@ impl Volume {
                 disk_size: spec.disk_size,
                 taken_ms: crate::now_ms(),
                 adopt: None,
+                rollback_to: spec.rollback_to,
             };
             let overlay = Arc::new(std::mem::take(&mut st.active));
             let (bytes, since) = {
@@ -255,6 +266,7 @@ impl Volume {
                 overlay,
                 bytes,
                 since,
+                under: None,
             });
             (rec, sealed)
         };
@@ -515,6 +527,9 @@ impl Volume {
                 return Ok(p);
             }
         }
+        if let Some(v) = rec.rollback_to {
+            return self.publish_rolled_back(rec, v, base_version).await;
+        }
         let (version, manifest, m, bytes) =
             self.publish_cut(overlay, &base, base_version, rec).await?;
         if version != rec.version {
@@ -565,8 +580,12 @@ impl Volume {
         let segs = self.writer.lock().await.sealed_meta_before(sealed_at);
         // The base and the layers not yet in it, up to the fork's cut, in one look: together
         // they are the disk at the cut.
-        let (base_manifest, base_version, disk_size, overlay, bytes) = {
+        let (base_manifest, base_version, disk_size, overlay, bytes, has_rollback) = {
             let st = self.st();
+            let has_rollback = st
+                .pending
+                .iter()
+                .any(|l| l.rec.version <= cp.version && l.rec.rollback_to.is_some());
             let mut merged = Overlay::default();
             let mut bytes = 0;
             for l in st.pending.iter().filter(|l| l.rec.version <= cp.version) {
@@ -584,10 +603,15 @@ impl Volume {
                 st.base.disk_size,
                 merged,
                 bytes,
+                has_rollback,
             )
         };
         if disk_size != self.size() || self.has_pending_grow() {
             return Ok((cp.version, None)); // The fork's base would be the smaller disk.
+        }
+        if has_rollback {
+            // Reads skip layers under a local rollback: a plain merge would not.
+            return Ok((cp.version, None));
         }
         if base_version > cp.version {
             // Published past the fork's cut meanwhile (other cuts, concurrent forks): that base
@@ -651,7 +675,7 @@ impl Volume {
         Ok((cp.version, base))
     }
 
-    fn has_pending_grow(&self) -> bool {
+    pub(super) fn has_pending_grow(&self) -> bool {
         self.st().pending.iter().any(|l| l.rec.disk_size > 0)
     }
 

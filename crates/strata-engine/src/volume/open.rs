@@ -95,6 +95,7 @@ impl Volume {
                     disk_size: 0,
                     taken_ms: r.taken_ms,
                     adopt: None,
+                    rollback_to: None,
                 });
             }
             if r.cut < last_cut || r.disk_size > strata_format::manifest::MAX_DISK_SIZE {
@@ -203,7 +204,8 @@ impl Volume {
             bytes: active_bytes,
             since: (active_bytes > 0).then(Instant::now),
         };
-        let pending: VecDeque<Layer> = recs
+        let base = Arc::new(base);
+        let mut pending: VecDeque<Layer> = recs
             .into_iter()
             .zip(overlays)
             .zip(layer_bytes)
@@ -212,8 +214,25 @@ impl Volume {
                 overlay: Arc::new(o),
                 bytes,
                 since: Some(Instant::now()),
+                under: None,
             })
             .collect();
+        // A local rollback whose target is published reads that version's manifest.
+        for l in pending.iter_mut() {
+            match l.rec.rollback_to {
+                Some(v) if v == ws.head_version => l.under = Some((ws.head_manifest, base.clone())),
+                Some(v) if v < ws.head_version => {
+                    let cp = p.catalog.get_checkpoint(&p.tenant, &p.name, v).await?;
+                    let m = p
+                        .reader
+                        .store()
+                        .get_manifest(&p.tenant, &cp.manifest)
+                        .await?;
+                    l.under = Some((cp.manifest, Arc::new(m)));
+                }
+                _ => {}
+            }
+        }
         if !pending.is_empty() {
             tracing::info!(tenant = %p.tenant, workspace = %p.name, pending = pending.len(), "resuming the publication of cuts taken before the restart");
         }
@@ -244,7 +263,7 @@ impl Volume {
             gate: Arc::new(tokio::sync::RwLock::new(())),
             writer: tokio::sync::Mutex::new(journal),
             state: RwLock::new(State {
-                base: Arc::new(base),
+                base,
                 base_id: ws.head_manifest,
                 base_version: ws.head_version,
                 pending,

@@ -239,6 +239,13 @@ impl Volume {
         self.disk_size.fetch_max(m.disk_size, SeqCst);
         {
             let mut st = self.st_mut();
+            // A local rollback to this version reads it from here on (later publishes move
+            // the base past it).
+            for l in st.pending.iter_mut() {
+                if l.rec.rollback_to == Some(version) {
+                    l.under = Some((manifest, m.clone()));
+                }
+            }
             st.base = m;
             st.base_id = manifest;
             st.base_version = version;
@@ -347,7 +354,12 @@ impl Volume {
                     return Ok(());
                 }
             }
-            if cp.kind == CheckpointKind::Rollback {
+            let layered = self
+                .st()
+                .pending
+                .front()
+                .is_some_and(|l| l.rec.rollback_to.is_some());
+            if cp.kind == CheckpointKind::Rollback && !layered {
                 // A rollback changes what blocks read: adopting one now would
                 // change data under a running guest. They settle themselves (see `rollback`);
                 // one that did not is a volume that must be re-attached.
@@ -533,16 +545,33 @@ impl Volume {
         // No cut while the head is replaced: versions reserved by cuts must stay the ones
         // they commit as. Everything acknowledged is published first (a local target too).
         let c = self.cut_lock.lock().await;
-        let known = self
-            .catalog
-            .get_checkpoint(&self.tenant, &self.name, version)
-            .await;
         let pending_target = {
-            let st = self.st();
-            version > st.base_version && version <= st.base_version + st.pending.len() as u64
+            // No publish moves the base while the target is looked at and, if it is still
+            // pending, the rollback's layers are cut (their reads depend on it).
+            let p = self.publish_lock.lock().await;
+            let (pending, room) = {
+                let st = self.st();
+                (
+                    version > st.base_version
+                        && version <= st.base_version + st.pending.len() as u64,
+                    // Two cuts without backpressure (which would publish, under this lock).
+                    st.pending.len() + 2 <= super::layers::MAX_PENDING,
+                )
+            };
+            if pending && room && !self.has_pending_grow() {
+                // A local checkpoint: rolled back at once, published later (see `rebase.rs`).
+                let r = self.rollback_local(&c, version).await;
+                drop(p);
+                self.kick();
+                return r;
+            }
+            pending
         };
         if !pending_target {
-            known?;
+            // Published (possibly while this waited for the publish lock), or unknown.
+            self.catalog
+                .get_checkpoint(&self.tenant, &self.name, version)
+                .await?;
         }
         if let Some(v) = self.cut_for(&c, CheckpointKind::Auto, None).await? {
             self.publish_through(v).await?;

@@ -1,4 +1,8 @@
-//! A live fork rebases onto its source's checkpoint instead of uploading the same data again.
+//! Layers that publish as a manifest that already exists: a live fork's first layer (the
+//! fork rebases onto its source's checkpoint) and a local rollback.
+//!
+//! **Rebase.** A live fork rebases onto its source's checkpoint instead of uploading the same
+//! data again.
 //!
 //! The fork starts (version 1, kind `livefork`) at its source's published base, with one
 //! recorded layer on top holding what the source had not yet published at the fork's cut: the
@@ -12,11 +16,19 @@
 //! publish within the publish deadline, the layer is uploaded like any other: the rebase saves
 //! work and space, correctness never depends on it. The head invariant holds either way: the
 //! fork's head names only a manifest already fully in the object store.
+//!
+//! **Local rollback.** A rollback to a version still pending on this node is a cut too: what
+//! was acknowledged is cut first (its own version, so history keeps it), then an empty layer
+//! that names the target. Reads under that layer see only layers up to the target, then the
+//! target's manifest once it is published (`Volume::plan`). It publishes, in order, as a
+//! `rollback` version whose manifest is the target's (on today's disk size: a disk never
+//! shrinks). Its receipt is `local` at once, like a checkpoint's, and survives a crash the same
+//! way (the layer is recorded in `cuts.log` with its target).
 
 use std::path::Path;
 
 use super::cutlog::{CutLog, Entry};
-use super::layers::{Adopt, CheckpointState, LayerRecord};
+use super::layers::{Adopt, CheckpointState, CutSpec, LayerRecord};
 use super::*;
 
 /// Records a new live fork's first layer (version 2, through the source's cut) in its cut log,
@@ -37,6 +49,7 @@ pub(crate) fn record_fork_layer(
         disk_size: 0,
         taken_ms: crate::now_ms(),
         adopt: Some(adopt.clone()),
+        rollback_to: None,
     };
     log.append(&Entry::Cut(rec.clone()), &[Entry::Cut(rec)])
 }
@@ -117,5 +130,81 @@ impl Volume {
             total: started.elapsed(),
             state: CheckpointState::Published,
         }))
+    }
+
+    /// Rolls back to the pending version `version` at once (see the module docs). The caller
+    /// holds the cut lock and the publish lock (the target stays pending), with room for two
+    /// cuts, inside an exclusive section (no write in flight).
+    pub(super) async fn rollback_local(
+        &self,
+        c: &tokio::sync::MutexGuard<'_, ()>,
+        version: u64,
+    ) -> Result<Published> {
+        // Everything acknowledged so far becomes a version of its own.
+        if self.acked_seq.load(SeqCst) > self.st().pending.back().map_or(0, |l| l.rec.cut) {
+            self.cut_locked(c, CutSpec::of(CheckpointKind::Auto), None)
+                .await?;
+        }
+        let spec = CutSpec {
+            label: Some(format!("rollback to v{version}")),
+            rollback_to: Some(version),
+            ..CutSpec::of(CheckpointKind::Rollback)
+        };
+        self.cut_locked(c, spec, None).await
+    }
+
+    /// Publishes the rollback layer `rec` (to `target`, published before it) as the target's
+    /// manifest.
+    pub(super) async fn publish_rolled_back(
+        &self,
+        rec: &LayerRecord,
+        target: u64,
+        base_version: u64,
+    ) -> Result<Published> {
+        let started = Instant::now();
+        let under = {
+            let st = self.st();
+            st.pending
+                .front()
+                .filter(|l| l.rec.version == rec.version)
+                .and_then(|l| l.under.clone())
+        };
+        let Some((mut manifest, m)) = under else {
+            // Published in order, so the target is; its manifest was kept when it was.
+            return Err(Error::Unavailable(
+                self.name.clone(),
+                format!("the rollback to v{target} has no manifest for its target; re-attach the workspace"),
+            ));
+        };
+        let mut m = (*m).clone();
+        if m.disk_size < self.size() {
+            m.disk_size = self.size();
+            manifest = self.reader.store().put_manifest(&self.tenant, &m).await?;
+            self.catalog
+                .record_manifest(&self.tenant, manifest, &m.objects)
+                .await?;
+        }
+        let cp = NewCheckpoint {
+            manifest,
+            disk_size: m.disk_size,
+            label: rec.label.clone(),
+            kind: rec.kind,
+            bytes: 0,
+            cut_seq: rec.cut,
+            journal_id: Some(self.journal_id.clone()),
+            keep_until_ms: rec.keep_until_ms,
+        };
+        let version = self.advance_head(base_version, &cp).await?;
+        self.finish_publish(version, manifest, Arc::new(m), rec.cut, 0)
+            .await;
+        Ok(Published {
+            version,
+            manifest: Some(manifest),
+            cut_seq: rec.cut,
+            bytes_uploaded: 0,
+            stall: Duration::ZERO,
+            total: started.elapsed(),
+            state: CheckpointState::Published,
+        })
     }
 }
