@@ -167,6 +167,11 @@ pub struct ForkRequest {
 #[serde(deny_unknown_fields)]
 pub struct RollbackRequest {
     pub version: u64,
+    /// Return only once the rollback is published. Without it, a rollback to a version still
+    /// local on this node returns as soon as it is durable here (`state: local`); a sync-mode
+    /// workspace always waits.
+    #[serde(default)]
+    pub wait: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -409,7 +409,7 @@ async fn rollback(
         let lock = d.op_lock(&(t.clone(), name.clone()));
         let _op = lock.lock().await;
         d.refuse_if_mounted(&t, &name, "rolling it back")?;
-        Ok(d.engine.rollback(&t, &name, b.version).await?)
+        Ok(d.engine.rollback_with(&t, &name, b.version, b.wait).await?)
     })
     .await;
     Ok(Json(r?))

@@ -616,8 +616,26 @@ impl Engine {
         ws: &str,
         version: u64,
     ) -> Result<Published> {
-        self.with_volume(tenant, ws, async |v| v.rollback(version).await)
-            .await
+        self.rollback_with(tenant, ws, version, false).await
+    }
+
+    /// Rolls back to `version`: at once (a `local` receipt) when it is still local on this node,
+    /// unless `wait` or the workspace is in sync mode (then once published).
+    pub async fn rollback_with(
+        self: &Arc<Self>,
+        tenant: &str,
+        ws: &str,
+        version: u64,
+        wait: bool,
+    ) -> Result<Published> {
+        self.with_volume(tenant, ws, async |v| {
+            let p = v.rollback(version).await?;
+            if p.state == crate::CheckpointState::Local && (wait || v.mode() == Mode::Sync) {
+                return v.published(p.version).await;
+            }
+            Ok(p)
+        })
+        .await
     }
 
     /// Forks `src` (at `version`, or its current state) into a new workspace. O(1): no data is

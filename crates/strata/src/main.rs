@@ -200,6 +200,11 @@ enum WsCmd {
     Rollback {
         ws: String,
         version: u64,
+        /// Return only once the rollback is published. Without it, a rollback to a version
+        /// still local on the daemon's node returns as soon as it is durable there (`local`);
+        /// a sync-mode workspace always waits.
+        #[arg(long)]
+        wait: bool,
     },
     /// Grows the disk to SIZE (never shrinks it); mounted, its filesystem grows too.
     Resize {
@@ -584,8 +589,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         )
                     });
                 }
-                WsCmd::Rollback { ws, version } => {
-                    let p = e.rollback(t, &ws, version).await?;
+                WsCmd::Rollback { ws, version, wait } => {
+                    // Attached for the call, the workspace is published when it is let go.
+                    let p = e.rollback_with(t, &ws, version, wait).await?;
                     print(g.json, &p, |p| {
                         format!("{ws} rolled back to v{version}: now v{}", p.version)
                     });
