@@ -5,8 +5,9 @@
 //! `wait`: each returns once its cut is durable on the node (a `local` receipt), while the
 //! first one's upload of everything dirty runs in the background. Reported: checkpoint latency
 //! (p50, p99, max: the whole call, cut + fdatasync + pending record), the writer's worst and p99
-//! write latency over the same time, then the time a fork of the live workspace takes (today it
-//! waits for publication) and the time until everything is published.
+//! write latency over the same time, then the time a rollback to the newest checkpoint takes
+//! (immediate while it is local), the time a fork of the live workspace takes and the time
+//! until everything is published.
 //!
 //! `cargo bench -p strata-engine --bench live` (full), a smoke version under `cargo test`.
 //! With `BENCH_JSON=FILE` the results are also written as JSON (bench/run.sh collects them).
@@ -107,6 +108,12 @@ async fn main() {
             .await
             .unwrap();
         let fork = t.elapsed();
+        // A rollback to the newest checkpoint: local (immediate) if it is still unpublished.
+        // (After the fork: a live fork across a pending rollback waits for its publication.)
+        let newest = v.checkpoint_with(None, None, false).await.unwrap();
+        let t = Instant::now();
+        let rb = e.rollback(T, &name, newest.version).await.unwrap();
+        let rollback = t.elapsed();
         let t = Instant::now();
         e.detach(T, &name).await.unwrap();
         let rest = t.elapsed();
@@ -116,10 +123,11 @@ async fn main() {
             "checkpoint_max_ms": ms(*cps.last().unwrap()),
             "writer_worst_ms": ms(*lat.last().unwrap()), "writer_p99_ms": ms(pct(&lat, 99)),
             "writes_during": lat.len(), "fork_of_live_ms": ms(fork),
+            "rollback_ms": ms(rollback), "rollback_state": rb.state.as_str(),
             "publish_rest_ms": ms(rest), "dirty_write_s": wrote.as_secs_f64(),
         });
         println!(
-            "{} MiB dirty: local checkpoint p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; writer worst {:.2} ms, p99 {:.3} ms over {} writes; fork of the live workspace {:.0} ms; detach after {:.0} ms",
+            "{} MiB dirty: local checkpoint p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; writer worst {:.2} ms, p99 {:.3} ms over {} writes; rollback to the newest {:.1} ms ({}); fork of the live workspace {:.0} ms; detach after {:.0} ms",
             dirty >> 20,
             ms(pct(&cps, 50)),
             ms(pct(&cps, 99)),
@@ -127,6 +135,8 @@ async fn main() {
             ms(*lat.last().unwrap()),
             ms(pct(&lat, 99)),
             lat.len(),
+            ms(rollback),
+            rb.state.as_str(),
             ms(fork),
             ms(rest)
         );
