@@ -404,6 +404,9 @@ impl Engine {
             claimed: claim,
         });
         self.set_live(&key, Some(vol.clone()));
+        if let Some(src) = vol.adopt_source().and_then(|s| self.volume(tenant, &s)) {
+            vol.set_adopt_source(&src);
+        }
         tracing::info!(tenant, workspace = ws, epoch = lease.epoch, "attached");
         if vol.is_live_fork() {
             // Its data is only here: published at once (and let go of unless claimed).
@@ -628,12 +631,10 @@ impl Engine {
         version: u64,
         wait: bool,
     ) -> Result<Published> {
+        // Waiting (or sync mode): publish first, then move the head, so that an error means
+        // nothing changed.
         self.with_volume(tenant, ws, async |v| {
-            let p = v.rollback(version).await?;
-            if p.state == crate::CheckpointState::Local && (wait || v.mode() == Mode::Sync) {
-                return v.published(p.version).await;
-            }
-            Ok(p)
+            v.rollback(version, !wait && v.mode() != Mode::Sync).await
         })
         .await
     }

@@ -210,6 +210,9 @@ pub struct Volume {
     publish_lock: tokio::sync::Mutex<()>,
     /// Its head is the `livefork` start of a fork of a live workspace (cleared by a publish).
     live_fork: AtomicBool,
+    /// A live fork's source, when attached on this node: its first layer waits for the source
+    /// to publish only while the source is alive (see `rebase.rs`).
+    adopt_source: Mutex<Option<std::sync::Weak<Volume>>>,
     /// Held while segments are retired, and while a live fork links them.
     retire_lock: tokio::sync::Mutex<()>,
     /// Where cuts are recorded (`cutlog.rs`); its lock serialises the records.

@@ -295,7 +295,11 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                     let (s, v) = crate::split_at_version(&src)?;
                     h.call(M::POST, &ws_path(&s, "/fork"), Some(json!({"name": new, "version": v}))).await?
                 }
-                WsCmd::Rollback { ws, version, wait } => h.call(M::POST, &ws_path(&ws, "/rollback"), Some(json!({"version": version, "wait": wait}))).await?,
+                WsCmd::Rollback { ws, version, wait } => {
+                    // Sent only when asked for: a daemon older than the field refuses it.
+                    let body = if wait { json!({"version": version, "wait": true}) } else { json!({"version": version}) };
+                    h.call(M::POST, &ws_path(&ws, "/rollback"), Some(body)).await?
+                }
                 WsCmd::Resize { ws, size } => h.call(M::POST, &ws_path(&ws, "/resize"), Some(json!({"size": size}))).await?,
                 WsCmd::Freeze { ws } => h.call(M::POST, &ws_path(&ws, "/freeze"), Some(json!({}))).await?,
                 WsCmd::Thaw { ws } => h.call(M::POST, &ws_path(&ws, "/thaw"), Some(json!({}))).await?,

@@ -36,6 +36,9 @@ pub(super) async fn renew_leases(engine: Weak<Engine>, ttl: Duration) {
         match tokio::time::timeout(every, catalog.renew_leases(&batch, ttl_ms)).await {
             Ok(Ok(outcomes)) if outcomes.len() == vols.len() => {
                 for (v, o) in vols.iter().zip(outcomes) {
+                    if o.is_ok() && v.renewal().is_none() {
+                        continue; // Stopped or closed meanwhile: the answer extends nothing.
+                    }
                     if let Err(e) = v.renewed(asked, o) {
                         tracing::warn!(tenant = v.tenant(), workspace = v.name(), error = %e, "lease lost");
                     }

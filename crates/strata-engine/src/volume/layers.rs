@@ -305,7 +305,7 @@ impl Volume {
 
     /// Appends `e` to the cut log, durably. Appends are serialised by the log's lock and each
     /// carries the layers pending at that moment for a rewrite of a full log.
-    async fn record(&self, e: Entry) -> Result<()> {
+    pub(super) async fn record(&self, e: Entry) -> Result<()> {
         let me = self
             .me
             .upgrade()
@@ -321,6 +321,22 @@ impl Volume {
             log.append(&e, &live)
         })
         .await
+    }
+
+    /// The retention a layer's version is published with: its own, and while a pending local
+    /// rollback still targets it, at least a day from now (its manifest must not expire before
+    /// the rollback publishes it again; a labelled one without a date is kept anyway).
+    pub(super) fn keep_for(&self, rec: &LayerRecord) -> Option<u64> {
+        let targeted = self
+            .st()
+            .pending
+            .iter()
+            .any(|l| l.rec.rollback_to == Some(rec.version));
+        if !targeted || (rec.label.is_some() && rec.keep_until_ms.is_none()) {
+            return rec.keep_until_ms;
+        }
+        let day = crate::now_ms() + 24 * 3600 * 1000;
+        Some(rec.keep_until_ms.map_or(day, |k| k.max(day)))
     }
 
     /// Whether any cut waits for publication.
@@ -441,7 +457,7 @@ impl Volume {
             .await
     }
 
-    fn remember(&self, p: Published) {
+    pub(super) fn remember(&self, p: Published) {
         let mut r = lock(&self.receipts);
         r.push_back(p);
         while r.len() > 2 * MAX_PENDING {

@@ -42,7 +42,8 @@ impl Volume {
     /// The lease the node should renew now, or `None` once there is nothing to renew: failed
     /// or fenced for good, or renewal stopped.
     pub(crate) fn renewal(&self) -> Option<LeaseRenewal> {
-        if self.renewal_stopped.load(SeqCst) || self.failure().is_some() {
+        if self.renewal_stopped.load(SeqCst) || self.failure().is_some() || self.closed.load(SeqCst)
+        {
             return None;
         }
         Some(LeaseRenewal {

@@ -277,6 +277,7 @@ impl Volume {
             cut_log: Mutex::new(cut_log),
             retire_lock: tokio::sync::Mutex::new(()),
             live_fork: AtomicBool::new(head.kind == CheckpointKind::LiveFork),
+            adopt_source: Mutex::new(None),
             receipts: Mutex::new(VecDeque::new()),
             acked_seq: AtomicU64::new(last),
             synced_seq: AtomicU64::new(last),

@@ -384,6 +384,16 @@ impl Volume {
                 0,
             )
             .await;
+            // Its receipt, for whoever waits for that version.
+            self.remember(Published {
+                version: ws.head_version,
+                manifest: Some(ws.head_manifest),
+                cut_seq: cp.cut_seq,
+                bytes_uploaded: 0,
+                stall: Duration::ZERO,
+                total: Duration::ZERO,
+                state: CheckpointState::Published,
+            });
             Ok::<_, Error>(())
         };
         let r = settle.await;
@@ -449,7 +459,7 @@ impl Volume {
             bytes: packed.bytes_uploaded,
             cut_seq: rec.cut,
             journal_id: Some(self.journal_id.clone()),
-            keep_until_ms: rec.keep_until_ms,
+            keep_until_ms: self.keep_for(rec),
         };
         let version = self.advance_head(base_version, &cp).await?;
         Ok((version, id, m, packed.bytes_uploaded))
@@ -507,9 +517,12 @@ impl Volume {
     /// current state (so history keeps every acknowledged write). No write is in flight while it
     /// runs; on a frozen volume it runs inside the freeze (an orchestrator restoring a paired
     /// memory snapshot rolls the disk back before it thaws).
-    pub(crate) async fn rollback(&self, version: u64) -> Result<Published> {
+    /// `local`: a target still local on this node is rolled back to at once (a `local`
+    /// receipt, published later); otherwise everything is published first, then the head moves
+    /// (an error then means nothing changed).
+    pub(crate) async fn rollback(&self, version: u64, local: bool) -> Result<Published> {
         self.in_own_task(move |v| async move {
-            v.exclusive(async || v.rollback_exclusive(version).await)
+            v.exclusive(async || v.rollback_exclusive(version, local).await)
                 .await
         })
         .await
@@ -541,7 +554,7 @@ impl Volume {
         ))
     }
 
-    async fn rollback_exclusive(&self, version: u64) -> Result<Published> {
+    async fn rollback_exclusive(&self, version: u64, local: bool) -> Result<Published> {
         // No cut while the head is replaced: versions reserved by cuts must stay the ones
         // they commit as. Everything acknowledged is published first (a local target too).
         let c = self.cut_lock.lock().await;
@@ -558,7 +571,7 @@ impl Volume {
                     st.pending.len() + 2 <= super::layers::MAX_PENDING,
                 )
             };
-            if pending && room && !self.has_pending_grow() {
+            if local && pending && room && !self.has_pending_grow() {
                 // A local checkpoint: rolled back at once, published later (see `rebase.rs`).
                 let r = self.rollback_local(&c, version).await;
                 drop(p);

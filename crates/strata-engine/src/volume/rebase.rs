@@ -54,7 +54,34 @@ pub(crate) fn record_fork_layer(
     log.append(&Entry::Cut(rec.clone()), &[Entry::Cut(rec)])
 }
 
+/// How long a live fork's first layer waits for its source's checkpoint when the source is
+/// not known to be alive on this node (after a restart, or once it failed or was let go):
+/// then the fork uploads its own data.
+const ORPHAN_WAIT: Duration = Duration::from_secs(30);
+
 impl Volume {
+    /// The source a pending live fork's first layer waits for, if any.
+    pub(crate) fn adopt_source(&self) -> Option<String> {
+        let st = self.st();
+        st.pending
+            .front()
+            .and_then(|l| l.rec.adopt.as_ref())
+            .map(|a| a.workspace.clone())
+    }
+
+    /// Tells a live fork its source's volume (attached here).
+    pub(crate) fn set_adopt_source(&self, src: &Arc<Volume>) {
+        *lock(&self.adopt_source) = Some(Arc::downgrade(src));
+    }
+
+    /// Whether the source this fork waits for is attached here and can still publish.
+    fn source_alive(&self) -> bool {
+        lock(&self.adopt_source)
+            .as_ref()
+            .and_then(|w| w.upgrade())
+            .is_some_and(|s| s.failure().is_none() && !s.closed.load(SeqCst))
+    }
+
     /// Publishes the layer `rec` as the source checkpoint `a` once the catalog has it: Some
     /// receipt, or None when that checkpoint will not come (the caller uploads the layer).
     pub(super) async fn publish_adopted(
@@ -92,7 +119,14 @@ impl Volume {
                 Err(CatalogError::NotFound { .. }) => {}
                 Err(e) => return Err(e.into()),
             }
-            if started.elapsed() > self.opts.publish_deadline {
+            // A live source publishes it in order (however much it had pending); a source that
+            // failed, was let go without it, or is not here may never.
+            let limit = if self.source_alive() {
+                self.opts.publish_deadline
+            } else {
+                ORPHAN_WAIT.min(self.opts.publish_deadline)
+            };
+            if started.elapsed() > limit {
                 tracing::warn!(tenant = %self.tenant, workspace = %self.name, source = %a.workspace, version = a.version, "the source did not publish the fork's checkpoint in time; uploading the fork's data instead");
                 return Ok(None);
             }
@@ -115,7 +149,7 @@ impl Volume {
             bytes: 0,
             cut_seq: rec.cut,
             journal_id: Some(self.journal_id.clone()),
-            keep_until_ms: rec.keep_until_ms,
+            keep_until_ms: self.keep_for(rec),
         };
         let version = self.advance_head(base_version, &ncp).await?;
         tracing::info!(tenant = %self.tenant, workspace = %self.name, version, source = %a.workspace, source_version = a.version, "a live fork rebased onto its source's checkpoint");
@@ -150,7 +184,31 @@ impl Volume {
             rollback_to: Some(version),
             ..CutSpec::of(CheckpointKind::Rollback)
         };
-        self.cut_locked(c, spec, None).await
+        let before = self.st().pending.len();
+        let r = self.cut_locked(c, spec, None).await;
+        if r.is_err() {
+            // No receipt, so no rollback: the layer goes if it was pushed (nothing can publish
+            // it meanwhile: the caller holds the publish lock; it is empty, so nothing is
+            // folded back), and its withdrawal is recorded in case its record was written.
+            let gone = {
+                let mut st = self.st_mut();
+                let ours = st.pending.len() == before + 1
+                    && st
+                        .pending
+                        .back()
+                        .is_some_and(|l| l.rec.rollback_to == Some(version));
+                ours.then(|| st.pending.pop_back().map(|l| l.rec.version))
+                    .flatten()
+            };
+            if let Some(v) = gone {
+                if let Err(e) = self.record(Entry::Withdraw { version: v }).await {
+                    self.fail(format!(
+                        "a failed rollback to v{version} could not be withdrawn ({e}); re-attach the workspace"
+                    ));
+                }
+            }
+        }
+        r
     }
 
     /// Publishes the rollback layer `rec` (to `target`, published before it) as the target's
@@ -169,13 +227,26 @@ impl Volume {
                 .filter(|l| l.rec.version == rec.version)
                 .and_then(|l| l.under.clone())
         };
-        let Some((mut manifest, m)) = under else {
+        let Some((target_id, m)) = under else {
             // Published in order, so the target is; its manifest was kept when it was.
             return Err(Error::Unavailable(
                 self.name.clone(),
                 format!("the rollback to v{target} has no manifest for its target; re-attach the workspace"),
             ));
         };
+        // Made from a row read now (GC's rule for a new reference): the target is still
+        // retained (see `keep_for`) with that manifest.
+        let row = self
+            .catalog
+            .get_checkpoint(&self.tenant, &self.name, target)
+            .await?;
+        if row.manifest != target_id {
+            return Err(Error::Unavailable(
+                self.name.clone(),
+                format!("the rollback's target v{target} names another manifest in the catalog"),
+            ));
+        }
+        let mut manifest = target_id;
         let mut m = (*m).clone();
         if m.disk_size < self.size() {
             m.disk_size = self.size();
@@ -192,7 +263,7 @@ impl Volume {
             bytes: 0,
             cut_seq: rec.cut,
             journal_id: Some(self.journal_id.clone()),
-            keep_until_ms: rec.keep_until_ms,
+            keep_until_ms: self.keep_for(rec),
         };
         let version = self.advance_head(base_version, &cp).await?;
         self.finish_publish(version, manifest, Arc::new(m), rec.cut, 0)
