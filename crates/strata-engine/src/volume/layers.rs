@@ -40,6 +40,10 @@ use serde::{Deserialize, Serialize};
 use super::cutlog::Entry;
 use super::*;
 
+/// A local rollback's cut found its target published past (the caller rolls back the
+/// published way instead).
+pub(super) const ROLLBACK_TARGET_PUBLISHED: &str = "the rollback's target was published meanwhile";
+
 /// At most this many cuts wait for publication; a cut beyond waits for the oldest to publish.
 pub(crate) const MAX_PENDING: usize = 64;
 
@@ -241,6 +245,14 @@ impl Volume {
                 None
             };
             let mut st = self.st_mut();
+            // A local rollback reads its target: still pending, or the base just published.
+            let under = match spec.rollback_to {
+                Some(v) if v < st.base_version => {
+                    return Err(Error::Invalid(ROLLBACK_TARGET_PUBLISHED.into()))
+                }
+                Some(v) if v == st.base_version => Some((st.base_id, st.base.clone())),
+                _ => None,
+            };
             let sealed = rotated.map(|(id, f)| {
                 st.files.insert(id, SegFile::new(f));
                 id
@@ -266,7 +278,7 @@ impl Volume {
                 overlay,
                 bytes,
                 since,
-                under: None,
+                under,
             });
             (rec, sealed)
         };
@@ -465,7 +477,7 @@ impl Volume {
         }
     }
 
-    fn receipt(&self, v: u64) -> Option<Published> {
+    pub(super) fn receipt(&self, v: u64) -> Option<Published> {
         lock(&self.receipts)
             .iter()
             .rev()

@@ -559,29 +559,25 @@ impl Volume {
         // they commit as. Everything acknowledged is published first (a local target too).
         let c = self.cut_lock.lock().await;
         let pending_target = {
-            // No publish moves the base while the target is looked at and, if it is still
-            // pending, the rollback's layers are cut (their reads depend on it).
-            let p = self.publish_lock.lock().await;
-            let (pending, room) = {
-                let st = self.st();
-                (
-                    version > st.base_version
-                        && version <= st.base_version + st.pending.len() as u64,
-                    // Two cuts without backpressure (which would publish, under this lock).
-                    st.pending.len() + 2 <= super::layers::MAX_PENDING,
-                )
-            };
-            if local && pending && room && !self.has_pending_grow() {
-                // A local checkpoint: rolled back at once, published later (see `rebase.rs`).
-                let r = self.rollback_local(&c, version).await;
-                drop(p);
-                self.kick();
-                return r;
-            }
-            pending
+            let st = self.st();
+            version > st.base_version && version <= st.base_version + st.pending.len() as u64
         };
-        if !pending_target {
-            // Published (possibly while this waited for the publish lock), or unknown.
+        if local && pending_target && !self.has_pending_grow() {
+            // A local checkpoint: rolled back at once, published later (see `rebase.rs`).
+            match self.rollback_local(&c, version).await {
+                Err(Error::Invalid(m)) if m == super::layers::ROLLBACK_TARGET_PUBLISHED => {}
+                r => {
+                    self.kick();
+                    return r;
+                }
+            }
+        }
+        let still_pending = {
+            let st = self.st();
+            version > st.base_version && version <= st.base_version + st.pending.len() as u64
+        };
+        if !still_pending {
+            // Published (possibly meanwhile), or unknown.
             self.catalog
                 .get_checkpoint(&self.tenant, &self.name, version)
                 .await?;

@@ -167,15 +167,22 @@ impl Volume {
     }
 
     /// Rolls back to the pending version `version` at once (see the module docs). The caller
-    /// holds the cut lock and the publish lock (the target stays pending), with room for two
-    /// cuts, inside an exclusive section (no write in flight).
+    /// holds the cut lock, inside an exclusive section (no write in flight). Publication goes
+    /// on meanwhile: if the target is published past before the rollback's layer is cut, the
+    /// cut is refused ([`super::layers::ROLLBACK_TARGET_PUBLISHED`]) and nothing is rolled
+    /// back (the caller takes the published way).
     pub(super) async fn rollback_local(
         &self,
         c: &tokio::sync::MutexGuard<'_, ()>,
         version: u64,
     ) -> Result<Published> {
         // Everything acknowledged so far becomes a version of its own.
-        if self.acked_seq.load(SeqCst) > self.st().pending.back().map_or(0, |l| l.rec.cut) {
+        let last_cut = {
+            let st = self.st();
+            st.pending.back().map_or(0, |l| l.rec.cut)
+        }
+        .max(self.published_seq.load(SeqCst));
+        if self.acked_seq.load(SeqCst) > last_cut {
             self.cut_locked(c, CutSpec::of(CheckpointKind::Auto), None)
                 .await?;
         }
@@ -184,31 +191,43 @@ impl Volume {
             rollback_to: Some(version),
             ..CutSpec::of(CheckpointKind::Rollback)
         };
-        let before = self.st().pending.len();
+        // Its version if it is cut (base + pending stays the same while layers publish, and
+        // no other cut is taken: the caller holds the cut lock).
+        let expected = {
+            let st = self.st();
+            st.base_version + st.pending.len() as u64 + 1
+        };
         let r = self.cut_locked(c, spec, None).await;
-        if r.is_err() {
-            // No receipt, so no rollback: the layer goes if it was pushed (nothing can publish
-            // it meanwhile: the caller holds the publish lock; it is empty, so nothing is
-            // folded back), and its withdrawal is recorded in case its record was written.
-            let gone = {
-                let mut st = self.st_mut();
-                let ours = st.pending.len() == before + 1
-                    && st
-                        .pending
-                        .back()
-                        .is_some_and(|l| l.rec.rollback_to == Some(version));
-                ours.then(|| st.pending.pop_back().map(|l| l.rec.version))
-                    .flatten()
-            };
-            if let Some(v) = gone {
-                if let Err(e) = self.record(Entry::Withdraw { version: v }).await {
-                    self.fail(format!(
-                        "a failed rollback to v{version} could not be withdrawn ({e}); re-attach the workspace"
-                    ));
-                }
+        let Err(e) = r else { return r };
+        // No receipt, so no rollback, unless a publish took the layer meanwhile (then it is
+        // one). Under the publish lock: the layer goes if it is still pending (it is empty, so
+        // nothing is folded back), and its withdrawal is recorded in case its record was
+        // written.
+        let _p = self.publish_lock.lock().await;
+        let pending = {
+            let mut st = self.st_mut();
+            let ours = st
+                .pending
+                .back()
+                .is_some_and(|l| l.rec.version == expected && l.rec.rollback_to == Some(version));
+            if ours {
+                st.pending.pop_back();
             }
+            ours
+        };
+        if pending {
+            if let Err(w) = self.record(Entry::Withdraw { version: expected }).await {
+                self.fail(format!(
+                    "a failed rollback to v{version} could not be withdrawn ({w}); re-attach the workspace"
+                ));
+            }
+            return Err(e);
         }
-        r
+        // Published meanwhile: it happened.
+        match self.receipt(expected) {
+            Some(p) if self.st().base_version >= expected => Ok(p),
+            _ => Err(e),
+        }
     }
 
     /// Publishes the rollback layer `rec` (to `target`, published before it) as the target's
