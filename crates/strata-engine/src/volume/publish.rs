@@ -599,21 +599,12 @@ impl Volume {
         // A flag left by an earlier publish is settled first: it is not this rollback's.
         self.resolve_ambiguous().await?;
         let started = Instant::now();
-        let mut m = self
+        let m = self
             .reader
             .store()
             .get_manifest(&self.tenant, &target.manifest)
             .await?;
-        // A disk never shrinks (a mounted filesystem must not find its end gone): an older,
-        // smaller version comes back on today's disk, its new end reading as zeros.
-        let mut manifest = target.manifest;
-        if m.disk_size < self.size() {
-            m.disk_size = self.size();
-            manifest = self.reader.store().put_manifest(&self.tenant, &m).await?;
-            self.catalog
-                .record_manifest(&self.tenant, manifest, &m.objects)
-                .await?;
-        }
+        let (manifest, m) = self.on_todays_disk(target.manifest, m).await?;
         let base_version = self.st().base_version;
         let cut = self.acked_seq.load(SeqCst);
         let cp = NewCheckpoint {

@@ -141,29 +141,10 @@ impl Volume {
         if m.disk_size != self.size() {
             return Ok(None); // Not the fork's disk (a fork is never made across a grow).
         }
-        let ncp = NewCheckpoint {
-            manifest: cp.manifest,
-            disk_size: m.disk_size,
-            label: rec.label.clone(),
-            kind: rec.kind,
-            bytes: 0,
-            cut_seq: rec.cut,
-            journal_id: Some(self.journal_id.clone()),
-            keep_until_ms: self.keep_for(rec),
-        };
-        let version = self.advance_head(base_version, &ncp).await?;
-        tracing::info!(tenant = %self.tenant, workspace = %self.name, version, source = %a.workspace, source_version = a.version, "a live fork rebased onto its source's checkpoint");
-        self.finish_publish(version, cp.manifest, Arc::new(m), rec.cut, 0)
-            .await;
-        Ok(Some(Published {
-            version,
-            manifest: Some(cp.manifest),
-            cut_seq: rec.cut,
-            bytes_uploaded: 0,
-            stall: Duration::ZERO,
-            total: started.elapsed(),
-            state: CheckpointState::Published,
-        }))
+        tracing::info!(tenant = %self.tenant, workspace = %self.name, source = %a.workspace, source_version = a.version, "a live fork rebases onto its source's checkpoint");
+        self.publish_existing(rec, cp.manifest, m, base_version, started)
+            .await
+            .map(Some)
     }
 
     /// Rolls back to the pending version `version` at once (see the module docs). The caller
@@ -265,15 +246,40 @@ impl Volume {
                 format!("the rollback's target v{target} names another manifest in the catalog"),
             ));
         }
-        let mut manifest = target_id;
-        let mut m = (*m).clone();
-        if m.disk_size < self.size() {
-            m.disk_size = self.size();
-            manifest = self.reader.store().put_manifest(&self.tenant, &m).await?;
-            self.catalog
-                .record_manifest(&self.tenant, manifest, &m.objects)
-                .await?;
+        let (manifest, m) = self.on_todays_disk(target_id, (*m).clone()).await?;
+        self.publish_existing(rec, manifest, m, base_version, started)
+            .await
+    }
+
+    /// `m` (stored as `id`) on today's disk size: a disk never shrinks (a mounted filesystem
+    /// must not find its end gone), so an older, smaller version comes back with its new end
+    /// reading as zeros, as a new manifest.
+    pub(super) async fn on_todays_disk(
+        &self,
+        id: Hash,
+        mut m: Manifest,
+    ) -> Result<(Hash, Manifest)> {
+        if m.disk_size >= self.size() {
+            return Ok((id, m));
         }
+        m.disk_size = self.size();
+        let id = self.reader.store().put_manifest(&self.tenant, &m).await?;
+        self.catalog
+            .record_manifest(&self.tenant, id, &m.objects)
+            .await?;
+        Ok((id, m))
+    }
+
+    /// Publishes the layer `rec` as `manifest` (already in the store, `m`): the head CAS and
+    /// the new base, nothing uploaded.
+    async fn publish_existing(
+        &self,
+        rec: &LayerRecord,
+        manifest: Hash,
+        m: Manifest,
+        base_version: u64,
+        started: Instant,
+    ) -> Result<Published> {
         let cp = NewCheckpoint {
             manifest,
             disk_size: m.disk_size,
