@@ -121,6 +121,9 @@ struct State {
     pending: VecDeque<Layer>,
     active: Overlay,
     files: HashMap<u64, SegFile>,
+    /// Versions up to this one have had their retention decided (see `layers.rs` `keep_for`):
+    /// a local rollback may only target a later one.
+    keep_fixed: u64,
 }
 
 /// A journal segment's file as reads see it: the handle and a pin. A read holds the pin from

@@ -49,8 +49,16 @@ async fn rebased(c: &Cluster, ws: &str) -> usize {
 /// Waits until the live fork `ws` has published and been let go of on `node`.
 async fn released(node: &Arc<Engine>, ws: &str) {
     let t = Instant::now();
+    // Let go of: detached here and its lease released (that comes just after the detach).
     while node.volume(TENANT, ws).is_some()
         || node.workspace(TENANT, ws).await.unwrap().head_version < 2
+        || node
+            .catalog()
+            .get_lease(TENANT, ws)
+            .await
+            .unwrap()
+            .holder
+            .is_some()
     {
         assert!(
             t.elapsed() < Duration::from_secs(30),

@@ -111,8 +111,9 @@ async fn a_rollback_to_a_local_checkpoint_is_immediate_and_publishes_in_order() 
     )
     .unwrap();
     let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
-    // Nothing publishes: every version below stays local until the catalog answers again.
-    lossy.refuse_cas.store(true, SeqCst);
+    // Nothing publishes (every publish fails before its head CAS): every version below stays
+    // local until the catalog answers again.
+    lossy.refuse_manifests.store(true, SeqCst);
     write_tag(&v, 1, 0, 16).await;
     let p2 = v.checkpoint_with(None, None, false).await.unwrap();
     let img2 = image(&v).await;
@@ -137,7 +138,7 @@ async fn a_rollback_to_a_local_checkpoint_is_immediate_and_publishes_in_order() 
     assert_eq!(image(&v).await, img2);
     assert_eq!(v.stats().pending_versions, 7);
     // The catalog answers: everything publishes in order, each version with its data.
-    lossy.refuse_cas.store(false, SeqCst);
+    lossy.refuse_manifests.store(false, SeqCst);
     let p = v.published(r3.version).await.unwrap();
     assert_eq!(p.state, CheckpointState::Published);
     assert_eq!(
@@ -238,6 +239,8 @@ async fn a_lost_cas_reply_of_a_local_checkpoint_is_adopted_not_repeated() {
 
 /// Rollbacks that were taken locally (their target still pending), across the cases.
 static LOCAL_ROLLBACKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// Rollbacks that failed (the published way, while the catalog refused) and changed nothing.
+static ROLLBACKS_REFUSED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 fn cases() -> u64 {
     std::env::var("STRATA_LOCAL_CASES")
@@ -265,8 +268,19 @@ async fn power_case(cluster: &Cluster, seed: u64) -> (usize, bool) {
     )
     .unwrap();
     let vol = empty_volume(&node, &name, DISK, Mode::Durable).await;
+    // (Refused manifests fail a publish before its CAS; a refused CAS leaves it ambiguous, and
+    // then a rollback takes the published way until that is settled.)
+    let refusing = |on: bool, cas: bool| {
+        let flag = if cas {
+            &lossy.refuse_cas
+        } else {
+            &lossy.refuse_manifests
+        };
+        flag.store(on, SeqCst);
+    };
+    let cas = rng.random_bool(0.3);
     let refuse_until = if rng.random_bool(0.5) {
-        lossy.refuse_cas.store(true, SeqCst);
+        refusing(true, cas);
         rng.random_range(0..40u64)
     } else {
         0
@@ -277,7 +291,7 @@ async fn power_case(cluster: &Cluster, seed: u64) -> (usize, bool) {
     let mut locals: Vec<(u64, usize, CheckpointKind)> = Vec::new();
     for i in 0..rng.random_range(1..40u64) {
         if i == refuse_until {
-            lossy.refuse_cas.store(false, SeqCst);
+            refusing(false, cas);
         }
         let r = rng.random_range(0..100);
         let mut next = states.last().unwrap().clone();
@@ -309,7 +323,21 @@ async fn power_case(cluster: &Cluster, seed: u64) -> (usize, bool) {
             } else {
                 locals[rng.random_range(0..locals.len())]
             };
-            let p = node.rollback(TENANT, &name, to).await.unwrap();
+            let p = match node.rollback(TENANT, &name, to).await {
+                Ok(p) => p,
+                Err(e) => {
+                    // Only the published way fails, while the catalog refuses: nothing changed.
+                    assert!(i < refuse_until, "seed {seed}: rollback to v{to}: {e}");
+                    let now = states.last().unwrap();
+                    assert_eq!(
+                        &image(&vol).await,
+                        now,
+                        "seed {seed}: a failed rollback changed the disk"
+                    );
+                    ROLLBACKS_REFUSED.fetch_add(1, SeqCst);
+                    continue;
+                }
+            };
             if p.state == CheckpointState::Local {
                 LOCAL_ROLLBACKS.fetch_add(1, SeqCst);
             }
@@ -383,8 +411,9 @@ async fn local_checkpoints_survive_power_loss_mid_publication() {
     }
     let rollbacks = LOCAL_ROLLBACKS.load(SeqCst);
     eprintln!(
-        "{} power-loss cases ({mid} with a publish cut short): {verified} local checkpoints and rollbacks verified after recovery, {rollbacks} rollbacks taken locally",
-        cases()
+        "{} power-loss cases ({mid} with a publish cut short): {verified} local checkpoints and rollbacks verified after recovery, {rollbacks} rollbacks taken locally, {} refused without effect",
+        cases(),
+        ROLLBACKS_REFUSED.load(SeqCst)
     );
     assert!(verified > 0 && mid > 0 && rollbacks > 0);
 }

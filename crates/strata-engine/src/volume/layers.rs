@@ -40,10 +40,6 @@ use serde::{Deserialize, Serialize};
 use super::cutlog::Entry;
 use super::*;
 
-/// A local rollback's cut found its target published past (the caller rolls back the
-/// published way instead).
-pub(super) const ROLLBACK_TARGET_PUBLISHED: &str = "the rollback's target was published meanwhile";
-
 /// At most this many cuts wait for publication; a cut beyond waits for the oldest to publish.
 pub(crate) const MAX_PENDING: usize = 64;
 
@@ -153,8 +149,6 @@ pub(super) struct CutSpec {
     pub disk_size: u64,
     /// Seal the journal's active segment at the cut (a live fork links the sealed segments).
     pub rotate: bool,
-    /// A local rollback to this version (an empty layer; see `rebase.rs`).
-    pub rollback_to: Option<u64>,
 }
 
 impl CutSpec {
@@ -165,7 +159,6 @@ impl CutSpec {
             keep_until_ms: None,
             disk_size: 0,
             rotate: false,
-            rollback_to: None,
         }
     }
 }
@@ -245,14 +238,6 @@ impl Volume {
                 None
             };
             let mut st = self.st_mut();
-            // A local rollback reads its target: still pending, or the base just published.
-            let under = match spec.rollback_to {
-                Some(v) if v < st.base_version => {
-                    return Err(Error::Invalid(ROLLBACK_TARGET_PUBLISHED.into()))
-                }
-                Some(v) if v == st.base_version => Some((st.base_id, st.base.clone())),
-                _ => None,
-            };
             let sealed = rotated.map(|(id, f)| {
                 st.files.insert(id, SegFile::new(f));
                 id
@@ -266,7 +251,7 @@ impl Volume {
                 disk_size: spec.disk_size,
                 taken_ms: crate::now_ms(),
                 adopt: None,
-                rollback_to: spec.rollback_to,
+                rollback_to: None,
             };
             let overlay = Arc::new(std::mem::take(&mut st.active));
             let (bytes, since) = {
@@ -278,7 +263,7 @@ impl Volume {
                 overlay,
                 bytes,
                 since,
-                under,
+                under: None,
             });
             (rec, sealed)
         };
@@ -318,6 +303,11 @@ impl Volume {
     /// Appends `e` to the cut log, durably. Appends are serialised by the log's lock and each
     /// carries the layers pending at that moment for a rewrite of a full log.
     pub(super) async fn record(&self, e: Entry) -> Result<()> {
+        self.record_also(e, None).await
+    }
+
+    /// [`Self::record`], with `also` counted among the pending cuts (one not pushed yet).
+    pub(super) async fn record_also(&self, e: Entry, also: Option<LayerRecord>) -> Result<()> {
         let me = self
             .me
             .upgrade()
@@ -329,6 +319,7 @@ impl Volume {
                 .pending
                 .iter()
                 .map(|l| Entry::Cut(l.rec.clone()))
+                .chain(also.map(Entry::Cut))
                 .collect();
             log.append(&e, &live)
         })
@@ -339,16 +330,26 @@ impl Volume {
     /// rollback still targets it, at least a day from now (its manifest must not expire before
     /// the rollback publishes it again; a labelled one without a date is kept anyway).
     pub(super) fn keep_for(&self, rec: &LayerRecord) -> Option<u64> {
-        let targeted = self
-            .st()
-            .pending
-            .iter()
-            .any(|l| l.rec.rollback_to == Some(rec.version));
+        // Decided here, once: a rollback cut later cannot target this version locally.
+        let targeted = {
+            let mut st = self.st_mut();
+            st.keep_fixed = st.keep_fixed.max(rec.version);
+            st.pending
+                .iter()
+                .any(|l| l.rec.rollback_to == Some(rec.version))
+        };
         if !targeted || (rec.label.is_some() && rec.keep_until_ms.is_none()) {
             return rec.keep_until_ms;
         }
         let day = crate::now_ms() + 24 * 3600 * 1000;
         Some(rec.keep_until_ms.map_or(day, |k| k.max(day)))
+    }
+
+    /// After a head CAS known not to have committed: no version past the base has had its
+    /// retention decided (versions publish in order).
+    pub(super) fn keep_undecided(&self) {
+        let mut st = self.st_mut();
+        st.keep_fixed = st.keep_fixed.min(st.base_version);
     }
 
     /// Whether any cut waits for publication.

@@ -269,6 +269,7 @@ impl Volume {
                 pending,
                 active,
                 files,
+                keep_fixed: ws.head_version,
             }),
             sync_lock: tokio::sync::Mutex::new(()),
             cut_lock: tokio::sync::Mutex::new(()),

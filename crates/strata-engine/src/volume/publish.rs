@@ -326,6 +326,7 @@ impl Volume {
         let settle = async {
             let ws = self.catalog.get_workspace(&self.tenant, &self.name).await?;
             if ws.head_version <= self.st().base_version {
+                self.keep_undecided(); // It did not commit.
                 return Ok(());
             }
             let cp = self
@@ -493,7 +494,7 @@ impl Volume {
             {
                 self.ambiguous.store(true, SeqCst);
             }
-            _ => {}
+            _ => self.keep_undecided(), // Not committed: its retention was not decided.
         }
         Err(err.into())
     }
@@ -564,11 +565,11 @@ impl Volume {
         };
         if local && pending_target && !self.has_pending_grow() {
             // A local checkpoint: rolled back at once, published later (see `rebase.rs`).
-            match self.rollback_local(&c, version).await {
-                Err(Error::Invalid(m)) if m == super::layers::ROLLBACK_TARGET_PUBLISHED => {}
-                r => {
+            match self.rollback_local(&c, version).await? {
+                None => {} // The published way, below.
+                Some(p) => {
                     self.kick();
-                    return r;
+                    return Ok(p);
                 }
             }
         }

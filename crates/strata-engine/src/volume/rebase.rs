@@ -28,7 +28,7 @@
 use std::path::Path;
 
 use super::cutlog::{CutLog, Entry};
-use super::layers::{Adopt, CheckpointState, CutSpec, LayerRecord};
+use super::layers::{Adopt, CheckpointState, CutSpec, Layer, LayerRecord, MAX_PENDING};
 use super::*;
 
 /// Records a new live fork's first layer (version 2, through the source's cut) in its cut log,
@@ -147,68 +147,131 @@ impl Volume {
             .map(Some)
     }
 
-    /// Rolls back to the pending version `version` at once (see the module docs). The caller
-    /// holds the cut lock, inside an exclusive section (no write in flight). Publication goes
-    /// on meanwhile: if the target is published past before the rollback's layer is cut, the
-    /// cut is refused ([`super::layers::ROLLBACK_TARGET_PUBLISHED`]) and nothing is rolled
-    /// back (the caller takes the published way).
+    /// Rolls back to the pending version `version` at once (see the module docs); None when
+    /// it cannot be done locally any more (the target's retention was decided meanwhile, or too
+    /// many cuts are pending): then nothing was rolled back and the caller takes the published
+    /// way. The caller holds the cut lock, inside an exclusive section (no write in flight);
+    /// publication goes on meanwhile.
+    ///
+    /// The rollback's layer is made durable *before* it is pushed (it is empty: nothing to
+    /// sync), so no publish can take it before its receipt is certain; a failure after its
+    /// record withdraws it by a record of its own, and if even that fails the volume fails (the
+    /// outcome would be unknown after a restart).
     pub(super) async fn rollback_local(
         &self,
         c: &tokio::sync::MutexGuard<'_, ()>,
         version: u64,
-    ) -> Result<Published> {
-        // Everything acknowledged so far becomes a version of its own.
-        let last_cut = {
-            let st = self.st();
-            st.pending.back().map_or(0, |l| l.rec.cut)
-        }
-        .max(self.published_seq.load(SeqCst));
-        if self.acked_seq.load(SeqCst) > last_cut {
+    ) -> Result<Option<Published>> {
+        let started = Instant::now();
+        // Everything acknowledged so far becomes a version of its own (no write is in flight:
+        // what the active overlay holds is exactly what no cut holds).
+        if self.st().active.runs() > 0 {
             self.cut_locked(c, CutSpec::of(CheckpointKind::Auto), None)
                 .await?;
         }
-        let spec = CutSpec {
-            label: Some(format!("rollback to v{version}")),
-            rollback_to: Some(version),
-            ..CutSpec::of(CheckpointKind::Rollback)
-        };
-        // Its version if it is cut (base + pending stays the same while layers publish, and
-        // no other cut is taken: the caller holds the cut lock).
-        let expected = {
+        self.usable()?;
+        self.lease_valid()?;
+        if self.sealed.load(SeqCst) {
+            return Err(Error::Unavailable(
+                self.name.clone(),
+                "detaching: no new checkpoint is taken".into(),
+            ));
+        }
+        let rec = {
+            // The writer lock orders the cut against appends (none is in flight: every record
+            // written is in an earlier cut).
+            let j = self.writer.lock().await;
             let st = self.st();
-            st.base_version + st.pending.len() as u64 + 1
-        };
-        let r = self.cut_locked(c, spec, None).await;
-        let Err(e) = r else { return r };
-        // No receipt, so no rollback, unless a publish took the layer meanwhile (then it is
-        // one). Under the publish lock: the layer goes if it is still pending (it is empty, so
-        // nothing is folded back), and its withdrawal is recorded in case its record was
-        // written.
-        let _p = self.publish_lock.lock().await;
-        let pending = {
-            let mut st = self.st_mut();
-            let ours = st
-                .pending
-                .back()
-                .is_some_and(|l| l.rec.version == expected && l.rec.rollback_to == Some(version));
-            if ours {
-                st.pending.pop_back();
+            if !self.rollback_target_open(&st, version) || st.pending.len() + 1 >= MAX_PENDING {
+                return Ok(None);
             }
-            ours
+            // Base + pending stays the same while layers publish, and no other cut is taken.
+            LayerRecord {
+                cut: j.last_seq(),
+                version: st.base_version + st.pending.len() as u64 + 1,
+                kind: CheckpointKind::Rollback,
+                label: Some(format!("rollback to v{version}")),
+                keep_until_ms: None,
+                disk_size: 0,
+                taken_ms: crate::now_ms(),
+                adopt: None,
+                rollback_to: Some(version),
+            }
         };
-        if pending {
-            if let Err(w) = self.record(Entry::Withdraw { version: expected }).await {
+        let withdraw = async |e: Error| -> Error {
+            if let Err(w) = self
+                .record(Entry::Withdraw {
+                    version: rec.version,
+                })
+                .await
+            {
                 self.fail(format!(
                     "a failed rollback to v{version} could not be withdrawn ({w}); re-attach the workspace"
                 ));
+                return Error::Unavailable(
+                    self.name.clone(),
+                    format!("the outcome of the rollback to v{version} is unknown ({e}); re-attach the workspace"),
+                );
             }
-            return Err(e);
+            e
+        };
+        if let Err(e) = self
+            .record_also(Entry::Cut(rec.clone()), Some(rec.clone()))
+            .await
+        {
+            return Err(withdraw(e).await);
         }
-        // Published meanwhile: it happened.
-        match self.receipt(expected) {
-            Some(p) if self.st().base_version >= expected => Ok(p),
-            _ => Err(e),
+        // Pushed only if still valid: the lease (as for any receipt) and the target.
+        let pushed = {
+            let lease = self.lease_valid();
+            let mut st = self.st_mut();
+            match lease {
+                Err(e) => Err(e),
+                Ok(()) if !self.rollback_target_open(&st, version) => Ok(false),
+                Ok(()) => {
+                    let under = (version == st.base_version).then(|| (st.base_id, st.base.clone()));
+                    debug_assert_eq!(st.active.runs(), 0);
+                    st.pending.push_back(Layer {
+                        rec: rec.clone(),
+                        overlay: Arc::new(Overlay::default()),
+                        bytes: 0,
+                        since: None,
+                        under,
+                    });
+                    Ok(true)
+                }
+            }
+        };
+        match pushed {
+            Ok(true) => Ok(Some(Published {
+                version: rec.version,
+                manifest: None,
+                cut_seq: rec.cut,
+                bytes_uploaded: 0,
+                stall: Duration::ZERO,
+                total: started.elapsed(),
+                state: CheckpointState::Local,
+            })),
+            Ok(false) => match withdraw(Error::Invalid(String::new())).await {
+                Error::Invalid(_) => Ok(None),
+                e => Err(e),
+            },
+            Err(e) => Err(withdraw(e).await),
         }
+    }
+
+    /// Whether a rollback layer may still target `version` locally: it is pending, or the base
+    /// whose retention no publish has decided yet (`keep_for` fixes it once, at the CAS), or
+    /// another pending rollback already targets it (its retention was extended then).
+    fn rollback_target_open(&self, st: &State, version: u64) -> bool {
+        let pending =
+            version > st.base_version && version <= st.base_version + st.pending.len() as u64;
+        let undecided = version > st.keep_fixed;
+        let targeted = st
+            .pending
+            .iter()
+            .any(|l| l.rec.rollback_to == Some(version));
+        (pending && undecided) || (version == st.base_version && targeted)
     }
 
     /// Publishes the rollback layer `rec` (to `target`, published before it) as the target's

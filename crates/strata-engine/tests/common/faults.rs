@@ -141,6 +141,8 @@ pub struct LossyCatalog {
     pub blind: AtomicBool,
     /// Every head CAS fails without committing (the catalog is unreachable for it).
     pub refuse_cas: AtomicBool,
+    /// Recording a new manifest fails (a publish fails before its head CAS).
+    pub refuse_manifests: AtomicBool,
     /// Lease renewal calls: single, batched, and leases in all batches.
     pub single_renewals: AtomicU64,
     pub batch_renewals: AtomicU64,
@@ -154,6 +156,7 @@ impl LossyCatalog {
             lose_next_cas_reply: AtomicBool::new(false),
             blind: AtomicBool::new(false),
             refuse_cas: AtomicBool::new(false),
+            refuse_manifests: AtomicBool::new(false),
             single_renewals: AtomicU64::new(0),
             batch_renewals: AtomicU64::new(0),
             batched_leases: AtomicU64::new(0),
@@ -219,6 +222,9 @@ impl Catalog for LossyCatalog {
         self.inner.list_streams(tenant).await
     }
     async fn record_manifest(&self, t: &str, m: Hash, objects: &[ObjectRef]) -> Result<()> {
+        if self.refuse_manifests.load(SeqCst) {
+            return Err(CatalogError::Backend("catalog unreachable".into()));
+        }
         self.inner.record_manifest(t, m, objects).await
     }
     async fn create_template(&self, t: &Template) -> Result<()> {
