@@ -277,4 +277,37 @@ mod tests {
         let (_, e) = CutLog::open(fs, d.path(), "j").unwrap();
         assert_eq!(pending(e), vec![rec(3)]);
     }
+
+    proptest::proptest! {
+        /// Hostile or damaged bytes (the log is read back from disk): parsing never panics, and
+        /// a valid log with any byte changed or cut short yields a prefix of its entries.
+        #[test]
+        fn damaged_logs_yield_a_prefix_never_a_panic(
+            junk in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..4096),
+            at in 0usize..4096,
+            byte in proptest::prelude::any::<u8>(),
+            cut in 0usize..4096,
+        ) {
+            let _ = parse(&junk, "j");
+            let entries: Vec<Entry> = (1..=6)
+                .map(|v| if v == 4 { Entry::Withdraw { version: 2 } } else { Entry::Cut(rec(v)) })
+                .collect();
+            let mut img = Vec::new();
+            for (n, e) in entries.iter().enumerate() {
+                let payload = serde_json::to_vec(&Payload { journal: "j".into(), entry: e.clone() }).unwrap();
+                img.extend(frame(n as u64, &payload));
+            }
+            let (all, end, next) = parse(&img, "j");
+            proptest::prop_assert_eq!(&all, &entries);
+            proptest::prop_assert_eq!((end as usize, next), (img.len(), 6));
+            let mut bad = img.clone();
+            if let Some(b) = bad.get_mut(at) {
+                *b ^= byte | 1;
+            }
+            bad.truncate(cut.max(at.min(bad.len())));
+            let (got, _, _) = parse(&bad, "j");
+            proptest::prop_assert!(got.len() <= entries.len());
+            proptest::prop_assert_eq!(&got[..], &entries[..got.len()]);
+        }
+    }
 }
