@@ -295,11 +295,6 @@ impl Engine {
         }
     }
 
-    fn attached_volumes(&self) -> Vec<Arc<Volume>> {
-        let m = self.live.read().unwrap_or_else(|p| p.into_inner());
-        m.values().cloned().collect()
-    }
-
     fn set_live(&self, k: &Key, vol: Option<Arc<Volume>>) {
         let mut m = self.live.write().unwrap_or_else(|p| p.into_inner());
         match vol {
@@ -517,21 +512,6 @@ impl Engine {
                 let _ = tokio::time::timeout(Duration::from_secs(10), a.vol.quiesce()).await;
             }
             self.set_live(&k, None);
-        }
-    }
-
-    /// Stops every volume's background work (lease renewal, uploads) while leaving it attached:
-    /// what a paused or partitioned node looks like from outside. For fault tests.
-    pub async fn stop_background(&self) {
-        let slots: Vec<Slot> = {
-            let m = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-            m.values().cloned().collect()
-        };
-        for slot in slots {
-            if let Some(a) = &*slot.lock().await {
-                a.task.abort();
-                a.vol.stop_renewal();
-            }
         }
     }
 

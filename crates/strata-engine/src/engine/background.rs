@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use strata_catalog::Catalog;
 
-use super::Engine;
+use super::{Engine, Slot};
 use crate::volume::Volume;
 
 /// Every quarter TTL, one renewal for every attached volume that still renews: three tries
@@ -78,6 +78,28 @@ pub(super) async fn work(vol: Weak<Volume>, interval: Duration, segment_max: u64
             Err(e) => {
                 backoff = (backoff * 2).clamp(Duration::from_millis(100), Duration::from_secs(30));
                 tracing::warn!(workspace = v.name(), error = %e, retry_in = ?backoff, "background upload failed");
+            }
+        }
+    }
+}
+
+impl Engine {
+    pub(super) fn attached_volumes(&self) -> Vec<Arc<Volume>> {
+        let m = self.live.read().unwrap_or_else(|p| p.into_inner());
+        m.values().cloned().collect()
+    }
+
+    /// Stops every volume's background work (lease renewal, uploads) while leaving it attached:
+    /// what a paused or partitioned node looks like from outside. For fault tests.
+    pub async fn stop_background(&self) {
+        let slots: Vec<Slot> = {
+            let m = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            m.values().cloned().collect()
+        };
+        for slot in slots {
+            if let Some(a) = &*slot.lock().await {
+                a.task.abort();
+                a.vol.stop_renewal();
             }
         }
     }

@@ -198,28 +198,27 @@ impl Volume {
                 rollback_to: Some(version),
             }
         };
-        let withdraw = async |e: Error| -> Error {
-            if let Err(w) = self
-                .record(Entry::Withdraw {
-                    version: rec.version,
-                })
-                .await
-            {
+        // Withdraws the recorded layer; an error if even that fails (the outcome is then
+        // unknown after a restart, so the volume fails).
+        let withdraw = async || -> Result<()> {
+            let w = Entry::Withdraw {
+                version: rec.version,
+            };
+            self.record(w).await.map_err(|w| {
                 self.fail(format!(
                     "a failed rollback to v{version} could not be withdrawn ({w}); re-attach the workspace"
                 ));
-                return Error::Unavailable(
+                Error::Unavailable(
                     self.name.clone(),
-                    format!("the outcome of the rollback to v{version} is unknown ({e}); re-attach the workspace"),
-                );
-            }
-            e
+                    format!("the outcome of the rollback to v{version} is unknown ({w}); re-attach the workspace"),
+                )
+            })
         };
         if let Err(e) = self
             .record_also(Entry::Cut(rec.clone()), Some(rec.clone()))
             .await
         {
-            return Err(withdraw(e).await);
+            return Err(withdraw().await.err().unwrap_or(e));
         }
         // Pushed only if still valid: the lease (as for any receipt) and the target.
         let pushed = {
@@ -252,11 +251,8 @@ impl Volume {
                 total: started.elapsed(),
                 state: CheckpointState::Local,
             })),
-            Ok(false) => match withdraw(Error::Invalid(String::new())).await {
-                Error::Invalid(_) => Ok(None),
-                e => Err(e),
-            },
-            Err(e) => Err(withdraw(e).await),
+            Ok(false) => withdraw().await.map(|()| None),
+            Err(e) => Err(withdraw().await.err().unwrap_or(e)),
         }
     }
 
