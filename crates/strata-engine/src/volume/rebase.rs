@@ -107,8 +107,11 @@ impl Volume {
                 .await
             {
                 Ok(cp) => {
-                    let same =
-                        cp.journal_id.as_deref() == Some(a.journal.as_str()) && cp.cut_seq == a.cut;
+                    // The fork's cut is a checkpoint (never withdrawn): a number of another kind
+                    // with the same journal and cut is not it.
+                    let same = cp.journal_id.as_deref() == Some(a.journal.as_str())
+                        && cp.cut_seq == a.cut
+                        && cp.kind == CheckpointKind::Checkpoint;
                     if !same {
                         tracing::info!(tenant = %self.tenant, workspace = %self.name, source = %a.workspace, version = a.version, "the source's version is not the fork's cut; uploading the fork's data instead");
                         return Ok(None);
