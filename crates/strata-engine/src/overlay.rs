@@ -18,7 +18,7 @@ pub(crate) enum Loc {
 }
 
 impl Loc {
-    fn advance(self, blocks: u64) -> Loc {
+    pub(crate) fn advance(self, blocks: u64) -> Loc {
         match self {
             Loc::Journal { seg, off } => Loc::Journal {
                 seg,

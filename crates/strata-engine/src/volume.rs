@@ -226,6 +226,9 @@ pub struct Volume {
     synced_seq: AtomicU64,
     published_seq: AtomicU64,
     window: Mutex<Window>,
+    /// Woken when the remote window crosses `upload_max_bytes`: the background uploader
+    /// publishes at once instead of at its next tick.
+    upload_due: Arc<tokio::sync::Notify>,
     publish_total: AtomicU64,
     publish_done: AtomicU64,
     failed: Mutex<Option<String>>,
@@ -275,6 +278,16 @@ impl Volume {
         self.disk_size.load(SeqCst)
     }
     /// Whether FLUSH does anything (false for ephemeral and for `STRATA_VOLUME_CACHE_UNSAFE=1`).
+    /// Notified when enough is unpublished that an upload is due (see `maybe_upload`).
+    pub(crate) fn upload_due(&self) -> Arc<tokio::sync::Notify> {
+        self.upload_due.clone()
+    }
+
+    /// Whether background uploads publish this volume (every mode but ephemeral).
+    pub fn publishes(&self) -> bool {
+        self.mode != Mode::Ephemeral
+    }
+
     pub fn flush_honoured(&self) -> bool {
         self.flush_honoured
     }
@@ -532,6 +545,10 @@ impl Volume {
             let bytes = n * BLOCK_SIZE;
             self.counters.bytes_written.fetch_add(bytes, SeqCst);
             let mut w = lock(&self.window);
+            let max = self.opts.upload_max_bytes;
+            if w.bytes < max && w.bytes + bytes >= max {
+                self.upload_due.notify_one();
+            }
             w.bytes += bytes;
             w.since.get_or_insert_with(Instant::now);
         }

@@ -60,8 +60,21 @@ pub(super) async fn renew_leases(engine: Weak<Engine>, ttl: Duration) {
 pub(super) async fn work(vol: Weak<Volume>, interval: Duration, segment_max: u64) {
     let tick = (interval / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
     let mut backoff = Duration::ZERO;
+    let Some(due) = vol.upgrade().map(|v| v.upload_due()) else {
+        return;
+    };
     loop {
-        tokio::time::sleep(tick + backoff).await;
+        if backoff.is_zero() {
+            // A writer past the window's byte bound wakes the uploader at once: a fast writer
+            // must not run a whole tick ahead of its uploads (the journal would grow by as
+            // much, and the next cut's fdatasync with it).
+            tokio::select! {
+                _ = tokio::time::sleep(tick) => {}
+                _ = due.notified() => {}
+            }
+        } else {
+            tokio::time::sleep(backoff).await;
+        }
         let Some(v) = vol.upgrade() else { return };
         if let Some(why) = v.failure() {
             tracing::warn!(workspace = v.name(), %why, "background uploads stop: the volume refuses writes; detach it");
@@ -70,14 +83,21 @@ pub(super) async fn work(vol: Weak<Volume>, interval: Duration, segment_max: u64
         if let Err(e) = v.prepare_journal().await {
             tracing::warn!(workspace = v.name(), error = %e, "preparing a journal segment failed");
         }
-        if let Err(e) = v.clean_journal(4 * segment_max).await {
-            tracing::warn!(workspace = v.name(), error = %e, "journal cleaning failed");
-        }
-        match v.maybe_upload().await {
+        let r = v.maybe_upload().await;
+        match r {
             Ok(_) => backoff = Duration::ZERO,
             Err(e) => {
                 backoff = (backoff * 2).clamp(Duration::from_millis(100), Duration::from_secs(30));
                 tracing::warn!(workspace = v.name(), error = %e, retry_in = ?backoff, "background upload failed");
+            }
+        }
+        // A volume that publishes reclaims its journal by publishing (every segment a cut
+        // covers retires), which moves each byte once; cleaning copies live bytes forward
+        // locally and only pays where publishing cannot: an ephemeral volume, or uploads that
+        // are failing.
+        if !v.publishes() || !backoff.is_zero() {
+            if let Err(e) = v.clean_journal(4 * segment_max).await {
+                tracing::warn!(workspace = v.name(), error = %e, "journal cleaning failed");
             }
         }
     }

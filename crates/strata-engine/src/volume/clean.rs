@@ -2,12 +2,30 @@
 //! space stays bounded even for volumes that never publish.
 
 use super::*;
+use crate::overlay::{Hit, Run};
+
+/// Blocks a cleaning copy appends under one hold of the writer lock (1 MiB).
+const CLEAN_PIECE_BLOCKS: u64 = 256;
+
+/// Whether run `r` is a live record of segment `victim` (the oldest, ending at `victim_last`).
+fn holds(victim: u64, victim_last: u64, r: &Run) -> bool {
+    match r.loc {
+        Loc::Journal { seg, .. } => seg == victim,
+        Loc::Zero => r.seq <= victim_last,
+    }
+}
 
 impl Volume {
     /// Segment cleaning: while the journal holds more than twice its live data (plus
     /// `slack` bytes), copies the live blocks of the oldest sealed segment forward, makes the
     /// copies durable, and deletes that segment. Keeps local space bounded for volumes that
     /// never (or not yet) publish. Returns the bytes reclaimed.
+    ///
+    /// Guest writes go on meanwhile: the writer lock is held for one piece of at most
+    /// [`CLEAN_PIECE_BLOCKS`] at a time, never for a read or an fsync. A piece is read without
+    /// the lock and copied only where the overlay still points at the victim's record under
+    /// it (a newer write wins); the victim goes only if, under the lock after the copies are
+    /// durable, nothing points at it any more and no cut has taken a layer that could.
     pub async fn clean_journal(&self, slack: u64) -> Result<u64> {
         let _p = self.publish_lock.lock().await;
         // A live fork links segments under this lock: none is removed meanwhile.
@@ -15,63 +33,78 @@ impl Volume {
         let mut reclaimed = 0u64;
         loop {
             self.usable()?;
-            let mut j = self.writer.lock().await;
-            if self.has_pending() {
-                // The oldest segments hold pending layers' records: copying them forward would
-                // move them past their cut. They retire when their layers publish.
-                return Ok(reclaimed);
-            }
-            let live = self.st().active.data_blocks() * BLOCK_SIZE;
-            if j.bytes() <= live.saturating_mul(2).saturating_add(slack) {
-                return Ok(reclaimed);
-            }
-            let Some((victim, len, victim_last)) = j.oldest_sealed() else {
-                return Ok(reclaimed);
-            };
-            // Live records of the victim: data runs stored in it, and zero runs (trims,
-            // write-zeroes) whose record it holds. Being the oldest segment, it holds every
-            // live record with a sequence number up to its last one.
-            let runs: Vec<(u64, u64, Option<u64>)> = self
-                .st()
-                .active
-                .iter()
-                .filter_map(|(lba, r)| match r.loc {
-                    Loc::Journal { seg, off } if seg == victim => Some((lba, r.len, Some(off))),
-                    Loc::Zero if r.seq <= victim_last => Some((lba, r.len, None)),
-                    _ => None,
-                })
-                .collect();
-            let file = self.st().files.get(&victim).map(|f| f.file.clone());
-            for (lba, n, off) in runs {
-                let Some(off) = off else {
-                    self.append_inner(&mut j, Kind::Zero, lba, n, &[], true)?;
-                    continue;
+            let (victim, len, victim_last, runs, file) = {
+                let j = self.writer.lock().await;
+                if self.has_pending() {
+                    // The oldest segments hold pending layers' records: copying them forward
+                    // would move them past their cut. They retire when their layers publish.
+                    return Ok(reclaimed);
+                }
+                let live = self.st().active.data_blocks() * BLOCK_SIZE;
+                if j.bytes() <= live.saturating_mul(2).saturating_add(slack) {
+                    return Ok(reclaimed);
+                }
+                let Some((victim, len, victim_last)) = j.oldest_sealed() else {
+                    return Ok(reclaimed);
                 };
-                let file = file
-                    .clone()
-                    .ok_or_else(|| Error::Invalid(format!("segment {victim} has no file")))?;
-                let mut buf = vec![0u8; (n * BLOCK_SIZE) as usize];
-                file.read_at(&mut buf, off)
-                    .map_err(Error::io("reading segment to clean"))?;
-                self.append_inner(&mut j, Kind::Write, lba, n, &buf, true)?;
+                // Live records of the victim: data runs stored in it, and zero runs (trims,
+                // write-zeroes) whose record it holds. Being the oldest segment, it holds every
+                // live record with a sequence number up to its last one.
+                let st = self.st();
+                let runs: Vec<(u64, Run)> = st
+                    .active
+                    .iter()
+                    .filter(|(_, r)| holds(victim, victim_last, r))
+                    .collect();
+                let file = st.files.get(&victim).map(|f| f.file.clone());
+                (victim, len, victim_last, runs, file)
+            };
+            for (lba, run) in runs {
+                let mut done = 0u64;
+                while done < run.len {
+                    let n = match run.loc {
+                        Loc::Zero => run.len,
+                        Loc::Journal { .. } => (run.len - done).min(CLEAN_PIECE_BLOCKS),
+                    };
+                    let piece = Run {
+                        len: n,
+                        loc: run.loc.advance(done),
+                        ..run
+                    };
+                    let data = match piece.loc {
+                        Loc::Zero => Vec::new(),
+                        Loc::Journal { off, .. } => {
+                            let file = file.clone().ok_or_else(|| {
+                                Error::Invalid(format!("segment {victim} has no file"))
+                            })?;
+                            tokio::task::spawn_blocking(move || {
+                                let mut buf = vec![0u8; (n * BLOCK_SIZE) as usize];
+                                file.read_at(&mut buf, off).map(|()| buf)
+                            })
+                            .await
+                            .map_err(|e| Error::Invalid(format!("cleaning read task: {e}")))?
+                            .map_err(Error::io("reading segment to clean"))?
+                        }
+                    };
+                    self.relocate(lba + done, piece, &data).await?;
+                    done += n;
+                }
             }
             // The copies must be durable before the originals go.
-            let batch = j.take_dirty();
-            for (_, f) in &batch.files {
-                if let Err(e) = f.sync_data() {
-                    self.fail(format!("fsync failed while cleaning: {e}"));
-                    return Err(Error::io("fsync while cleaning")(e));
-                }
+            self.sync_copies().await?;
+            let mut j = self.writer.lock().await;
+            let st = self.st();
+            if self.has_pending()
+                || st
+                    .active
+                    .iter()
+                    .any(|(_, r)| holds(victim, victim_last, &r))
+            {
+                // A cut took a layer meanwhile (it may name the victim's records): the victim
+                // stays until that layer publishes.
+                return Ok(reclaimed);
             }
-            if let Some(d) = &batch.dir {
-                if let Err(e) = self.fs.sync_dir(d) {
-                    // The directory still needs a sync (new segments' names): the next flush
-                    // must not believe otherwise.
-                    j.restore_dirty(batch);
-                    return Err(Error::io("syncing journal directory")(e));
-                }
-            }
-            self.synced_seq.fetch_max(batch.upto, SeqCst);
+            drop(st);
             let busy = self
                 .st_mut()
                 .files
@@ -81,6 +114,71 @@ impl Volume {
                 .map_err(Error::io("deleting cleaned segment"))?;
             reclaimed += len;
         }
+    }
+
+    /// Makes every record so far durable, as a flush does, except that a failed directory
+    /// fsync leaves the directory to the next flush instead of failing the volume (cleaning is
+    /// background work; a flush then still syncs it, or fails the volume).
+    async fn sync_copies(&self) -> Result<()> {
+        let _s = self.sync_lock.lock().await;
+        self.usable()?;
+        let batch = self.writer.lock().await.take_dirty();
+        let fs = self.fs.clone();
+        let (batch, files, dir) = tokio::task::spawn_blocking(move || {
+            let files = batch.files.iter().try_for_each(|(_, f)| f.sync_data());
+            let dir = match (&files, &batch.dir) {
+                (Ok(()), Some(d)) => fs.sync_dir(d),
+                _ => Ok(()),
+            };
+            (batch, files, dir)
+        })
+        .await
+        .map_err(|e| Error::Invalid(format!("cleaning sync task: {e}")))?;
+        if let Err(e) = files {
+            self.fail(format!("fsync failed while cleaning: {e}"));
+            return Err(Error::io("fsync while cleaning")(e));
+        }
+        if let Err(e) = dir {
+            // The directory still needs a sync (new segments' names): the next flush must not
+            // believe otherwise.
+            self.writer.lock().await.restore_dirty(batch);
+            return Err(Error::io("syncing journal directory")(e));
+        }
+        self.counters
+            .fsyncs
+            .fetch_add(batch.files.len() as u64, SeqCst);
+        self.synced_seq.fetch_max(batch.upto, SeqCst);
+        Ok(())
+    }
+
+    /// Copies one piece of a cleaning victim forward, under the writer lock, wherever the
+    /// active overlay still maps it exactly as when it was read (same record).
+    async fn relocate(&self, lba: u64, piece: Run, data: &[u8]) -> Result<()> {
+        // Not under the freeze gate: a copy changes no content, and the publish lock held here
+        // is one a freeze may be waiting for.
+        let mut j = self.writer.lock().await;
+        self.usable()?;
+        let mut hits = Vec::new();
+        self.st().active.resolve(lba, piece.len, &mut hits);
+        for (at, n, hit) in hits {
+            let want = Run {
+                len: n,
+                loc: piece.loc.advance(at - lba),
+                ..piece
+            };
+            if hit != Hit::Here(want) {
+                continue; // Rewritten (or trimmed) since: the newer record is the live one.
+            }
+            match piece.loc {
+                Loc::Zero => self.append_inner(&mut j, Kind::Zero, at, n, &[], true)?,
+                Loc::Journal { .. } => {
+                    let from = ((at - lba) * BLOCK_SIZE) as usize;
+                    let bytes = &data[from..from + (n * BLOCK_SIZE) as usize];
+                    self.append_inner(&mut j, Kind::Write, at, n, bytes, true)?
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Keeps one prepared (zero-filled, allocated) segment file ready, and moves a young,

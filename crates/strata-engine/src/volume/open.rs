@@ -284,6 +284,7 @@ impl Volume {
             synced_seq: AtomicU64::new(last),
             published_seq: AtomicU64::new(base_seq),
             window: Mutex::new(window),
+            upload_due: Default::default(),
             publish_total: AtomicU64::new(0),
             publish_done: AtomicU64::new(0),
             failed: Mutex::new(None),
