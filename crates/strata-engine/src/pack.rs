@@ -13,11 +13,14 @@ use strata_format::BLOCK_SIZE;
 use strata_store::ObjectReader;
 
 use crate::fs::FsFile;
-use crate::overlay::{Loc, Overlay};
+use crate::overlay::{Loc, Overlay, Run};
 use crate::{Error, Result};
 
 const MAX_IN_FLIGHT: usize = 4;
 const READ_CHUNK_BLOCKS: u64 = 256;
+
+/// One piece of a read batch: (lba, blocks, journal file and offset; None for a zero run).
+type Piece = (u64, u64, Option<(Arc<dyn FsFile>, u64)>);
 
 pub(crate) struct Packed {
     pub changes: Vec<Change>,
@@ -56,38 +59,81 @@ pub(crate) async fn pack(
     // One fresh salt per publish: every object it creates is a key that never existed.
     let salt: u32 = rand::random();
     let upload = move |idx: usize, data: Vec<u8>| async move {
-        let r = reader.put_object_salted(tenant, &data, salt).await;
-        (idx, data.len() as u64, r)
+        let n = data.len() as u64;
+        (idx, n, reader.put_owned_salted(tenant, data, salt).await)
     };
+    // Room for the data and the trailer sealed onto it in place.
+    let capacity = (target + strata_format::object::trailer_len(target) + BLOCK_SIZE) as usize;
+    buf.reserve(capacity);
 
-    for (lba, run) in frozen.iter() {
-        let (seg, off) = match run.loc {
-            Loc::Zero => {
-                planned.push(Planned::Zero { lba, len: run.len });
+    // Journal reads happen on a blocking thread (never stall the runtime serving I/O), batched:
+    // up to READ_CHUNK_BLOCKS blocks from any number of runs per task, since a random writer's
+    // layer is mostly one-block runs. Runs are handled in block order, zeros included.
+    let mut all = frozen.iter();
+    let mut carry: Option<(u64, Run)> = None;
+    loop {
+        let mut batch: Vec<Piece> = Vec::new();
+        let mut blocks = 0u64;
+        while let Some((lba, run)) = carry.take().or_else(|| all.next()) {
+            let (seg, off) = match run.loc {
+                Loc::Zero => {
+                    batch.push((lba, run.len, None));
+                    continue;
+                }
+                Loc::Journal { seg, off } => (seg, off),
+            };
+            if blocks >= READ_CHUNK_BLOCKS {
+                carry = Some((lba, run));
+                break;
+            }
+            let file = files.get(&seg).ok_or_else(|| {
+                Error::Invalid(format!("journal segment {seg} missing while packing"))
+            })?;
+            let n = run.len.min(READ_CHUNK_BLOCKS - blocks);
+            batch.push((lba, n, Some((file.clone(), off))));
+            blocks += n;
+            if n < run.len {
+                // The rest of a long run starts the next batch.
+                let rest = Run {
+                    len: run.len - n,
+                    loc: run.loc.advance(n),
+                    ..run
+                };
+                carry = Some((lba + n, rest));
+                break;
+            }
+        }
+        if batch.is_empty() {
+            break;
+        }
+        let mut rbuf = std::mem::take(&mut chunk);
+        let (batch, rbuf, res) = tokio::task::spawn_blocking(move || {
+            let mut at = 0usize;
+            for (_, n, src) in &batch {
+                if let Some((f, off)) = src {
+                    let len = (*n * BLOCK_SIZE) as usize;
+                    if let Err(e) = f.read_at(&mut rbuf[at..at + len], *off) {
+                        return (batch, rbuf, Err(e));
+                    }
+                    at += len;
+                }
+            }
+            (batch, rbuf, Ok(()))
+        })
+        .await
+        .map_err(|e| Error::Invalid(format!("journal read task failed: {e}")))?;
+        chunk = rbuf;
+        res.map_err(Error::io("reading the journal"))?;
+        let mut at = 0usize;
+        for (lba, n, src) in batch {
+            if src.is_none() {
+                planned.push(Planned::Zero { lba, len: n });
                 continue;
             }
-            Loc::Journal { seg, off } => (seg, off),
-        };
-        let file = files.get(&seg).ok_or_else(|| {
-            Error::Invalid(format!("journal segment {seg} missing while packing"))
-        })?;
-        let mut b = 0u64;
-        while b < run.len {
-            let n = (run.len - b).min(READ_CHUNK_BLOCKS);
-            // Journal reads happen on a blocking thread: never stall the runtime serving I/O.
-            let (f, at) = (file.clone(), off + b * BLOCK_SIZE);
-            let mut rbuf = std::mem::take(&mut chunk);
-            let (rbuf, res) = tokio::task::spawn_blocking(move || {
-                let r = f.read_at(&mut rbuf[..(n * BLOCK_SIZE) as usize], at);
-                (rbuf, r)
-            })
-            .await
-            .map_err(|e| Error::Invalid(format!("journal read task failed: {e}")))?;
-            chunk = rbuf;
-            res.map_err(Error::io(format!("reading journal segment {seg}")))?;
-            let data = &chunk[..(n * BLOCK_SIZE) as usize];
+            let data = &chunk[at..at + (n * BLOCK_SIZE) as usize];
+            at += data.len();
             for (i, block) in data.chunks(BLOCK_SIZE as usize).enumerate() {
-                let blba = lba + b + i as u64;
+                let blba = lba + i as u64;
                 let zero = block.iter().all(|&x| x == 0);
                 if zero {
                     match planned.last_mut() {
@@ -126,11 +172,11 @@ pub(crate) async fn pack(
                             progress,
                         )?;
                     }
-                    uploads.push(upload(n_objects, std::mem::take(&mut buf)));
+                    let full = std::mem::replace(&mut buf, Vec::with_capacity(capacity));
+                    uploads.push(upload(n_objects, full));
                     n_objects += 1;
                 }
             }
-            b += n;
         }
     }
     if !buf.is_empty() {

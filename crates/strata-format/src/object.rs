@@ -40,21 +40,31 @@ pub fn encode(data: &[u8]) -> (Hash, Vec<u8>) {
 /// object id. Writers salt new objects so that a key, once garbage-collected, is never written
 /// again (GC can never race a re-upload of the same key). Decoders ignore the salt.
 pub fn encode_salted(data: &[u8], salt: u32) -> (Hash, Vec<u8>) {
+    let mut owned = Vec::with_capacity(data.len() + trailer_len(data.len() as u64) as usize);
+    owned.extend_from_slice(data);
+    seal_salted(owned, salt)
+}
+
+/// [`encode_salted`] on data the caller hands over: the trailer is appended to `data` itself,
+/// so the object costs no copy of its data (give `data` capacity for [`trailer_len`] more).
+pub fn seal_salted(mut data: Vec<u8>, salt: u32) -> (Hash, Vec<u8>) {
     let data_len = data.len() as u64;
-    let mut out = Vec::with_capacity(data.len() + trailer_len(data_len) as usize);
-    out.extend_from_slice(data);
-    let trailer_start = out.len();
-    for frame in data.chunks(FRAME_SIZE as usize) {
-        out.extend_from_slice(blake3::hash(frame).as_bytes());
+    data.reserve(trailer_len(data_len) as usize);
+    let trailer_start = data.len();
+    for i in 0..n_frames(data_len) as usize {
+        let at = i * FRAME_SIZE as usize;
+        let end = (at + FRAME_SIZE as usize).min(trailer_start);
+        let h = blake3::hash(&data[at..end]);
+        data.extend_from_slice(h.as_bytes());
     }
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&OBJECT_VERSION.to_le_bytes());
-    out.extend_from_slice(&FRAME_SIZE.to_le_bytes());
-    out.extend_from_slice(&data_len.to_le_bytes());
-    out.extend_from_slice(&(n_frames(data_len) as u32).to_le_bytes());
-    out.extend_from_slice(&salt.to_le_bytes());
-    let id = Hash::of(&out[trailer_start..]);
-    (id, out)
+    data.extend_from_slice(MAGIC);
+    data.extend_from_slice(&OBJECT_VERSION.to_le_bytes());
+    data.extend_from_slice(&FRAME_SIZE.to_le_bytes());
+    data.extend_from_slice(&data_len.to_le_bytes());
+    data.extend_from_slice(&(n_frames(data_len) as u32).to_le_bytes());
+    data.extend_from_slice(&salt.to_le_bytes());
+    let id = Hash::of(&data[trailer_start..]);
+    (id, data)
 }
 
 /// The verified frame hashes of one object.
@@ -134,6 +144,21 @@ impl FrameTable {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn sealing_in_place_is_the_same_object_as_encoding() {
+        for len in [0usize, 1, 4096, 65535, 65536, 65537, 3 * 65536 + 17] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
+            let mut owned = data.clone();
+            owned.shrink_to_fit(); // No spare room: sealing must grow it.
+            assert_eq!(
+                seal_salted(owned, 9),
+                encode_salted(&data, 9),
+                "{len} bytes"
+            );
+        }
+    }
+
     use super::*;
 
     fn trailer(obj: &[u8], data_len: u64) -> &[u8] {

@@ -261,7 +261,18 @@ impl ObjectReader {
         data: &[u8],
         salt: u32,
     ) -> Result<ObjectRef> {
-        let (r, encoded) = self.store.put_object_salted(tenant, data, salt).await?;
+        self.put_owned_salted(tenant, data.to_vec(), salt).await
+    }
+
+    /// Uploads data the caller hands over (see [`Store::put_owned_salted`]: no copy).
+    pub async fn put_owned_salted(
+        &self,
+        tenant: &str,
+        data: Vec<u8>,
+        salt: u32,
+    ) -> Result<ObjectRef> {
+        let (r, encoded) = self.store.put_owned_salted(tenant, data, salt).await?;
+        let data = &encoded[..r.data_len as usize];
         self.counters.puts.fetch_add(1, Relaxed);
         self.counters
             .bytes_put

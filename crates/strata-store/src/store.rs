@@ -126,17 +126,22 @@ impl Store {
         data: &[u8],
         salt: u32,
     ) -> Result<(ObjectRef, Bytes)> {
-        let (id, encoded) = object::encode_salted(data, salt);
+        self.put_owned_salted(tenant, data.to_vec(), salt).await
+    }
+
+    /// [`Store::put_object_salted`] on data the caller hands over: sealed in place (no copy).
+    pub async fn put_owned_salted(
+        &self,
+        tenant: &str,
+        data: Vec<u8>,
+        salt: u32,
+    ) -> Result<(ObjectRef, Bytes)> {
+        let data_len = data.len() as u64;
+        let (id, encoded) = object::seal_salted(data, salt);
         let encoded = Bytes::from(encoded);
         let key = Self::object_key(tenant, &id);
         self.put_verified(&key, encoded.clone()).await?;
-        Ok((
-            ObjectRef {
-                id,
-                data_len: data.len() as u64,
-            },
-            encoded,
-        ))
+        Ok((ObjectRef { id, data_len }, encoded))
     }
 
     /// Puts immutable bytes; after a failed attempt the key is checked (HEAD) before retrying,
