@@ -464,35 +464,17 @@ impl Journal {
             .map(|(id, s)| (*id, s.len, s.last_seq))
     }
 
-    /// Deletes the oldest sealed segment (after its live data was copied forward and synced).
-    pub fn remove_oldest(&mut self, id: u64, busy: bool) -> io::Result<()> {
+    /// Takes the oldest sealed segment `id` out of the journal (cleaning copied its live records
+    /// forward and synced them) to be retired by [`Retired::apply`] without the journal's lock.
+    /// Until then the file keeps its name; replay after a crash applies its records under their
+    /// newer copies, so the disk is the same.
+    pub fn detach_oldest(&mut self, id: u64) -> io::Result<Retired> {
         if self.oldest_sealed().map(|(o, _, _)| o) != Some(id) {
             return Err(io::Error::other(format!(
                 "segment {id} is not the oldest sealed segment"
             )));
         }
-        let shared = self.shared.contains(&id)
-            || self
-                .segments
-                .remove(&id)
-                .is_some_and(|m| !matches!(m.file.links(), Ok(1)));
-        self.segments.remove(&id);
-        self.retire(id, busy || shared)?;
-        self.fs.sync_dir(&self.dir)
-    }
-
-    /// Removes a segment's name: keeps the file for recycling if the pool has room and no read
-    /// holds it (`busy`: its blocks must not be overwritten under that read).
-    fn retire(&mut self, id: u64, busy: bool) -> io::Result<()> {
-        let path = seg_path(&self.dir, id);
-        if !busy && self.free.len() < FREE_POOL {
-            let to = self.dir.join(format!("{id:016x}.free"));
-            self.fs.rename(&path, &to)?;
-            self.free.push(to);
-            Ok(())
-        } else {
-            self.fs.remove(&path)
-        }
+        Ok(self.detach(vec![id]))
     }
 
     /// Takes every sealed segment whose records are all `<= seq` out of the journal and returns
@@ -507,6 +489,10 @@ impl Journal {
             .filter(|(id, s)| **id != self.active && s.last_seq <= seq)
             .map(|(id, _)| *id)
             .collect();
+        self.detach(victims)
+    }
+
+    fn detach(&mut self, victims: Vec<u64>) -> Retired {
         let mut room = FREE_POOL.saturating_sub(self.free.len());
         let mut r = Retired {
             ids: victims.clone(),

@@ -277,7 +277,6 @@ impl Volume {
     pub fn size(&self) -> u64 {
         self.disk_size.load(SeqCst)
     }
-    /// Whether FLUSH does anything (false for ephemeral and for `STRATA_VOLUME_CACHE_UNSAFE=1`).
     /// Notified when enough is unpublished that an upload is due (see `maybe_upload`).
     pub(crate) fn upload_due(&self) -> Arc<tokio::sync::Notify> {
         self.upload_due.clone()
@@ -288,6 +287,13 @@ impl Volume {
         self.mode != Mode::Ephemeral
     }
 
+    /// Whether the remote window holds at least `upload_max_bytes`: an upload is due by size,
+    /// and it, not cleaning, will reclaim the journal.
+    pub(crate) fn window_full(&self) -> bool {
+        lock(&self.window).bytes >= self.opts.upload_max_bytes
+    }
+
+    /// Whether FLUSH does anything (false for ephemeral and for `STRATA_VOLUME_CACHE_UNSAFE=1`).
     pub fn flush_honoured(&self) -> bool {
         self.flush_honoured
     }

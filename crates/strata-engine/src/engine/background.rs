@@ -93,9 +93,10 @@ pub(super) async fn work(vol: Weak<Volume>, interval: Duration, segment_max: u64
         }
         // A volume that publishes reclaims its journal by publishing (every segment a cut
         // covers retires), which moves each byte once; cleaning copies live bytes forward
-        // locally and only pays where publishing cannot: an ephemeral volume, or uploads that
-        // are failing.
-        if !v.publishes() || !backoff.is_zero() {
+        // locally and only pays where publishing will not: an ephemeral volume, uploads that
+        // are failing, or a window below its byte bound (a large bound, or a long interval,
+        // would otherwise let overwrites grow the journal until the next upload).
+        if !v.publishes() || !backoff.is_zero() || !v.window_full() {
             if let Err(e) = v.clean_journal(4 * segment_max).await {
                 tracing::warn!(workspace = v.name(), error = %e, "journal cleaning failed");
             }

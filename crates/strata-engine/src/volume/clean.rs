@@ -7,6 +7,9 @@ use crate::overlay::{Hit, Run};
 /// Blocks a cleaning copy appends under one hold of the writer lock (1 MiB).
 const CLEAN_PIECE_BLOCKS: u64 = 256;
 
+/// Work one cleaning call does before it gives way (uploads, the next tick).
+const CLEAN_BUDGET: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Whether run `r` is a live record of segment `victim` (the oldest, ending at `victim_last`).
 fn holds(victim: u64, victim_last: u64, r: &Run) -> bool {
     match r.loc {
@@ -26,13 +29,26 @@ impl Volume {
     /// the lock and copied only where the overlay still points at the victim's record under
     /// it (a newer write wins); the victim goes only if, under the lock after the copies are
     /// durable, nothing points at it any more and no cut has taken a layer that could.
+    ///
+    /// It runs in its own task (a caller that goes away never leaves a sync half done) and
+    /// stops after about [`CLEAN_BUDGET`] of work, so that a writer making garbage as fast as
+    /// it is reclaimed cannot keep it (and the publish lock it holds) forever.
     pub async fn clean_journal(&self, slack: u64) -> Result<u64> {
+        self.in_own_task(move |v| async move { v.clean_run(slack).await })
+            .await
+    }
+
+    async fn clean_run(&self, slack: u64) -> Result<u64> {
+        let began = Instant::now();
         let _p = self.publish_lock.lock().await;
         // A live fork links segments under this lock: none is removed meanwhile.
         let _r = self.retire_lock.lock().await;
         let mut reclaimed = 0u64;
         loop {
             self.usable()?;
+            if began.elapsed() > CLEAN_BUDGET {
+                return Ok(reclaimed);
+            }
             let (victim, len, victim_last, runs, file) = {
                 let j = self.writer.lock().await;
                 if self.has_pending() {
@@ -92,26 +108,41 @@ impl Volume {
             }
             // The copies must be durable before the originals go.
             self.sync_copies().await?;
-            let mut j = self.writer.lock().await;
-            let st = self.st();
-            if self.has_pending()
-                || st
-                    .active
-                    .iter()
-                    .any(|(_, r)| holds(victim, victim_last, &r))
-            {
-                // A cut took a layer meanwhile (it may name the victim's records): the victim
-                // stays until that layer publishes.
-                return Ok(reclaimed);
-            }
-            drop(st);
-            let busy = self
-                .st_mut()
-                .files
-                .remove(&victim)
-                .is_some_and(|f| f.in_use());
-            j.remove_oldest(victim, busy)
-                .map_err(Error::io("deleting cleaned segment"))?;
+            let (retired, handle) = {
+                let mut j = self.writer.lock().await;
+                let mut st = self.st_mut();
+                if !st.pending.is_empty()
+                    || st
+                        .active
+                        .iter()
+                        .any(|(_, r)| holds(victim, victim_last, &r))
+                {
+                    // A cut took a layer meanwhile (it may name the victim's records): the
+                    // victim stays until that layer publishes.
+                    return Ok(reclaimed);
+                }
+                let retired = j
+                    .detach_oldest(victim)
+                    .map_err(Error::io("deleting cleaned segment"))?;
+                (retired, st.files.remove(&victim))
+            };
+            // Renamed or unlinked, and the directory synced, without the writer lock.
+            let busy: Vec<u64> = handle
+                .iter()
+                .filter(|f| f.in_use())
+                .map(|_| victim)
+                .collect();
+            let ids = retired.ids.clone();
+            let free = tokio::task::spawn_blocking(move || {
+                let free = retired.apply(&busy);
+                drop(handle);
+                free
+            })
+            .await
+            .map_err(std::io::Error::other)
+            .and_then(|r| r)
+            .map_err(Error::io("deleting cleaned segment"))?;
+            self.writer.lock().await.retired(&ids, free);
             reclaimed += len;
         }
     }
