@@ -35,8 +35,16 @@ trap cleanup EXIT
 
 echo "preparing a ${size_mb} MiB base image" >&2
 head -c $((size_mb << 20)) /dev/urandom > "$work/base.raw"
-export STRATA_DATA="$work/strata-data"
+export STRATA_DATA="$work/strata-template"
 "$strata" template build base --from-image "$work/base.raw" >/dev/null
+# Each strata run gets its own data directory: the template's immutable objects hard-linked
+# (no bytes written), the catalog copied. Its published versions are deleted with it, so a
+# long run's disk use stays bounded (nothing here runs GC).
+strata_data() {
+  rm -rf "$work/strata-run"; cp -al "$work/strata-template" "$work/strata-run"
+  for f in "$work/strata-template"/catalog.db*; do cp --remove-destination "$f" "$work/strata-run/"; done
+  sync; export STRATA_DATA="$work/strata-run"
+}
 
 # start_server NAME -> sets $uri; each run gets a fresh overlay / fresh fork.
 n=0
@@ -44,6 +52,7 @@ start_server() {
   n=$((n + 1)); local sock="$work/$1.$n.sock"
   case "$1" in
     strata)
+      strata_data
       "$strata" ws create "w$n" --template base --mode durable >/dev/null
       "$strata" ws attach "w$n" --socket "$sock" > "$work/attach.$n" &
       pids+=($!); uri="nbd+unix:///w$n?socket=$sock" ;;
@@ -68,6 +77,7 @@ write_bytes() { awk '/^write_bytes/ {print $2}' "/proc/$1/io"; }
 stop_server() {
   if [ "$1" = raw ]; then rm -f "$work/raw.$n"; return; fi
   kill "${pids[-1]}" 2>/dev/null || true; wait "${pids[-1]}" 2>/dev/null || true; unset 'pids[-1]'
+  if [ "$1" = strata ]; then rm -rf "$work/strata-run"; fi
 }
 # run_fio SERVER fio-args...: the same job through NBD, or on the raw file for the raw peer.
 run_fio() {
@@ -127,12 +137,13 @@ PY
   for srv in strata qemu-nbd nbdkit-cow; do
     start_server "$srv" write
     pid=${pids[-1]}; sleep 0.2   # the server process (strata ws attach, qemu-nbd, nbdkit)
-    wb0=$(write_bytes "$pid"); ob0=$(du -sb "$STRATA_DATA/objects" | cut -f1)
+    objects() { if [ "$srv" = strata ]; then du -sb "$STRATA_DATA/objects" | cut -f1; else echo 0; fi; }
+    wb0=$(write_bytes "$pid"); ob0=$(objects)
     guest=$((size_mb / 16))
     fio --name=fork-first-writes --ioengine=nbd --uri="$uri" --rw=randwrite --bs=4k --iodepth=1 \
         --size="${size_mb}M" --io_size="${guest}M" --end_fsync=1 --output-format=json \
         > "$work/fio.json" 2>"$work/fio.err" || { echo "fio failed on $srv/fork-first-writes:" >&2; cat "$work/fio.err" >&2; exit 1; }
-    wb1=$(write_bytes "$pid"); ob1=$(du -sb "$STRATA_DATA/objects" | cut -f1)
+    wb1=$(write_bytes "$pid"); ob1=$(objects)
     stop_server "$srv"
     [ "$srv" = strata ] || { ob0=0; ob1=0; }
     [ $first = 1 ] || echo "," >> "$work/results.json"; first=0
