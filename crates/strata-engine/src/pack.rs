@@ -60,7 +60,7 @@ pub(crate) async fn pack(
     let salt: u32 = rand::random();
     let upload = move |idx: usize, data: Vec<u8>| async move {
         let n = data.len() as u64;
-        (idx, n, reader.put_owned_salted(tenant, data, salt).await)
+        (idx, n, reader.put_object_salted(tenant, data, salt).await)
     };
     // Room for the data and the trailer sealed onto it in place.
     let capacity = (target + strata_format::object::trailer_len(target) + BLOCK_SIZE) as usize;

@@ -86,7 +86,7 @@ pub async fn import_raw(
             let c = chunk_no;
             uploads.push(async move {
                 let n = data.len() as u64;
-                (c, n, reader.put_object_salted(tenant, &data, salt).await)
+                (c, n, reader.put_object_salted(tenant, data, salt).await)
             });
             pending.push((c, runs));
         }

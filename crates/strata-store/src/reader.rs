@@ -251,27 +251,18 @@ impl ObjectReader {
     /// Uploads `data` as an object and fills the node cache with it (write-through), so data
     /// that just left the journal is read back locally, not from the store.
     pub async fn put_object(&self, tenant: &str, data: &[u8]) -> Result<ObjectRef> {
-        self.put_object_salted(tenant, data, rand::random()).await
+        self.put_object_salted(tenant, data.to_vec(), rand::random())
+            .await
     }
 
-    /// Uploads with a chosen salt (see [`Store::put_object_salted`]).
+    /// Uploads data the caller hands over with a chosen salt (see [`Store::put_object_salted`]).
     pub async fn put_object_salted(
-        &self,
-        tenant: &str,
-        data: &[u8],
-        salt: u32,
-    ) -> Result<ObjectRef> {
-        self.put_owned_salted(tenant, data.to_vec(), salt).await
-    }
-
-    /// Uploads data the caller hands over (see [`Store::put_owned_salted`]: no copy).
-    pub async fn put_owned_salted(
         &self,
         tenant: &str,
         data: Vec<u8>,
         salt: u32,
     ) -> Result<ObjectRef> {
-        let (r, encoded) = self.store.put_owned_salted(tenant, data, salt).await?;
+        let (r, encoded) = self.store.put_object_salted(tenant, data, salt).await?;
         let data = &encoded[..r.data_len as usize];
         self.counters.puts.fetch_add(1, Relaxed);
         self.counters

@@ -114,23 +114,15 @@ impl Store {
     /// Uploads `data` as a framed, content-addressed object. Idempotent: the same data always
     /// lands at the same key with the same bytes. Returns the reference and the encoded object.
     pub async fn put_object(&self, tenant: &str, data: &[u8]) -> Result<(ObjectRef, Bytes)> {
-        self.put_object_salted(tenant, data, rand::random()).await
+        self.put_object_salted(tenant, data.to_vec(), rand::random())
+            .await
     }
 
     /// [`Store::put_object`] with a chosen salt (see [`object::encode_salted`]): writers pick a
     /// fresh random salt per publish or template build, so every upload creates keys that never
-    /// existed before and garbage collection can never race a re-upload.
+    /// existed before and garbage collection can never race a re-upload. The caller hands the
+    /// data over: the object is sealed onto it in place (no copy).
     pub async fn put_object_salted(
-        &self,
-        tenant: &str,
-        data: &[u8],
-        salt: u32,
-    ) -> Result<(ObjectRef, Bytes)> {
-        self.put_owned_salted(tenant, data.to_vec(), salt).await
-    }
-
-    /// [`Store::put_object_salted`] on data the caller hands over: sealed in place (no copy).
-    pub async fn put_owned_salted(
         &self,
         tenant: &str,
         data: Vec<u8>,

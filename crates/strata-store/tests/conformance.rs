@@ -19,8 +19,8 @@ async fn conformance(url: &str) {
     let data: Vec<u8> = (0..700_000u32).map(|i| (i % 251) as u8).collect();
     // Idempotent, content-addressed puts under one salt; another salt is another key (every
     // upload creates keys that never existed, so GC never races a re-upload).
-    let a = r.put_object_salted("t1", &data, 7).await.unwrap();
-    let b = r.put_object_salted("t1", &data, 7).await.unwrap();
+    let a = r.put_object_salted("t1", data.clone(), 7).await.unwrap();
+    let b = r.put_object_salted("t1", data.clone(), 7).await.unwrap();
     assert_eq!(a, b);
     let c = r.put_object("t1", &data).await.unwrap();
     assert_ne!(a.id, c.id);

@@ -124,25 +124,16 @@ impl Volume {
                 let retired = j
                     .detach_oldest(victim)
                     .map_err(Error::io("deleting cleaned segment"))?;
-                (retired, st.files.remove(&victim))
+                let handles: Vec<_> = st
+                    .files
+                    .remove(&victim)
+                    .map(|f| (victim, f))
+                    .into_iter()
+                    .collect();
+                (retired, handles)
             };
-            // Renamed or unlinked, and the directory synced, without the writer lock.
-            let busy: Vec<u64> = handle
-                .iter()
-                .filter(|f| f.in_use())
-                .map(|_| victim)
-                .collect();
-            let ids = retired.ids.clone();
-            let free = tokio::task::spawn_blocking(move || {
-                let free = retired.apply(&busy);
-                drop(handle);
-                free
-            })
-            .await
-            .map_err(std::io::Error::other)
-            .and_then(|r| r)
-            .map_err(Error::io("deleting cleaned segment"))?;
-            self.writer.lock().await.retired(&ids, free);
+            self.apply_retired(retired, handle, "deleting cleaned segment")
+                .await?;
             reclaimed += len;
         }
     }

@@ -73,8 +73,12 @@ impl Volume {
             if buf.is_empty() {
                 return Ok(());
             }
-            let r = self.reader.put_object_salted(&tenant, buf, salt).await?;
-            *uploaded += buf.len() as u64;
+            let len = buf.len() as u64;
+            let r = self
+                .reader
+                .put_object_salted(&tenant, std::mem::take(buf), salt)
+                .await?;
+            *uploaded += len;
             for (lba, len, off) in runs.drain(..) {
                 changes.push(Change {
                     lba,

@@ -296,6 +296,20 @@ impl Volume {
                 .filter_map(|id| st.files.remove(id).map(|f| (*id, f)))
                 .collect()
         };
+        self.apply_retired(retired, handles, "retiring published segments")
+            .await
+    }
+
+    /// Renames or unlinks segments detached from the journal (and syncs the directory) on a
+    /// blocking thread, without the writer lock; `handles` are their files, taken out of the
+    /// state: one a read still holds is unlinked, never recycled. The recycled files then
+    /// join the journal's pool.
+    pub(super) async fn apply_retired(
+        &self,
+        retired: crate::journal::Retired,
+        handles: Vec<(u64, SegFile)>,
+        what: &'static str,
+    ) -> Result<()> {
         let busy: Vec<u64> = handles
             .iter()
             .filter(|(_, f)| f.in_use())
@@ -310,7 +324,7 @@ impl Volume {
         .await
         .map_err(std::io::Error::other)
         .and_then(|r| r)
-        .map_err(Error::io("retiring published segments"))?;
+        .map_err(Error::io(what))?;
         self.writer.lock().await.retired(&ids, free);
         Ok(())
     }
