@@ -78,6 +78,11 @@ impl Volume {
             for (lba, run) in runs {
                 let mut done = 0u64;
                 while done < run.len {
+                    if self.has_pending() || began.elapsed() > CLEAN_BUDGET {
+                        // A cut keeps the victim (nothing more to copy), or time is up: the
+                        // copies so far are harmless, and a later pass goes on.
+                        return Ok(reclaimed);
+                    }
                     let n = match run.loc {
                         Loc::Zero => run.len,
                         Loc::Journal { .. } => (run.len - done).min(CLEAN_PIECE_BLOCKS),
@@ -155,7 +160,11 @@ impl Volume {
             (batch, files, dir)
         })
         .await
-        .map_err(|e| Error::Invalid(format!("cleaning sync task: {e}")))?;
+        .map_err(|e| {
+            // The batch is gone with the task: a later flush must not believe it synced.
+            self.fail(format!("cleaning's sync task failed: {e}"));
+            Error::Invalid(format!("cleaning sync task: {e}"))
+        })?;
         if let Err(e) = files {
             self.fail(format!("fsync failed while cleaning: {e}"));
             return Err(Error::io("fsync while cleaning")(e));
