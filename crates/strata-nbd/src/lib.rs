@@ -14,4 +14,4 @@ pub mod server;
 
 pub use device::{BlockDevice, DevError, MemDevice, ReadOnly};
 pub use metrics::NbdMetrics;
-pub use server::{Alive, Export, Exports, Server, ServerConfig};
+pub use server::{Alive, Conn, Export, Exports, Server, ServerConfig};

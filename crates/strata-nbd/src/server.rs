@@ -31,15 +31,19 @@ use std::path::Path;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::device::{BlockDevice, DevError};
 
+mod conn;
 mod negotiate;
+
 use crate::proto::*;
+pub use conn::Conn;
+use conn::{send_replies, Reply, READ_BUFFER};
 
 /// One export: a device and how it is offered.
 #[derive(Clone)]
@@ -257,10 +261,7 @@ impl Server {
 
     /// Serves one accepted connection in its own task, unless the server is shutting down (then
     /// the connection is closed at once).
-    pub fn spawn_connection<S>(self: &Arc<Self>, s: S)
-    where
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    {
+    pub fn spawn_connection<S: Conn>(self: &Arc<Self>, s: S) {
         let me = self.clone();
         self.spawn_tracked(async move { me.handle(s).await });
     }
@@ -284,11 +285,11 @@ impl Server {
         alive: Option<Alive>,
     ) -> tokio::task::JoinHandle<()>
     where
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        S: Conn,
     {
         let me = self.clone();
         self.spawn_tracked(async move {
-            let (rd, wr) = tokio::io::split(s);
+            let (rd, wr) = s.into_halves();
             let neg = Negotiated {
                 export,
                 structured: false,
@@ -325,11 +326,8 @@ impl Server {
     }
 
     /// Serves one connection to completion. Errors are logged here, where they are handled.
-    pub async fn handle<S>(self: Arc<Self>, stream: S)
-    where
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    {
-        let (mut rd, mut wr) = tokio::io::split(stream);
+    pub async fn handle<S: Conn>(self: Arc<Self>, stream: S) {
+        let (mut rd, mut wr) = stream.into_halves();
         let mut stop = self.stopped();
         let negotiated = tokio::select! {
             r = tokio::time::timeout(self.cfg.handshake_timeout, self.negotiate(&mut rd, &mut wr)) => r,
@@ -352,27 +350,16 @@ impl Server {
         }
     }
 
-    async fn transmit<R, W>(&self, mut rd: R, mut wr: W, neg: Negotiated) -> Result<(), ConnError>
+    async fn transmit<R, W>(&self, rd: R, wr: W, neg: Negotiated) -> Result<(), ConnError>
     where
         R: AsyncRead + Unpin,
         W: AsyncWrite + Unpin + Send + 'static,
     {
-        let (tx, mut rx) = mpsc::channel::<Reply>(128);
-        let mut writer = AbortOnDrop(tokio::spawn(async move {
-            while let Some(r) = rx.recv().await {
-                wr.write_all(&r.head).await?;
-                if !r.data.is_empty() {
-                    wr.write_all(&r.data).await?;
-                }
-                // The request's budget is returned only now that its reply has left.
-                drop(r.permit);
-                if rx.is_empty() {
-                    wr.flush().await?;
-                }
-            }
-            wr.flush().await?;
-            Ok::<_, io::Error>(())
-        }));
+        let (tx, rx) = mpsc::channel::<Reply>(128);
+        let mut writer = AbortOnDrop(tokio::spawn(send_replies(rx, wr)));
+        // Pipelined requests arrive together: one read takes many headers (and small
+        // payloads) instead of two system calls per request.
+        let mut rd = tokio::io::BufReader::with_capacity(READ_BUFFER, rd);
         let budget = Arc::new(Semaphore::new(self.cfg.max_inflight_bytes as usize));
         let mut tasks = JoinSet::new();
         let dev = neg.export.device.clone();
@@ -575,24 +562,6 @@ fn reply_ok(reply: &[u8]) -> bool {
             .get(6..8)
             .is_some_and(|t| u16::from_be_bytes([t[0], t[1]]) & (1 << 15) == 0),
         None => false,
-    }
-}
-
-/// A reply on its way to the wire: header, then (for reads) the data, moved rather than copied
-/// into one buffer, and the request's share of the in-flight budget, returned once written.
-struct Reply {
-    head: Vec<u8>,
-    data: Vec<u8>,
-    permit: Option<OwnedSemaphorePermit>,
-}
-
-impl From<Vec<u8>> for Reply {
-    fn from(head: Vec<u8>) -> Self {
-        Reply {
-            head,
-            data: Vec::new(),
-            permit: None,
-        }
     }
 }
 

@@ -69,7 +69,14 @@ struct InPlace {
     ticks: HashMap<Key, u64>,
     lru: std::collections::BTreeMap<u64, Key>,
     tick: u64,
+    /// Open object files: a read of a verified unit is one `pread`, not an open, a read and a
+    /// close. An object is immutable, and one deleted since (by GC) still reads the bytes that
+    /// were verified, so a handle is never stale; at most [`OPEN_FILES`] stay open.
+    files: HashMap<(String, Hash), Arc<std::fs::File>>,
 }
+
+/// Object files kept open by a reader of a local store.
+const OPEN_FILES: usize = 128;
 
 impl InPlace {
     fn touch(&mut self, k: &Key) -> bool {
@@ -409,6 +416,57 @@ impl ObjectReader {
         Some(data[off as usize..off as usize + len].to_vec())
     }
 
+    /// A read of units all verified before, from a local store's object file straight into
+    /// `buf`; false if any unit is not (the caller takes the general path).
+    fn read_in_place(&self, tenant: &str, obj: &ObjectRef, offset: u64, buf: &mut [u8]) -> bool {
+        use std::os::unix::fs::FileExt;
+        let Some(ip) = &self.in_place else {
+            return false;
+        };
+        let end = offset + buf.len() as u64;
+        let file = {
+            let mut ip = lock(ip);
+            let mut key = Key {
+                tenant: tenant.to_string(),
+                id: obj.id,
+                unit: offset / self.unit,
+            };
+            while key.unit * self.unit < end {
+                if !ip.touch(&key) {
+                    return false;
+                }
+                key.unit += 1;
+            }
+            let fk = (key.tenant, obj.id);
+            match ip.files.get(&fk) {
+                Some(f) => f.clone(),
+                None => {
+                    let Some(path) = self.store.local_object_path(tenant, &obj.id) else {
+                        return false;
+                    };
+                    let Ok(f) = std::fs::File::open(path) else {
+                        return false;
+                    };
+                    if ip.files.len() >= OPEN_FILES {
+                        let old = ip.files.keys().next().cloned();
+                        if let Some(old) = old {
+                            ip.files.remove(&old);
+                        }
+                    }
+                    let f = Arc::new(f);
+                    ip.files.insert(fk, f.clone());
+                    f
+                }
+            }
+        };
+        if file.read_exact_at(buf, offset).is_err() {
+            return false;
+        }
+        let units = (end - 1) / self.unit - offset / self.unit + 1;
+        self.counters.cache_hits.fetch_add(units, Relaxed);
+        true
+    }
+
     /// Reads `buf.len()` bytes at `offset` of object `obj` into `buf`, verified.
     pub async fn read_into(
         &self,
@@ -424,7 +482,7 @@ impl ObjectReader {
                 obj.id, obj.data_len
             )));
         }
-        if buf.is_empty() {
+        if buf.is_empty() || self.read_in_place(tenant, obj, offset, buf) {
             return Ok(());
         }
         let first = offset / self.unit;

@@ -65,6 +65,39 @@ async fn a_local_store_is_not_copied_into_the_node_cache() {
     assert_eq!(cache_files(&cdir), 0);
 }
 
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Reads in place keep object files open for the next read, a bounded number of them: 400
+/// objects read twice leave at most 128 open (plus what tests running beside this one open).
+/// A read across a unit boundary comes from the file in one piece.
+#[tokio::test]
+async fn reads_in_place_keep_a_bounded_number_of_files_open() {
+    let d = tempfile::tempdir().unwrap();
+    let r = local_reader(&d.path().join("o"), &d.path().join("c"));
+    let bytes = data(600_000);
+    let mut objs = vec![];
+    for i in 0..400 {
+        objs.push(r.put_object(&format!("t{}", i % 3), &bytes).await.unwrap());
+    }
+    let before = open_fds();
+    let mut buf = vec![0; 8192];
+    for _ in 0..2 {
+        for (i, obj) in objs.iter().enumerate() {
+            let at = 256 * 1024 - 4096 + i as u64; // spans units 0 and 1
+            r.read_into(&format!("t{}", i % 3), obj, at, &mut buf)
+                .await
+                .unwrap();
+            assert_eq!(buf, &bytes[at as usize..at as usize + 8192]);
+        }
+    }
+    assert_eq!(r.stats().gets, 0, "verified at upload, read in place");
+    let grown = open_fds().saturating_sub(before);
+    assert!(grown <= 128 + 32, "{grown} files left open");
+    assert!(grown >= 64, "object files are not kept open ({grown})");
+}
+
 fn data(n: usize) -> Vec<u8> {
     (0..n).map(|i| (i * 7 + i / 4096) as u8).collect()
 }
