@@ -48,6 +48,10 @@ struct SegMeta {
     nonce: u64,
     /// The file came from the pool (recycled or zero-filled): appends overwrite written blocks.
     prepared: bool,
+    /// Bytes of a prepared file that are allocated and written: a record wholly below this
+    /// overwrites blocks in place (no allocation, so no ENOSPC) and may be written outside the
+    /// journal's lock ([`Journal::reserve`]).
+    alloc: u64,
 }
 
 pub(crate) struct Journal {
@@ -229,6 +233,7 @@ impl Journal {
                     last_seq: seg_last,
                     nonce,
                     prepared: false,
+                    alloc: 0,
                 },
             );
         }
@@ -274,6 +279,7 @@ impl Journal {
                     last_seq: last,
                     nonce,
                     prepared: false,
+                    alloc: 0,
                 },
             );
         }
@@ -351,7 +357,12 @@ impl Journal {
             f.write_at(&rec::encode_segment_header(id, nonce), 0)?;
             Ok(f)
         });
-        let file = match file {
+        let file = file.and_then(|f| {
+            // A recycled file's length is what was written before (a prepared one, zeros).
+            let alloc = if prepared { f.len()? } else { 0 };
+            Ok((f, alloc))
+        });
+        let (file, alloc) = match file {
             Ok(f) => f,
             Err(e) => {
                 // A full disk, say: the half-made segment (last, with no records) goes, so
@@ -369,6 +380,7 @@ impl Journal {
                 last_seq: 0,
                 nonce,
                 prepared,
+                alloc,
             },
         );
         self.active = id;
@@ -428,6 +440,43 @@ impl Journal {
         self.dirty.insert(self.active, seg.file.clone());
         self.next_seq += 1;
         Ok((seq, self.active, data_off))
+    }
+
+    /// Reserves the place of one record in the active segment without writing it, when the
+    /// record overwrites allocated blocks of a prepared file (so writing it cannot run out of
+    /// space) and needs no rotation; `None` otherwise (the caller appends under the lock).
+    /// The caller writes it with [`Reserved::write`] outside the journal's lock, and anything
+    /// that needs every reserved record written (a sync, a cut, replay's contiguity) waits for
+    /// that first: a record reserved and never written is a hole at which replay would stop.
+    pub fn reserve(
+        &mut self,
+        kind: Kind,
+        lba: u64,
+        nblocks: u32,
+        payload_len: u64,
+    ) -> Option<Reserved> {
+        let active = self.active;
+        let seg = self.segments.get_mut(&active)?;
+        let total = HEADER_LEN as u64 + payload_len;
+        if !seg.prepared || seg.len >= self.max_segment || seg.len + total > seg.alloc {
+            return None;
+        }
+        let seq = self.next_seq;
+        let r = Reserved {
+            seq,
+            seg: active,
+            at: seg.len,
+            file: seg.file.clone(),
+            nonce: seg.nonce,
+            kind,
+            lba,
+            nblocks,
+        };
+        seg.len += total;
+        seg.last_seq = seq;
+        self.dirty.insert(active, seg.file.clone());
+        self.next_seq += 1;
+        Some(r)
     }
 
     /// Segments [`Journal::append`] rotated into since the last call.
@@ -531,6 +580,34 @@ impl Journal {
             self.dirty.remove(id);
         }
         self.free.extend(paths);
+    }
+}
+
+/// The place of one record, reserved by [`Journal::reserve`].
+pub(crate) struct Reserved {
+    pub seq: u64,
+    pub seg: u64,
+    at: u64,
+    file: Arc<dyn FsFile>,
+    nonce: u64,
+    kind: Kind,
+    lba: u64,
+    nblocks: u32,
+}
+
+impl Reserved {
+    /// Writes the record; returns the offset of its payload.
+    pub fn write(&self, payload: &[u8]) -> io::Result<u64> {
+        let record = rec::encode(
+            self.nonce,
+            self.kind,
+            self.seq,
+            self.lba,
+            self.nblocks,
+            payload,
+        );
+        self.file.write_at(&record, self.at)?;
+        Ok(self.at + HEADER_LEN as u64)
     }
 }
 

@@ -47,6 +47,9 @@ pub struct SimFs {
     boots: Arc<AtomicU64>,
     /// Of a process handle: the boot it was made in.
     born: Option<u64>,
+    /// Microseconds every write of a whole block or more waits before it lands (a writer
+    /// preempted in its `pwrite`), to widen the windows concurrent writes race in.
+    write_delay_us: Arc<AtomicU64>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -58,6 +61,10 @@ struct SimFile(Arc<Mutex<Inode>>, SimFs);
 impl FsFile for SimFile {
     fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
         self.1.alive()?;
+        let delay = self.1.write_delay_us.load(SeqCst);
+        if delay > 0 && buf.len() >= 4096 {
+            std::thread::sleep(std::time::Duration::from_micros(delay));
+        }
         let mut i = lock(&self.0);
         let end = off as usize + buf.len();
         if i.data.len() < end {
@@ -142,6 +149,11 @@ impl SimFs {
 
     fn count(&self, what: &'static str) {
         *lock(&self.counters).entry(what).or_default() += 1;
+    }
+
+    /// Makes every write of a block or more wait `d` before it lands (see `write_delay_us`).
+    pub fn set_write_delay(&self, d: std::time::Duration) {
+        self.write_delay_us.store(d.as_micros() as u64, SeqCst);
     }
 
     /// How many times an operation ran (`sync_data`, `sync_dir`).

@@ -111,6 +111,9 @@ pub struct VolumeStats {
     pub head_version: u64,
     pub lease_epoch: u64,
     pub frozen: bool,
+    /// Journal records written outside the writer lock (the fast path of [`Volume::write`]).
+    #[serde(default)]
+    pub appends_unlocked: u64,
 }
 
 struct State {
@@ -164,6 +167,7 @@ struct Counters {
     fsyncs: AtomicU64,
     publishes: AtomicU64,
     bytes_uploaded: AtomicU64,
+    appends_unlocked: AtomicU64,
 }
 
 pub struct Volume {
@@ -201,7 +205,14 @@ pub struct Volume {
     ambiguous: AtomicBool,
     /// This volume, for work that must outlive its caller (publishes run in their own task).
     me: std::sync::Weak<Volume>,
+    /// The journal. Lock order: after `cut_lock` and `publish_lock`. Taken as
+    /// [`Volume::journal`] (which also waits for appends in flight) by everything but the
+    /// write fast path.
     writer: tokio::sync::Mutex<Journal>,
+    /// Appends reserved under `writer` and being written outside it (see [`Volume::write`]).
+    in_flight: AtomicU64,
+    /// Woken when `in_flight` falls to zero.
+    landed: tokio::sync::Notify,
     state: RwLock<State>,
     sync_lock: tokio::sync::Mutex<()>,
     /// Held for a cut (and by rollback for its whole run). Lock order: `cut_lock` before
@@ -543,22 +554,27 @@ impl Volume {
                 Kind::Write => Loc::Journal { seg, off },
                 Kind::Zero => Loc::Zero,
             };
-            self.st_mut().active.insert(lba + done, k, seq, loc);
-            self.acked_seq.store(seq, SeqCst);
+            self.st_mut().active.insert_newer(lba + done, k, seq, loc);
+            self.acked_seq.fetch_max(seq, SeqCst);
             done += k;
         }
         if kind == Kind::Write && !relocated {
-            let bytes = n * BLOCK_SIZE;
-            self.counters.bytes_written.fetch_add(bytes, SeqCst);
-            let mut w = lock(&self.window);
-            let max = self.opts.upload_max_bytes;
-            if w.bytes < max && w.bytes + bytes >= max {
-                self.upload_due.notify_one();
-            }
-            w.bytes += bytes;
-            w.since.get_or_insert_with(Instant::now);
+            self.count_written(n);
         }
         Ok(())
+    }
+
+    /// Counts `n` blocks of new guest data and widens the remote window by them.
+    fn count_written(&self, n: u64) {
+        let bytes = n * BLOCK_SIZE;
+        self.counters.bytes_written.fetch_add(bytes, SeqCst);
+        let mut w = lock(&self.window);
+        let max = self.opts.upload_max_bytes;
+        if w.bytes < max && w.bytes + bytes >= max {
+            self.upload_due.notify_one();
+        }
+        w.bytes += bytes;
+        w.since.get_or_insert_with(Instant::now);
     }
 
     /// Writes `data` at `offset`. Partial blocks are read, merged and rewritten whole. With `fua`
@@ -577,8 +593,24 @@ impl Volume {
             let end = (offset + data.len() as u64).div_ceil(BLOCK_SIZE);
             let n = end - lba;
             if offset.is_multiple_of(BLOCK_SIZE) && (data.len() as u64).is_multiple_of(BLOCK_SIZE) {
-                self.append(&mut j, Kind::Write, lba, n, data)?;
+                if n <= MAX_RECORD_BLOCKS as u64 {
+                    if let Some(r) = j.reserve(Kind::Write, lba, n as u32, data.len() as u64) {
+                        // Counted before the lock goes: whoever takes it next and waits for
+                        // appends in flight must see this one.
+                        self.in_flight.fetch_add(1, SeqCst);
+                        drop(j);
+                        self.land(r, lba, n, data)?;
+                    } else {
+                        self.await_landed().await;
+                        self.append(&mut j, Kind::Write, lba, n, data)?;
+                    }
+                } else {
+                    self.await_landed().await;
+                    self.append(&mut j, Kind::Write, lba, n, data)?;
+                }
             } else {
+                // A read-modify-write must see every write reserved before it.
+                self.await_landed().await;
                 let mut buf = vec![0u8; (n * BLOCK_SIZE) as usize];
                 let head = (offset - lba * BLOCK_SIZE) as usize;
                 if head != 0 {
@@ -601,6 +633,67 @@ impl Volume {
             self.flush().await?;
         }
         Ok(())
+    }
+
+    /// The fast path's second half: writes the record reserved under the writer lock without
+    /// it, so a writer preempted in its `pwrite` (on a small node, the norm under load) holds
+    /// up only itself, then points the overlay at it. It never awaits, so a dropped caller
+    /// cannot leave it half done; anything that needs every reserved record written first
+    /// ([`Volume::journal`]) waits for `in_flight`, which the caller raised under the lock.
+    fn land(&self, r: crate::journal::Reserved, lba: u64, n: u64, data: &[u8]) -> Result<()> {
+        struct InFlight<'a>(&'a Volume, bool);
+        impl Drop for InFlight<'_> {
+            fn drop(&mut self) {
+                if !self.1 {
+                    // Unwinding with the record unwritten: a hole replay would stop at.
+                    self.0
+                        .fail("a reserved journal record was never written".into());
+                }
+                if self.0.in_flight.fetch_sub(1, SeqCst) == 1 {
+                    self.0.landed.notify_waiters();
+                }
+            }
+        }
+        let mut guard = InFlight(self, false);
+        let off = match r.write(data) {
+            Ok(off) => off,
+            Err(e) => {
+                // The place is taken: a record that is not there ends replay, so nothing after
+                // it may be acknowledged as durable. (The file is prepared: no ENOSPC here.)
+                self.fail(format!("journal write failed: {e}"));
+                return Err(Error::io("appending to journal")(e));
+            }
+        };
+        self.st_mut()
+            .active
+            .insert_newer(lba, n, r.seq, Loc::Journal { seg: r.seg, off });
+        self.acked_seq.fetch_max(r.seq, SeqCst);
+        guard.1 = true;
+        drop(guard);
+        self.counters.appends_unlocked.fetch_add(1, SeqCst);
+        self.count_written(n);
+        Ok(())
+    }
+
+    /// The journal with every reserved record written and in the overlay: what the journal's
+    /// lock meant before appends were written outside it.
+    pub(crate) async fn journal(&self) -> tokio::sync::MutexGuard<'_, Journal> {
+        let j = self.writer.lock().await;
+        self.await_landed().await;
+        j
+    }
+
+    /// Waits until no append is in flight (the caller holds the writer lock, so none starts).
+    async fn await_landed(&self) {
+        loop {
+            let landed = self.landed.notified();
+            tokio::pin!(landed);
+            landed.as_mut().enable();
+            if self.in_flight.load(SeqCst) == 0 {
+                return;
+            }
+            landed.await;
+        }
     }
 
     /// Makes `len` bytes at `offset` read as zeros without storing zero bytes (whole blocks);
@@ -626,7 +719,7 @@ impl Volume {
         }
         {
             let _gate = self.gate.read().await;
-            let mut j = self.writer.lock().await;
+            let mut j = self.journal().await;
             self.writable()?;
             self.append(&mut j, Kind::Zero, first_full, end_full - first_full, &[])?;
         }
@@ -646,7 +739,7 @@ impl Volume {
             return Ok(());
         }
         let _gate = self.gate.read().await;
-        let mut j = self.writer.lock().await;
+        let mut j = self.journal().await;
         self.writable()?;
         self.append(&mut j, Kind::Zero, first_full, end_full - first_full, &[])
     }
@@ -662,7 +755,7 @@ impl Volume {
             return Ok(());
         }
         self.usable()?;
-        let batch = self.writer.lock().await.take_dirty();
+        let batch = self.journal().await.take_dirty();
         let fs = self.fs.clone();
         let n = batch.files.len() as u64;
         let res = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
@@ -754,6 +847,7 @@ impl Volume {
             head_version,
             lease_epoch: self.lease().epoch,
             frozen: self.is_frozen(),
+            appends_unlocked: self.counters.appends_unlocked.load(SeqCst),
         }
     }
 }

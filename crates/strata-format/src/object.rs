@@ -47,24 +47,59 @@ pub fn encode_salted(data: &[u8], salt: u32) -> (Hash, Vec<u8>) {
 
 /// [`encode_salted`] on data the caller hands over: the trailer is appended to `data` itself,
 /// so the object costs no copy of its data (give `data` capacity for [`trailer_len`] more).
-pub fn seal_salted(mut data: Vec<u8>, salt: u32) -> (Hash, Vec<u8>) {
-    let data_len = data.len() as u64;
-    data.reserve(trailer_len(data_len) as usize);
-    let trailer_start = data.len();
-    for i in 0..n_frames(data_len) as usize {
-        let at = i * FRAME_SIZE as usize;
-        let end = (at + FRAME_SIZE as usize).min(trailer_start);
-        let h = blake3::hash(&data[at..end]);
-        data.extend_from_slice(h.as_bytes());
+pub fn seal_salted(data: Vec<u8>, salt: u32) -> (Hash, Vec<u8>) {
+    let mut s = Sealer::new(data);
+    while !s.hash_frames(usize::MAX) {}
+    s.finish(salt)
+}
+
+/// [`seal_salted`] a few frames at a time, so a caller on an async runtime can let other work
+/// run between them (hashing 8 MiB takes milliseconds).
+pub struct Sealer {
+    data: Vec<u8>,
+    data_len: usize,
+    next: usize,
+}
+
+impl Sealer {
+    pub fn new(mut data: Vec<u8>) -> Sealer {
+        let data_len = data.len();
+        data.reserve(trailer_len(data_len as u64) as usize);
+        Sealer {
+            data,
+            data_len,
+            next: 0,
+        }
     }
-    data.extend_from_slice(MAGIC);
-    data.extend_from_slice(&OBJECT_VERSION.to_le_bytes());
-    data.extend_from_slice(&FRAME_SIZE.to_le_bytes());
-    data.extend_from_slice(&data_len.to_le_bytes());
-    data.extend_from_slice(&(n_frames(data_len) as u32).to_le_bytes());
-    data.extend_from_slice(&salt.to_le_bytes());
-    let id = Hash::of(&data[trailer_start..]);
-    (id, data)
+
+    /// Hashes up to `max` more frames; true once every frame is hashed.
+    pub fn hash_frames(&mut self, max: usize) -> bool {
+        let total = n_frames(self.data_len as u64) as usize;
+        let end = total.min(self.next.saturating_add(max));
+        while self.next < end {
+            let at = self.next * FRAME_SIZE as usize;
+            let stop = (at + FRAME_SIZE as usize).min(self.data_len);
+            let h = blake3::hash(&self.data[at..stop]);
+            self.data.extend_from_slice(h.as_bytes());
+            self.next += 1;
+        }
+        self.next == total
+    }
+
+    /// The object: id and bytes. Hashes whatever frames are left first.
+    pub fn finish(mut self, salt: u32) -> (Hash, Vec<u8>) {
+        while !self.hash_frames(usize::MAX) {}
+        let data_len = self.data_len as u64;
+        let data = &mut self.data;
+        data.extend_from_slice(MAGIC);
+        data.extend_from_slice(&OBJECT_VERSION.to_le_bytes());
+        data.extend_from_slice(&FRAME_SIZE.to_le_bytes());
+        data.extend_from_slice(&data_len.to_le_bytes());
+        data.extend_from_slice(&(n_frames(data_len) as u32).to_le_bytes());
+        data.extend_from_slice(&salt.to_le_bytes());
+        let id = Hash::of(&data[self.data_len..]);
+        (id, self.data)
+    }
 }
 
 /// The verified frame hashes of one object.
@@ -166,7 +201,14 @@ mod tests {
             let mut owned = data.clone();
             owned.shrink_to_fit(); // No spare room: sealing must grow it.
             assert_eq!(seal_salted(owned, 9), (id, want.clone()), "{len} bytes");
-            assert_eq!(encode_salted(&data, 9), (id, want), "{len} bytes");
+            assert_eq!(encode_salted(&data, 9), (id, want.clone()), "{len} bytes");
+            // Hashed one frame at a time, and two frames then the rest in `finish`.
+            let mut one = Sealer::new(data.clone());
+            while !one.hash_frames(1) {}
+            assert_eq!(one.finish(9), (id, want.clone()), "{len} bytes, by frame");
+            let mut two = Sealer::new(data.clone());
+            two.hash_frames(2);
+            assert_eq!(two.finish(9), (id, want), "{len} bytes, finished early");
         }
     }
 

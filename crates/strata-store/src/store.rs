@@ -129,7 +129,15 @@ impl Store {
         salt: u32,
     ) -> Result<(ObjectRef, Bytes)> {
         let data_len = data.len() as u64;
-        let (id, encoded) = object::seal_salted(data, salt);
+        // Hashing runs on the caller's runtime thread, 1 MiB at a time with a yield between:
+        // an 8 MiB object would otherwise hold a worker (and the requests queued on it) for
+        // milliseconds. (Blocking threads were slower: on a small node they take the cores
+        // the runtime serves requests with.)
+        let mut sealer = object::Sealer::new(data);
+        while !sealer.hash_frames(16) {
+            tokio::task::yield_now().await;
+        }
+        let (id, encoded) = sealer.finish(salt);
         let encoded = Bytes::from(encoded);
         let key = Self::object_key(tenant, &id);
         self.put_verified(&key, encoded.clone()).await?;

@@ -50,7 +50,7 @@ impl Volume {
                 return Ok(reclaimed);
             }
             let (victim, len, victim_last, runs, file) = {
-                let j = self.writer.lock().await;
+                let j = self.journal().await;
                 if self.has_pending() {
                     // The oldest segments hold pending layers' records: copying them forward
                     // would move them past their cut. They retire when their layers publish.
@@ -114,7 +114,7 @@ impl Volume {
             // The copies must be durable before the originals go.
             self.sync_copies().await?;
             let (retired, handle) = {
-                let mut j = self.writer.lock().await;
+                let mut j = self.journal().await;
                 let mut st = self.st_mut();
                 if !st.pending.is_empty()
                     || st
@@ -149,7 +149,7 @@ impl Volume {
     async fn sync_copies(&self) -> Result<()> {
         let _s = self.sync_lock.lock().await;
         self.usable()?;
-        let batch = self.writer.lock().await.take_dirty();
+        let batch = self.journal().await.take_dirty();
         let fs = self.fs.clone();
         let (batch, files, dir) = tokio::task::spawn_blocking(move || {
             let files = batch.files.iter().try_for_each(|(_, f)| f.sync_data());
@@ -172,7 +172,7 @@ impl Volume {
         if let Err(e) = dir {
             // The directory still needs a sync (new segments' names): the next flush must not
             // believe otherwise.
-            self.writer.lock().await.restore_dirty(batch);
+            self.journal().await.restore_dirty(batch);
             return Err(Error::io("syncing journal directory")(e));
         }
         self.counters
@@ -187,7 +187,7 @@ impl Volume {
     async fn relocate(&self, lba: u64, piece: Run, data: &[u8]) -> Result<()> {
         // Not under the freeze gate: a copy changes no content, and the publish lock held here
         // is one a freeze may be waiting for.
-        let mut j = self.writer.lock().await;
+        let mut j = self.journal().await;
         self.usable()?;
         let mut hits = Vec::new();
         self.st().active.resolve(lba, piece.len, &mut hits);
@@ -216,7 +216,7 @@ impl Volume {
     /// growing active segment onto it, so FLUSH does not pay for file growth. Background work.
     pub async fn prepare_journal(&self) -> Result<()> {
         let dir = {
-            let j = self.writer.lock().await;
+            let j = self.journal().await;
             if !j.wants_prepared() {
                 return Ok(());
             }
@@ -231,7 +231,7 @@ impl Volume {
                 .map_err(|e| Error::Invalid(format!("prepare task failed: {e}")))?
                 .map_err(Error::io("preparing a journal segment"))?;
         self.usable()?;
-        let mut j = self.writer.lock().await;
+        let mut j = self.journal().await;
         if let Some((id, f)) = j
             .add_prepared(path)
             .map_err(Error::io("rotating onto a prepared segment"))?

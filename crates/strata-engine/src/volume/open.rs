@@ -262,6 +262,8 @@ impl Volume {
             opts: p.opts,
             gate: Arc::new(tokio::sync::RwLock::new(())),
             writer: tokio::sync::Mutex::new(journal),
+            in_flight: AtomicU64::new(0),
+            landed: tokio::sync::Notify::new(),
             state: RwLock::new(State {
                 base,
                 base_id: ws.head_manifest,

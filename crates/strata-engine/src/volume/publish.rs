@@ -287,7 +287,7 @@ impl Volume {
     /// A segment a read still holds is unlinked, never recycled (see [`SegFile`]).
     async fn retire_through(&self, cut: u64) -> Result<()> {
         let _r = self.retire_lock.lock().await;
-        let retired = self.writer.lock().await.detach_through(cut);
+        let retired = self.journal().await.detach_through(cut);
         let handles: Vec<_> = {
             let mut st = self.st_mut();
             retired
@@ -335,7 +335,7 @@ impl Volume {
                 return Err(Error::io(what)(e));
             }
         };
-        self.writer.lock().await.retired(&ids, free);
+        self.journal().await.retired(&ids, free);
         Ok(())
     }
 
