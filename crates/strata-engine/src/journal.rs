@@ -5,6 +5,9 @@
 //! - a write is acknowledged only after its record is written (page cache) and the overlay
 //!   points at it; it is durable after a flush has `fdatasync`ed every dirty segment and, if a
 //!   segment was created since, `fsync`ed the directory;
+//! - a record [`Journal::reserve`]d is written after the lock is released, so records can land
+//!   out of order; the volume lets nothing read the dirty set, cut, rotate or retire while one
+//!   is unwritten (`Volume::journal`), so every flushed record has all earlier ones before it;
 //! - recovery replays records in order; a segment ends at its first invalid record (a torn
 //!   tail, or the unused rest of a recycled or prepared file, which rotation leaves in place)
 //!   and is truncated there; the first gap in the (contiguous) sequence numbers, checked

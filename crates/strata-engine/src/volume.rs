@@ -1,7 +1,9 @@
 //! A volume: the writable view of one attached workspace.
 //!
 //! ```text
-//! write ─▶ gate (freeze) ─▶ writer lock: RMW edges, append journal record ─▶ overlay ─▶ ack
+//! write ─▶ gate (freeze) ─▶ writer lock: reserve a record's place (prepared segment), release,
+//!          write it beside other writers ─▶ overlay (newer seq wins) ─▶ ack; RMW edges, trims
+//!          and rotations wait for records in flight and append under the lock
 //! flush ─▶ group commit: one fdatasync batch covers every write acked before the flush
 //!          (ephemeral: no-op; durable: journal; sync: journal + publish)
 //! read  ─▶ active overlay ─▶ pending layers (newest first) ─▶ base manifest
