@@ -48,6 +48,12 @@ pub trait Fs: Send + Sync {
         Ok(None)
     }
 
+    /// Whether overwriting written blocks of a file in `dir` reuses them (no allocation, so no
+    /// ENOSPC): false on copy-on-write and log-structured file systems.
+    fn overwrites_in_place(&self, _dir: &Path) -> bool {
+        true
+    }
+
     /// Reads a whole file.
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
         let f = self.open(path, false)?;
@@ -140,5 +146,16 @@ impl Fs for RealFs {
     fn available(&self, dir: &Path) -> io::Result<Option<u64>> {
         let st = rustix::fs::statvfs(dir)?;
         Ok(Some(st.f_bavail.saturating_mul(st.f_frsize)))
+    }
+    fn overwrites_in_place(&self, dir: &Path) -> bool {
+        // btrfs, ZFS, bcachefs, F2FS, NILFS2: an overwrite allocates new blocks. Unknown
+        // answers count as "allocates" (the journal then writes under its lock).
+        const ALLOCATING: [i64; 5] = [0x9123_683e, 0x2fc1_2fc1, 0xca45_1a4e, 0xf2f5_2010, 0x3434];
+        match rustix::fs::statfs(dir) {
+            // `f_type`'s integer type differs between targets.
+            #[allow(clippy::unnecessary_cast)]
+            Ok(st) => !ALLOCATING.contains(&(st.f_type as i64)),
+            Err(_) => false,
+        }
     }
 }

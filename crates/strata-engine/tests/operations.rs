@@ -15,6 +15,7 @@ use common::*;
 use object_store::memory::InMemory;
 use object_store::throttle::{ThrottleConfig, ThrottledStore};
 use object_store::ObjectStore;
+use strata_engine::simfs::SimFs;
 use strata_engine::{Engine, Error, Mode};
 use strata_store::Store;
 
@@ -377,4 +378,165 @@ async fn a_template_build_slower_than_half_the_gc_grace_gives_up() {
         "a template whose first chunks may already be condemned is not published"
     );
     assert!(c.catalog.get_template(TENANT, "slow").await.is_err());
+}
+
+/// Journal records are written outside the writer lock (reserved under it, written beside
+/// other writers): eight writers on two threads, each flushing now and then, with checkpoints
+/// and a cleaner racing them, and every record slow to land, so flushes and cuts meet records
+/// reserved and not yet written. The power goes while they run. Every write a writer saw
+/// flushed must survive (a record reserved before it and never written would end replay
+/// first), and every block must hold a value its writer wrote at or after that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_landing_outside_the_lock_survive_a_power_cut_once_flushed() {
+    const WRITERS: u64 = 8;
+    const PER: u64 = 8; // blocks per writer, disjoint
+    let c = Cluster::new().await;
+    let fs = SimFs::new();
+    let mut cfg = c.config("n");
+    cfg.segment_max_bytes = 256 << 10;
+    let mut unlocked = 0;
+    for round in 0..8u64 {
+        let node = c.node_with(cfg.clone(), Arc::new(fs.process()));
+        let name = format!("par{round}");
+        let v = empty_volume(&node, &name, DISK, Mode::Durable).await;
+        fs.set_write_delay(Duration::from_micros(50));
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let side = {
+            let (v, done, node, name) = (v.clone(), done.clone(), node.clone(), name.clone());
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while !done.load(SeqCst) {
+                    let _ = v.clean_journal(0).await;
+                    let _ = v.prepare_journal().await;
+                    n += 1;
+                    if n.is_multiple_of(20) {
+                        let _ = node.checkpoint(TENANT, &name, None).await;
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+        };
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|w| {
+                let (v, done) = (v.clone(), done.clone());
+                tokio::spawn(async move {
+                    let mut last = vec![0u64; PER as usize];
+                    let mut flushed = last.clone();
+                    let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ (w + 1) ^ (round << 8);
+                    let mut i = 0u64;
+                    while !done.load(SeqCst) {
+                        i += 1;
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        let k = rng % PER;
+                        let b = w * PER + k;
+                        if v.write(b * 4096, &tagged(i, b), false).await.is_err() {
+                            break;
+                        }
+                        last[k as usize] = i;
+                        if i.is_multiple_of(7) {
+                            let before = last.clone();
+                            if v.flush().await.is_err() {
+                                break;
+                            }
+                            flushed = before;
+                        }
+                    }
+                    (last, flushed)
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(100 + 25 * round)).await;
+        // The power goes with writes in flight: this process's handles die with it.
+        fs.power_loss(11 + round, true);
+        done.store(true, SeqCst);
+        let mut last = vec![];
+        let mut flushed = vec![];
+        for w in writers {
+            let (l, f) = w.await.unwrap();
+            last.extend(l);
+            flushed.extend(f);
+        }
+        side.await.unwrap();
+        unlocked += v.stats().appends_unlocked;
+        node.abandon().await;
+        drop(v);
+        fs.set_write_delay(Duration::ZERO);
+        let node2 = c.node_with(cfg.clone(), Arc::new(fs.process()));
+        let v = node2.attach(TENANT, &name).await.unwrap();
+        let img = image(&v).await;
+        let mut kept = 0;
+        for b in 0..WRITERS * PER {
+            let got = img[b as usize];
+            assert!(
+                got >= flushed[b as usize] && got <= last[b as usize],
+                "round {round}, block {b}: {got} after the power cut, flushed {}, last {}",
+                flushed[b as usize],
+                last[b as usize]
+            );
+            kept += (got == last[b as usize]) as u64;
+        }
+        eprintln!(
+            "round {round}: {kept} of {} blocks kept their last write",
+            WRITERS * PER
+        );
+        node2.abandon().await;
+    }
+    eprintln!("{unlocked} writes landed outside the lock");
+    assert!(unlocked > 1000, "the fast path was hardly taken");
+}
+
+/// A record that fails to land after later ones did leaves a hole replay stops at: a flush
+/// that was waiting for it must fail, not sync past the hole and report the later write safe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_fails_to_land_fails_the_flush_waiting_for_it() {
+    let c = Cluster::new().await;
+    let (a, sw) = fault_node(&c, "a");
+    let v = empty_volume(&a, "hole", DISK, Mode::Durable).await;
+    v.prepare_journal().await.unwrap(); // rotates onto a prepared segment
+    v.write(0, &tagged(1, 0), false).await.unwrap();
+    v.flush().await.unwrap();
+    assert!(
+        v.stats().appends_unlocked >= 1,
+        "the write path took the lock"
+    );
+    sw.stall_then_fail_next_write.store(true, SeqCst);
+    let first = {
+        let v = v.clone();
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap()
+                .block_on(v.write(4096, &tagged(2, 1), false))
+        })
+    };
+    tokio::task::spawn_blocking({
+        let sw = sw.clone();
+        move || sw.wait_stalled()
+    })
+    .await
+    .unwrap();
+    // Reserved after the stalled one, landed first, acknowledged.
+    v.write(2 * 4096, &tagged(3, 2), false).await.unwrap();
+    let flush = tokio::spawn({
+        let v = v.clone();
+        async move { v.flush().await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !flush.is_finished(),
+        "the flush did not wait for the record in flight"
+    );
+    sw.release();
+    assert!(
+        first.join().unwrap().is_err(),
+        "the failed record was acknowledged"
+    );
+    let r = flush.await.unwrap();
+    assert!(
+        r.is_err(),
+        "a flush synced past a hole and reported success"
+    );
+    assert!(v.failure().is_some());
 }

@@ -114,7 +114,7 @@ impl Volume {
             // The copies must be durable before the originals go.
             self.sync_copies().await?;
             let (retired, handle) = {
-                let mut j = self.journal().await;
+                let mut j = self.journal_whole().await?;
                 let mut st = self.st_mut();
                 if !st.pending.is_empty()
                     || st
@@ -149,7 +149,7 @@ impl Volume {
     async fn sync_copies(&self) -> Result<()> {
         let _s = self.sync_lock.lock().await;
         self.usable()?;
-        let batch = self.journal().await.take_dirty();
+        let batch = self.journal_whole().await?.take_dirty();
         let fs = self.fs.clone();
         let (batch, files, dir) = tokio::task::spawn_blocking(move || {
             let files = batch.files.iter().try_for_each(|(_, f)| f.sync_data());

@@ -224,7 +224,7 @@ impl Volume {
         let (rec, sealed) = {
             // The writer lock orders the cut against appends: every record up to `cut` is in
             // the overlay taken here, none after it.
-            let mut j = self.journal().await;
+            let mut j = self.journal_whole().await?;
             let cut = j.last_seq();
             let rotated = if spec.rotate {
                 match j.rotate() {
@@ -606,7 +606,7 @@ impl Volume {
         // The published cut first, then the base: the base is at least that new, and records
         // it already holds replay harmlessly on top of it (after a crash of the fork).
         let base_seq = self.published_seq.load(SeqCst);
-        let segs = self.journal().await.sealed_meta_before(sealed_at);
+        let segs = self.journal_whole().await?.sealed_meta_before(sealed_at);
         // The base and the layers not yet in it, up to the fork's cut, in one look: together
         // they are the disk at the cut.
         let (base_manifest, base_version, disk_size, overlay, bytes, has_rollback) = {

@@ -183,7 +183,7 @@ impl Volume {
         let rec = {
             // The writer lock orders the cut against appends (none is in flight: every record
             // written is in an earlier cut).
-            let j = self.journal().await;
+            let j = self.journal_whole().await?;
             let st = self.st();
             if !self.rollback_target_open(&st, version) || st.pending.len() + 1 >= MAX_PENDING {
                 return Ok(None);

@@ -26,6 +26,8 @@ pub struct Switches {
     pub sync_dirs: AtomicU64,
     /// The next read of a journal segment (`.seg`) blocks until [`Switches::release`].
     pub stall_next_read: AtomicBool,
+    /// The next write to a journal segment stalls until `release`, then fails (EIO).
+    pub stall_then_fail_next_write: AtomicBool,
     stalled: Mutex<(bool, bool)>,
     cv: Condvar,
 }
@@ -67,6 +69,10 @@ struct FaultFile {
 
 impl FsFile for FaultFile {
     fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        if self.segment && self.sw.stall_then_fail_next_write.swap(false, SeqCst) {
+            self.sw.stall();
+            return Err(io::Error::from_raw_os_error(5));
+        }
         if self.sw.full.load(SeqCst) || (off > 0 && self.sw.full_after_header.load(SeqCst)) {
             return Err(enospc());
         }
@@ -130,6 +136,9 @@ impl Fs for FaultFs {
     }
     fn hard_link(&self, from: &Path, to: &Path) -> io::Result<()> {
         RealFs.hard_link(from, to)
+    }
+    fn overwrites_in_place(&self, dir: &Path) -> bool {
+        RealFs.overwrites_in_place(dir)
     }
 }
 

@@ -1,0 +1,148 @@
+//! Replay, retirement and recycling of journal segments.
+
+use super::*;
+use crate::fs::RealFs;
+
+const MAX: u64 = 1 << 20;
+
+fn open(dir: &Path, skip_upto: u64) -> (Journal, Vec<u64>) {
+    let mut seqs = vec![];
+    let (j, _) = Journal::open(Arc::new(RealFs), dir, skip_upto, MAX, |r, _| {
+        seqs.push(r.seq)
+    })
+    .unwrap();
+    (j, seqs)
+}
+
+fn append(j: &mut Journal, n: u64) -> Vec<(u64, u64, u64)> {
+    (0..n)
+        .map(|i| {
+            let (seq, seg, off) = j.append(Kind::Write, i, 1, &[i as u8; 4096]).unwrap();
+            (seq, seg, off)
+        })
+        .collect()
+}
+
+/// A sealed segment keeps the unused, zero-filled rest of a prepared file: replay ends that
+/// segment at its last record and goes on with the next.
+#[test]
+fn a_sealed_segment_with_an_unused_tail_is_followed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut j, _) = open(dir.path(), 0);
+    let first = append(&mut j, 3);
+    let seg = first[0].1;
+    j.file(seg).unwrap().set_len(MAX).unwrap(); // as a prepared file would be
+    j.rotate().unwrap();
+    append(&mut j, 2);
+    drop(j);
+    let (_, seqs) = open(dir.path(), 0);
+    assert_eq!(seqs, vec![1, 2, 3, 4, 5]);
+    let len = std::fs::metadata(seg_path(dir.path(), seg)).unwrap().len();
+    assert!(len < MAX, "replay truncates the unused tail");
+}
+
+/// Three records with the third torn, then a sealed segment and two more records in the
+/// next one. Returns the later segment's id.
+fn torn_third_then_two_more(dir: &Path) -> u64 {
+    let (mut j, _) = open(dir, 0);
+    let first = append(&mut j, 3);
+    let (_, seg, off) = first[2];
+    j.file(seg).unwrap().write_at(&[0xff; 16], off).unwrap();
+    j.rotate().unwrap();
+    append(&mut j, 2)[0].1
+}
+
+/// A record lost at the end of a sealed segment leaves a gap before the next segment's
+/// records: replay stops at the gap and deletes what follows (a clean prefix).
+#[test]
+fn a_lost_record_ends_the_journal_even_across_segments() {
+    let dir = tempfile::tempdir().unwrap();
+    let later = torn_third_then_two_more(dir.path());
+    let (_, seqs) = open(dir.path(), 0);
+    assert_eq!(seqs, vec![1, 2]);
+    assert!(!seg_path(dir.path(), later).exists());
+}
+
+/// Published records left in a sealed segment also count for the gap check.
+#[test]
+fn a_gap_right_after_published_records_is_caught() {
+    let dir = tempfile::tempdir().unwrap();
+    torn_third_then_two_more(dir.path());
+    let (_, seqs) = open(dir.path(), 2); // records 1 and 2 are published
+    assert_eq!(seqs, Vec::<u64>::new());
+}
+
+fn sync(fs: &dyn Fs, batch: SyncBatch) {
+    for (_, f) in &batch.files {
+        f.sync_data().unwrap();
+    }
+    if let Some(d) = &batch.dir {
+        fs.sync_dir(d).unwrap();
+    }
+}
+
+/// A segment retired after a publish keeps its name until the rename is durable: if its
+/// header never reached the disk, a power cut would end replay there and drop later,
+/// flushed segments. So retirement leaves it for the next flush to sync.
+#[test]
+fn a_retired_segment_is_synced_by_the_next_flush() {
+    let fs = crate::simfs::SimFs::new();
+    let dir = Path::new("/vol/journal");
+    let (mut j, _) = Journal::open(Arc::new(fs.clone()), dir, 0, MAX, |_, _| {}).unwrap();
+    sync(&fs, j.take_dirty());
+    append(&mut j, 1);
+    sync(&fs, j.take_dirty());
+    j.rotate().unwrap(); // a segment created at a cut, never flushed …
+    append(&mut j, 2); // … holding records 2 and 3, which a publish then covers
+    j.rotate().unwrap();
+    let _retired = j.detach_through(3); // its rename is not applied (durably) yet
+    let later = append(&mut j, 2); // records 4 and 5, flushed:
+    sync(&fs, j.take_dirty());
+    fs.power_loss(7, false);
+    let mut seqs = vec![];
+    Journal::open(Arc::new(fs.clone()), dir, 3, MAX, |r, _| seqs.push(r.seq)).unwrap();
+    assert_eq!(
+        seqs,
+        vec![4, 5],
+        "flushed records after a retired segment survive"
+    );
+    assert_eq!(later[0].0, 4);
+}
+
+#[test]
+fn a_segment_shared_with_a_fork_is_never_recycled() {
+    let fs = crate::simfs::SimFs::new();
+    let dir = Path::new("/vol/journal");
+    let fork = Path::new("/fork/journal");
+    fs.create_dir_all(fork).unwrap();
+    let (mut j, _) = Journal::open(Arc::new(fs.clone()), dir, 0, MAX, |_, _| {}).unwrap();
+    append(&mut j, 3);
+    j.rotate().unwrap();
+    let shared: Vec<PathBuf> = j
+        .sealed_meta_before(j.active())
+        .iter()
+        .map(|m| seg_path(dir, m.0))
+        .collect();
+    for p in &shared {
+        fs.hard_link(p, &fork.join(p.file_name().unwrap())).unwrap();
+    }
+    let linked = fs.read(&fork.join(shared[0].file_name().unwrap())).unwrap();
+    // Published and retired: the pool has room, but the file has a second name.
+    let retired = j.detach_through(3);
+    let ids = retired.ids.clone();
+    let free = retired.apply(&[]).unwrap();
+    assert!(
+        free.is_empty(),
+        "a shared segment went to the pool: {free:?}"
+    );
+    j.retired(&ids, free);
+    // Rotations reuse pooled files: the fork's copy must never change.
+    for _ in 0..3 {
+        append(&mut j, 2);
+        j.rotate().unwrap();
+    }
+    let again = fs.read(&fork.join(shared[0].file_name().unwrap())).unwrap();
+    assert!(again == linked, "the fork's segment was overwritten");
+    let (_, gone) = Journal::open(Arc::new(fs.clone()), fork, 0, MAX, |_, _| {}).unwrap();
+    assert_eq!(gone, 0);
+}

@@ -1,0 +1,329 @@
+//! The write path: whole-block records reserved under the writer lock and written beside
+//! other writers, read-modify-write of partial blocks, zeroing and trims under the lock, and
+//! FLUSH's group commit (see `journal.rs` for the ordering the journal keeps).
+
+use std::sync::atomic::Ordering::SeqCst;
+use std::time::Instant;
+
+use strata_catalog::{CheckpointKind, Mode};
+use strata_format::journal::{Kind, MAX_RECORD_BLOCKS};
+use strata_format::BLOCK_SIZE;
+
+use super::{lock, SegFile, Volume};
+use crate::journal::Journal;
+use crate::overlay::Loc;
+use crate::{Error, Result};
+
+impl Volume {
+    /// Appends records for whole blocks and points the overlay at them. Caller holds `writer`.
+    pub(super) fn append(
+        &self,
+        j: &mut Journal,
+        kind: Kind,
+        lba: u64,
+        n: u64,
+        data: &[u8],
+    ) -> Result<()> {
+        self.append_inner(j, kind, lba, n, data, false)
+    }
+
+    /// `relocated`: the data was already acknowledged (segment cleaning copies it forward), so
+    /// it does not count as new guest bytes or widen the remote window.
+    pub(super) fn append_inner(
+        &self,
+        j: &mut Journal,
+        kind: Kind,
+        lba: u64,
+        n: u64,
+        data: &[u8],
+        relocated: bool,
+    ) -> Result<()> {
+        let mut done = 0u64;
+        while done < n {
+            let k = (n - done).min(MAX_RECORD_BLOCKS as u64);
+            let payload = match kind {
+                Kind::Write => {
+                    &data[(done * BLOCK_SIZE) as usize..((done + k) * BLOCK_SIZE) as usize]
+                }
+                Kind::Zero => &[][..],
+            };
+            let appended = j.append(kind, lba + done, k as u32, payload);
+            let rotated = j.take_rotated();
+            if !rotated.is_empty() {
+                let mut st = self.st_mut();
+                for (id, f) in rotated {
+                    st.files.insert(id, SegFile::new(f));
+                }
+            }
+            let (seq, seg, off) = match appended {
+                Ok(r) => r,
+                // A full disk refuses this request only: the failed record was never counted
+                // (the next append overwrites it), so the journal stays a clean prefix.
+                Err(e) if crate::error::is_no_space(&e) => {
+                    return Err(Error::NoSpace(format!("the journal of {}: {e}", self.name)));
+                }
+                Err(e) => {
+                    self.fail(format!("journal write failed: {e}"));
+                    return Err(Error::io("appending to journal")(e));
+                }
+            };
+            let loc = match kind {
+                Kind::Write => Loc::Journal { seg, off },
+                Kind::Zero => Loc::Zero,
+            };
+            self.st_mut().active.insert_newer(lba + done, k, seq, loc);
+            self.acked_seq.fetch_max(seq, SeqCst);
+            done += k;
+        }
+        if kind == Kind::Write && !relocated {
+            self.count_written(n);
+        }
+        Ok(())
+    }
+
+    /// Counts `n` blocks of new guest data and widens the remote window by them.
+    fn count_written(&self, n: u64) {
+        let bytes = n * BLOCK_SIZE;
+        self.counters.bytes_written.fetch_add(bytes, SeqCst);
+        let mut w = lock(&self.window);
+        let max = self.opts.upload_max_bytes;
+        if w.bytes < max && w.bytes + bytes >= max {
+            self.upload_due.notify_one();
+        }
+        w.bytes += bytes;
+        w.since.get_or_insert_with(Instant::now);
+    }
+
+    /// Writes `data` at `offset`. Partial blocks are read, merged and rewritten whole. With `fua`
+    /// the call returns only once the write is as durable as a FLUSH would make it.
+    pub async fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_range(offset, data.len() as u64)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        {
+            let _gate = self.gate.read().await;
+            let mut j = self.writer.lock().await;
+            self.writable()?;
+            self.space.admit(data.len() as u64)?;
+            let lba = offset / BLOCK_SIZE;
+            let end = (offset + data.len() as u64).div_ceil(BLOCK_SIZE);
+            let n = end - lba;
+            if offset.is_multiple_of(BLOCK_SIZE) && (data.len() as u64).is_multiple_of(BLOCK_SIZE) {
+                if n <= MAX_RECORD_BLOCKS as u64 {
+                    if let Some(r) = j.reserve(Kind::Write, lba, n as u32, data.len() as u64) {
+                        // Counted before the lock goes: whoever takes it next and waits for
+                        // appends in flight must see this one.
+                        self.in_flight.fetch_add(1, SeqCst);
+                        drop(j);
+                        self.land(r, lba, n, data)?;
+                    } else {
+                        self.await_landed().await;
+                        self.append(&mut j, Kind::Write, lba, n, data)?;
+                    }
+                } else {
+                    self.await_landed().await;
+                    self.append(&mut j, Kind::Write, lba, n, data)?;
+                }
+            } else {
+                // A read-modify-write must see every write reserved before it.
+                self.await_landed().await;
+                let mut buf = vec![0u8; (n * BLOCK_SIZE) as usize];
+                let head = (offset - lba * BLOCK_SIZE) as usize;
+                if head != 0 {
+                    self.read_blocks(lba, 1, &mut buf[..BLOCK_SIZE as usize])
+                        .await?;
+                }
+                let tail_block = end - 1;
+                if !(offset + data.len() as u64).is_multiple_of(BLOCK_SIZE)
+                    && (tail_block != lba || head == 0)
+                {
+                    let at = ((tail_block - lba) * BLOCK_SIZE) as usize;
+                    self.read_blocks(tail_block, 1, &mut buf[at..at + BLOCK_SIZE as usize])
+                        .await?;
+                }
+                buf[head..head + data.len()].copy_from_slice(data);
+                self.append(&mut j, Kind::Write, lba, n, &buf)?;
+            }
+        }
+        if fua {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    /// The fast path's second half: writes the record reserved under the writer lock without
+    /// it, so a writer preempted in its `pwrite` (on a small node, the norm under load) holds
+    /// up only itself, then points the overlay at it. It never awaits, so a dropped caller
+    /// cannot leave it half done; anything that needs every reserved record written first
+    /// ([`Volume::journal`]) waits for `in_flight`, which the caller raised under the lock.
+    fn land(&self, r: crate::journal::Reserved, lba: u64, n: u64, data: &[u8]) -> Result<()> {
+        struct InFlight<'a>(&'a Volume, bool);
+        impl Drop for InFlight<'_> {
+            fn drop(&mut self) {
+                if !self.1 {
+                    // Unwinding with the record unwritten: a hole replay would stop at.
+                    self.0
+                        .fail("a reserved journal record was never written".into());
+                }
+                if self.0.in_flight.fetch_sub(1, SeqCst) == 1 {
+                    self.0.landed.notify_waiters();
+                }
+            }
+        }
+        let mut guard = InFlight(self, false);
+        let off = match r.write(data) {
+            Ok(off) => off,
+            Err(e) => {
+                // The place is taken: a record that is not there ends replay, so nothing after
+                // it may be acknowledged as durable. (The file is prepared: no ENOSPC here.)
+                self.fail(format!("journal write failed: {e}"));
+                return Err(Error::io("appending to journal")(e));
+            }
+        };
+        self.st_mut()
+            .active
+            .insert_newer(lba, n, r.seq, Loc::Journal { seg: r.seg, off });
+        self.acked_seq.fetch_max(r.seq, SeqCst);
+        // Counted before the record stops being in flight: a cut waiting for it takes the
+        // window with this write's bytes in it.
+        self.count_written(n);
+        self.counters.appends_unlocked.fetch_add(1, SeqCst);
+        guard.1 = true;
+        drop(guard);
+        Ok(())
+    }
+
+    /// The journal with every reserved record written and in the overlay: what the journal's
+    /// lock meant before appends were written outside it.
+    pub(crate) async fn journal(&self) -> tokio::sync::MutexGuard<'_, Journal> {
+        let j = self.writer.lock().await;
+        self.await_landed().await;
+        j
+    }
+
+    /// [`Volume::journal`] for work that relies on the journal replaying through its last
+    /// record (a sync, a cut, cleaning's copies, a fork's links): an append that failed while
+    /// this waited left a hole replay stops at, and has failed the volume, which this checks
+    /// after the wait.
+    pub(crate) async fn journal_whole(&self) -> Result<tokio::sync::MutexGuard<'_, Journal>> {
+        let j = self.journal().await;
+        self.usable()?;
+        Ok(j)
+    }
+
+    /// Waits until no append is in flight (the caller holds the writer lock, so none starts).
+    pub(super) async fn await_landed(&self) {
+        loop {
+            let landed = self.landed.notified();
+            tokio::pin!(landed);
+            landed.as_mut().enable();
+            if self.in_flight.load(SeqCst) == 0 {
+                return;
+            }
+            landed.await;
+        }
+    }
+
+    /// Makes `len` bytes at `offset` read as zeros without storing zero bytes (whole blocks);
+    /// partial blocks at the edges are written as data.
+    pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let first_full = offset.div_ceil(BLOCK_SIZE);
+        let end_full = (offset + len) / BLOCK_SIZE;
+        if first_full >= end_full {
+            return self.write(offset, &vec![0u8; len as usize], fua).await;
+        }
+        let head = first_full * BLOCK_SIZE - offset;
+        if head > 0 {
+            self.write(offset, &vec![0u8; head as usize], false).await?;
+        }
+        let tail = offset + len - end_full * BLOCK_SIZE;
+        if tail > 0 {
+            self.write(end_full * BLOCK_SIZE, &vec![0u8; tail as usize], false)
+                .await?;
+        }
+        {
+            let _gate = self.gate.read().await;
+            let mut j = self.journal().await;
+            self.writable()?;
+            self.append(&mut j, Kind::Zero, first_full, end_full - first_full, &[])?;
+        }
+        if fua {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    /// TRIM: the whole blocks in the range read as zeros afterwards (strata never exposes stale
+    /// data after a trim). Partial blocks are left alone, as the NBD spec allows.
+    pub async fn trim(&self, offset: u64, len: u64) -> Result<()> {
+        self.check_range(offset, len)?;
+        let first_full = offset.div_ceil(BLOCK_SIZE);
+        let end_full = (offset + len) / BLOCK_SIZE;
+        if first_full >= end_full {
+            return Ok(());
+        }
+        let _gate = self.gate.read().await;
+        let mut j = self.journal().await;
+        self.writable()?;
+        self.append(&mut j, Kind::Zero, first_full, end_full - first_full, &[])
+    }
+
+    /// Group commit: one batch of `fdatasync`s covers every write acknowledged before the call.
+    pub(super) async fn sync_journal(&self) -> Result<()> {
+        let target = self.acked_seq.load(SeqCst);
+        if self.synced_seq.load(SeqCst) >= target {
+            return Ok(());
+        }
+        let _s = self.sync_lock.lock().await;
+        if self.synced_seq.load(SeqCst) >= target {
+            return Ok(());
+        }
+        let batch = self.journal_whole().await?.take_dirty();
+        let fs = self.fs.clone();
+        let n = batch.files.len() as u64;
+        let res = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            for (_, f) in &batch.files {
+                f.sync_data()?;
+            }
+            if let Some(d) = &batch.dir {
+                fs.sync_dir(d)?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| std::io::Error::other(e.to_string()))
+        .and_then(|r| r);
+        if let Err(e) = res {
+            // After a failed fsync the page cache may have dropped the data: never pretend.
+            self.fail(format!("fsync failed: {e}"));
+            return Err(Error::io("fsync of journal")(e));
+        }
+        self.counters.fsyncs.fetch_add(n, SeqCst);
+        self.synced_seq.fetch_max(batch.upto, SeqCst);
+        Ok(())
+    }
+
+    /// FLUSH: returns when every write acknowledged before it is as safe as the mode promises.
+    pub async fn flush(&self) -> Result<()> {
+        self.counters.flushes.fetch_add(1, SeqCst);
+        if !self.flush_honoured {
+            return Ok(());
+        }
+        self.sync_journal().await?;
+        if self.mode == Mode::Sync {
+            let target = self.acked_seq.load(SeqCst);
+            if self.published_seq.load(SeqCst) < target {
+                self.publish_inner(CheckpointKind::Auto, Some(target))
+                    .await?;
+            }
+        }
+        // A flush that completes after the lease could have passed to another node must not
+        // claim success: that node restores from the head, without this node's journal.
+        self.lease_valid()
+    }
+}
