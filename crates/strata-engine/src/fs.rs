@@ -148,13 +148,15 @@ impl Fs for RealFs {
         Ok(Some(st.f_bavail.saturating_mul(st.f_frsize)))
     }
     fn overwrites_in_place(&self, dir: &Path) -> bool {
-        // btrfs, ZFS, bcachefs, F2FS, NILFS2: an overwrite allocates new blocks. Unknown
-        // answers count as "allocates" (the journal then writes under its lock).
-        const ALLOCATING: [i64; 5] = [0x9123_683e, 0x2fc1_2fc1, 0xca45_1a4e, 0xf2f5_2010, 0x3434];
+        // Known to overwrite written blocks in place: ext2/3/4, XFS (files strata writes are
+        // never reflinked), tmpfs. Anything else (btrfs, ZFS, bcachefs, F2FS, overlayfs over
+        // any of them, network and FUSE file systems) may allocate on overwrite: the journal
+        // then writes every record under its lock, where ENOSPC refuses one request.
+        const IN_PLACE: [u32; 3] = [0xef53, 0x5846_5342, 0x0102_1994];
         match rustix::fs::statfs(dir) {
-            // `f_type`'s integer type differs between targets.
+            // `f_type`'s integer type differs between targets (signed 32 bits on some).
             #[allow(clippy::unnecessary_cast)]
-            Ok(st) => !ALLOCATING.contains(&(st.f_type as i64)),
+            Ok(st) => IN_PLACE.contains(&(st.f_type as u32)),
             Err(_) => false,
         }
     }

@@ -448,6 +448,11 @@ async fn writes_landing_outside_the_lock_survive_a_power_cut_once_flushed() {
             })
             .collect();
         tokio::time::sleep(Duration::from_millis(100 + 25 * round)).await;
+        assert!(
+            v.failure().is_none(),
+            "failed before the power cut: {:?}",
+            v.failure()
+        );
         // The power goes with writes in flight: this process's handles die with it.
         fs.power_loss(11 + round, true);
         done.store(true, SeqCst);
@@ -459,6 +464,10 @@ async fn writes_landing_outside_the_lock_survive_a_power_cut_once_flushed() {
             flushed.extend(f);
         }
         side.await.unwrap();
+        assert!(
+            flushed.iter().filter(|&&f| f > 0).count() > (WRITERS * PER / 2) as usize,
+            "round {round}: too few flushes completed before the cut to test anything"
+        );
         unlocked += v.stats().appends_unlocked;
         node.abandon().await;
         drop(v);
@@ -492,7 +501,9 @@ async fn writes_landing_outside_the_lock_survive_a_power_cut_once_flushed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_that_fails_to_land_fails_the_flush_waiting_for_it() {
     let c = Cluster::new().await;
-    let (a, sw) = fault_node(&c, "a");
+    let sw = Arc::new(Switches::default());
+    sw.in_place.store(true, SeqCst);
+    let a = c.node_with(c.config("a"), Arc::new(FaultFs(sw.clone())));
     let v = empty_volume(&a, "hole", DISK, Mode::Durable).await;
     v.prepare_journal().await.unwrap(); // rotates onto a prepared segment
     v.write(0, &tagged(1, 0), false).await.unwrap();
@@ -517,8 +528,22 @@ async fn a_record_that_fails_to_land_fails_the_flush_waiting_for_it() {
     })
     .await
     .unwrap();
-    // Reserved after the stalled one, landed first, acknowledged.
-    v.write(2 * 4096, &tagged(3, 2), false).await.unwrap();
+    // Reserved after the stalled one, landed first, acknowledged. (Released on any panic
+    // from here, so a regression fails the test instead of hanging it.)
+    struct Release(Arc<Switches>);
+    impl Drop for Release {
+        fn drop(&mut self) {
+            self.0.release();
+        }
+    }
+    let release = Release(sw.clone());
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        v.write(2 * 4096, &tagged(3, 2), false),
+    )
+    .await
+    .expect("a write waited for an unrelated record in flight")
+    .unwrap();
     let flush = tokio::spawn({
         let v = v.clone();
         async move { v.flush().await }
@@ -528,7 +553,7 @@ async fn a_record_that_fails_to_land_fails_the_flush_waiting_for_it() {
         !flush.is_finished(),
         "the flush did not wait for the record in flight"
     );
-    sw.release();
+    drop(release);
     assert!(
         first.join().unwrap().is_err(),
         "the failed record was acknowledged"

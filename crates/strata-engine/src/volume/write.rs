@@ -119,15 +119,18 @@ impl Volume {
                         self.land(r, lba, n, data)?;
                     } else {
                         self.await_landed().await;
+                        self.writable()?;
                         self.append(&mut j, Kind::Write, lba, n, data)?;
                     }
                 } else {
                     self.await_landed().await;
+                    self.writable()?;
                     self.append(&mut j, Kind::Write, lba, n, data)?;
                 }
             } else {
                 // A read-modify-write must see every write reserved before it.
                 self.await_landed().await;
+                self.writable()?;
                 let mut buf = vec![0u8; (n * BLOCK_SIZE) as usize];
                 let head = (offset - lba * BLOCK_SIZE) as usize;
                 if head != 0 {
@@ -176,8 +179,10 @@ impl Volume {
             Ok(off) => off,
             Err(e) => {
                 // The place is taken: a record that is not there ends replay, so nothing after
-                // it may be acknowledged as durable. (The file is prepared: no ENOSPC here.)
+                // it may be acknowledged as durable. (The file is prepared and the file system
+                // overwrites in place: no ENOSPC here.)
                 self.fail(format!("journal write failed: {e}"));
+                guard.1 = true; // failed for its own reason, above
                 return Err(Error::io("appending to journal")(e));
             }
         };

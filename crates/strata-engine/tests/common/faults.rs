@@ -28,6 +28,9 @@ pub struct Switches {
     pub stall_next_read: AtomicBool,
     /// The next write to a journal segment stalls until `release`, then fails (EIO).
     pub stall_then_fail_next_write: AtomicBool,
+    /// Say the file system overwrites in place (records may then be written outside the
+    /// journal's lock). Off by default: the injected ENOSPC of `full` fails overwrites too.
+    pub in_place: AtomicBool,
     stalled: Mutex<(bool, bool)>,
     cv: Condvar,
 }
@@ -137,8 +140,8 @@ impl Fs for FaultFs {
     fn hard_link(&self, from: &Path, to: &Path) -> io::Result<()> {
         RealFs.hard_link(from, to)
     }
-    fn overwrites_in_place(&self, dir: &Path) -> bool {
-        RealFs.overwrites_in_place(dir)
+    fn overwrites_in_place(&self, _dir: &Path) -> bool {
+        self.0.in_place.load(SeqCst)
     }
 }
 
