@@ -31,7 +31,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use strata_format::journal::{self as rec, Kind, HEADER_LEN, SEGMENT_HEADER_LEN};
+use strata_format::journal::{
+    self as rec, Kind, HEADER_LEN, MAX_RECORD_BLOCKS, SEGMENT_HEADER_LEN,
+};
 
 use crate::fs::{Fs, FsFile};
 
@@ -49,10 +51,9 @@ struct SegMeta {
     len: u64,
     last_seq: u64,
     nonce: u64,
-    /// The file came from the pool (recycled or zero-filled): appends overwrite written blocks.
-    prepared: bool,
-    /// Bytes of a prepared file that are allocated and written: a record wholly below this
-    /// overwrites blocks in place (no allocation, so no ENOSPC) and may be written outside the
+    /// Bytes already written in the file when it became this segment: non-zero for one from
+    /// the pool (recycled or zero-filled), whose appends overwrite written blocks. A record
+    /// wholly below it allocates nothing (so no ENOSPC) and may be written outside the
     /// journal's lock ([`Journal::reserve`]).
     alloc: u64,
 }
@@ -238,7 +239,6 @@ impl Journal {
                     len: pos,
                     last_seq: seg_last,
                     nonce,
-                    prepared: false,
                     alloc: 0,
                 },
             );
@@ -286,7 +286,6 @@ impl Journal {
                     len,
                     last_seq: last,
                     nonce,
-                    prepared: false,
                     alloc: 0,
                 },
             );
@@ -350,7 +349,6 @@ impl Journal {
         let id = self.active + 1;
         let path = seg_path(&self.dir, id);
         let recycled = self.free.pop();
-        let prepared = recycled.is_some();
         let file = match &recycled {
             Some(f) => {
                 if let Err(e) = self.fs.rename(f, &path) {
@@ -369,7 +367,7 @@ impl Journal {
         });
         let file = file.and_then(|f| {
             // A recycled file's length is what was written before (a prepared one, zeros).
-            let alloc = if prepared { f.len()? } else { 0 };
+            let alloc = if recycled.is_some() { f.len()? } else { 0 };
             Ok((f, alloc))
         });
         let (file, alloc) = match file {
@@ -389,7 +387,6 @@ impl Journal {
                 len: SEGMENT_HEADER_LEN as u64,
                 last_seq: 0,
                 nonce,
-                prepared,
                 alloc,
             },
         );
@@ -415,7 +412,7 @@ impl Journal {
         let fresh = self
             .segments
             .get(&self.active)
-            .is_some_and(|s| !s.prepared && s.len < self.max_segment / 2);
+            .is_some_and(|s| s.alloc == 0 && s.len < self.max_segment / 2);
         if fresh {
             return self.rotate().map(Some);
         }
@@ -425,7 +422,8 @@ impl Journal {
     /// Appends one record; returns (seq, segment, offset of its payload). Rotates first when
     /// the active segment is full: the new segment is then in [`Journal::take_rotated`], even
     /// when the record itself could not be written (a full disk), so readers can find every
-    /// segment later records land in.
+    /// segment later records land in. A record that fails to write is not counted (the next
+    /// append overwrites it).
     pub fn append(
         &mut self,
         kind: Kind,
@@ -437,60 +435,65 @@ impl Journal {
             let r = self.rotate()?;
             self.rotated.push(r);
         }
-        let seq = self.next_seq;
-        let seg = self
-            .segments
-            .get_mut(&self.active)
-            .ok_or_else(|| io::Error::other("journal has no active segment"))?;
-        let record = rec::encode(seg.nonce, kind, seq, lba, nblocks, payload);
-        seg.file.write_at(&record, seg.len)?;
-        let data_off = seg.len + HEADER_LEN as u64;
-        seg.len += record.len() as u64;
-        seg.last_seq = seq;
-        self.dirty.insert(self.active, seg.file.clone());
-        self.next_seq += 1;
-        Ok((seq, self.active, data_off))
+        let r = self.place(kind, lba, nblocks)?;
+        let off = r.write(payload)?;
+        self.commit(&r, payload.len() as u64);
+        Ok((r.seq, r.seg, off))
     }
 
     /// Reserves the place of one record in the active segment without writing it, when the
-    /// record overwrites allocated blocks of a prepared file (so writing it cannot run out of
-    /// space) and needs no rotation; `None` otherwise (the caller appends under the lock).
-    /// The caller writes it with [`Reserved::write`] outside the journal's lock, and anything
-    /// that needs every reserved record written (a sync, a cut, replay's contiguity) waits for
-    /// that first: a record reserved and never written is a hole at which replay would stop.
+    /// record overwrites written blocks of a file from the pool (so writing it cannot run out
+    /// of space), fits in one record and needs no rotation; `None` otherwise (the caller
+    /// appends under the lock). The caller writes it with [`Reserved::write`] outside the
+    /// journal's lock, and anything that needs every reserved record written (a sync, a cut,
+    /// replay's contiguity) waits for that first: a record reserved and never written is a
+    /// hole at which replay would stop.
     pub fn reserve(
         &mut self,
         kind: Kind,
         lba: u64,
-        nblocks: u32,
+        nblocks: u64,
         payload_len: u64,
     ) -> Option<Reserved> {
-        let active = self.active;
-        let seg = self.segments.get_mut(&active)?;
-        let total = HEADER_LEN as u64 + payload_len;
+        let seg = self.segments.get(&self.active)?;
         if !self.in_place
-            || !seg.prepared
+            || nblocks > MAX_RECORD_BLOCKS as u64
             || seg.len >= self.max_segment
-            || seg.len + total > seg.alloc
+            || seg.len + HEADER_LEN as u64 + payload_len > seg.alloc
         {
             return None;
         }
-        let seq = self.next_seq;
-        let r = Reserved {
-            seq,
-            seg: active,
+        let r = self.place(kind, lba, nblocks as u32).ok()?;
+        self.commit(&r, payload_len);
+        Some(r)
+    }
+
+    /// The next record's place in the active segment (not yet taken: see `commit`).
+    fn place(&self, kind: Kind, lba: u64, nblocks: u32) -> io::Result<Reserved> {
+        let seg = self
+            .segments
+            .get(&self.active)
+            .ok_or_else(|| io::Error::other("journal has no active segment"))?;
+        Ok(Reserved {
+            seq: self.next_seq,
+            seg: self.active,
             at: seg.len,
             file: seg.file.clone(),
             nonce: seg.nonce,
             kind,
             lba,
             nblocks,
-        };
-        seg.len += total;
-        seg.last_seq = seq;
-        self.dirty.insert(active, seg.file.clone());
+        })
+    }
+
+    /// Takes the place `r` for a record with `payload_len` bytes of payload.
+    fn commit(&mut self, r: &Reserved, payload_len: u64) {
+        if let Some(seg) = self.segments.get_mut(&r.seg) {
+            seg.len += HEADER_LEN as u64 + payload_len;
+            seg.last_seq = r.seq;
+            self.dirty.insert(r.seg, seg.file.clone());
+        }
         self.next_seq += 1;
-        Some(r)
     }
 
     /// Segments [`Journal::append`] rotated into since the last call.

@@ -393,11 +393,15 @@ impl ObjectReader {
     /// previous run before trusting it. `None` is a miss.
     async fn cached(&self, key: &Key, obj: &ObjectRef, off: u64, len: usize) -> Option<Vec<u8>> {
         if let Some(ip) = &self.in_place {
+            use std::os::unix::fs::FileExt;
             if !lock(ip).touch(key) {
                 return None;
             }
-            let path = self.store.local_object_path(&key.tenant, &obj.id)?;
-            return NodeCache::read_at(&path, key.unit * self.unit + off, len);
+            let file = self.object_file(ip, &key.tenant, &obj.id)?;
+            let mut buf = vec![0u8; len];
+            file.read_exact_at(&mut buf, key.unit * self.unit + off)
+                .ok()?;
+            return Some(buf);
         }
         let hit = self.cache.get(key)?;
         if hit.verified {
@@ -416,6 +420,29 @@ impl ObjectReader {
         Some(data[off as usize..off as usize + len].to_vec())
     }
 
+    /// The open file of a local store's object (kept open for the next read; see
+    /// [`InPlace::files`]). Opened outside the lock.
+    fn object_file(
+        &self,
+        ip: &Mutex<InPlace>,
+        tenant: &str,
+        id: &Hash,
+    ) -> Option<Arc<std::fs::File>> {
+        let key = (tenant.to_string(), *id);
+        if let Some(f) = lock(ip).files.get(&key) {
+            return Some(f.clone());
+        }
+        let f = Arc::new(std::fs::File::open(self.store.local_object_path(tenant, id)?).ok()?);
+        let mut ip = lock(ip);
+        if ip.files.len() >= OPEN_FILES {
+            let old = ip.files.keys().next().cloned();
+            if let Some(old) = old {
+                ip.files.remove(&old);
+            }
+        }
+        Some(ip.files.entry(key).or_insert(f).clone())
+    }
+
     /// A read of units all verified before, from a local store's object file straight into
     /// `buf`; false if any unit is not (the caller takes the general path).
     fn read_in_place(&self, tenant: &str, obj: &ObjectRef, offset: u64, buf: &mut [u8]) -> bool {
@@ -424,45 +451,28 @@ impl ObjectReader {
             return false;
         };
         let end = offset + buf.len() as u64;
-        let file = {
+        let mut key = Key {
+            tenant: tenant.to_string(),
+            id: obj.id,
+            unit: offset / self.unit,
+        };
+        let mut units = 0;
+        {
             let mut ip = lock(ip);
-            let mut key = Key {
-                tenant: tenant.to_string(),
-                id: obj.id,
-                unit: offset / self.unit,
-            };
             while key.unit * self.unit < end {
                 if !ip.touch(&key) {
                     return false;
                 }
                 key.unit += 1;
+                units += 1;
             }
-            let fk = (key.tenant, obj.id);
-            match ip.files.get(&fk) {
-                Some(f) => f.clone(),
-                None => {
-                    let Some(path) = self.store.local_object_path(tenant, &obj.id) else {
-                        return false;
-                    };
-                    let Ok(f) = std::fs::File::open(path) else {
-                        return false;
-                    };
-                    if ip.files.len() >= OPEN_FILES {
-                        let old = ip.files.keys().next().cloned();
-                        if let Some(old) = old {
-                            ip.files.remove(&old);
-                        }
-                    }
-                    let f = Arc::new(f);
-                    ip.files.insert(fk, f.clone());
-                    f
-                }
-            }
+        }
+        let Some(file) = self.object_file(ip, tenant, &obj.id) else {
+            return false;
         };
         if file.read_exact_at(buf, offset).is_err() {
             return false;
         }
-        let units = (end - 1) / self.unit - offset / self.unit + 1;
         self.counters.cache_hits.fetch_add(units, Relaxed);
         true
     }

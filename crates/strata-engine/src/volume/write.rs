@@ -71,7 +71,9 @@ impl Volume {
                 Kind::Write => Loc::Journal { seg, off },
                 Kind::Zero => Loc::Zero,
             };
-            self.st_mut().active.insert_newer(lba + done, k, seq, loc);
+            // Under the lock with no record in flight: this is the newest record.
+            debug_assert_eq!(self.in_flight.load(SeqCst), 0);
+            self.st_mut().active.insert(lba + done, k, seq, loc);
             self.acked_seq.fetch_max(seq, SeqCst);
             done += k;
         }
@@ -109,24 +111,21 @@ impl Volume {
             let lba = offset / BLOCK_SIZE;
             let end = (offset + data.len() as u64).div_ceil(BLOCK_SIZE);
             let n = end - lba;
-            if offset.is_multiple_of(BLOCK_SIZE) && (data.len() as u64).is_multiple_of(BLOCK_SIZE) {
-                if n <= MAX_RECORD_BLOCKS as u64 {
-                    if let Some(r) = j.reserve(Kind::Write, lba, n as u32, data.len() as u64) {
-                        // Counted before the lock goes: whoever takes it next and waits for
-                        // appends in flight must see this one.
-                        self.in_flight.fetch_add(1, SeqCst);
-                        drop(j);
-                        self.land(r, lba, n, data)?;
-                    } else {
-                        self.await_landed().await;
-                        self.writable()?;
-                        self.append(&mut j, Kind::Write, lba, n, data)?;
-                    }
-                } else {
-                    self.await_landed().await;
-                    self.writable()?;
-                    self.append(&mut j, Kind::Write, lba, n, data)?;
-                }
+            let aligned =
+                offset.is_multiple_of(BLOCK_SIZE) && (data.len() as u64).is_multiple_of(BLOCK_SIZE);
+            let reserved = aligned
+                .then(|| j.reserve(Kind::Write, lba, n, data.len() as u64))
+                .flatten();
+            if let Some(r) = reserved {
+                // Counted before the lock goes: whoever takes it next and waits for appends
+                // in flight must see this one.
+                self.in_flight.fetch_add(1, SeqCst);
+                drop(j);
+                self.land(r, lba, n, data)?;
+            } else if aligned {
+                self.await_landed().await;
+                self.writable()?;
+                self.append(&mut j, Kind::Write, lba, n, data)?;
             } else {
                 // A read-modify-write must see every write reserved before it.
                 self.await_landed().await;
