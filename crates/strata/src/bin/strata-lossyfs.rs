@@ -13,6 +13,10 @@
 //! as if every directory were always synced, so the model catches missing data syncs, not
 //! missing directory syncs (the engine's simulated file system covers those). File sizes set by
 //! truncate are un-synced data like writes.
+//!
+//! A file unlinked (or renamed over) while open stays readable and writable through its open
+//! handles until the last is released, as on a local file system: its backing file moves to
+//! `BACKING/.lossyfs-hidden/` (never listed or looked up), like libfuse's `.fuse_hidden` files.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -30,6 +34,8 @@ use fuser::{
 
 const TTL: Duration = Duration::ZERO;
 const FOPEN_DIRECT_IO: u32 = 1;
+/// Where files unlinked while open live until their last release (relative to BACKING).
+const HIDDEN: &str = ".lossyfs-hidden";
 
 /// 0: nothing; 1: drop everything un-synced; 2: tear.
 static PENDING: AtomicU8 = AtomicU8::new(0);
@@ -56,6 +62,8 @@ struct LossyFs {
     inos: HashMap<PathBuf, u64>,
     next_ino: u64,
     dirty: HashMap<u64, Dirty>,
+    /// Open handles per inode (open/create minus release).
+    opens: HashMap<u64, u64>,
     rng: u64,
     drops: u64,
 }
@@ -72,6 +80,7 @@ impl LossyFs {
             inos: HashMap::new(),
             next_ino: 2,
             dirty: HashMap::new(),
+            opens: HashMap::new(),
             rng: 0x9e3779b97f4a7c15 ^ std::process::id() as u64,
             drops: 0,
         };
@@ -208,11 +217,35 @@ impl LossyFs {
         f.sync_all()
     }
 
-    /// `name` under directory `parent`, relative to BACKING.
+    /// `name` under directory `parent`, relative to BACKING (the hidden directory has none).
     fn child(&self, parent: u64, name: &OsStr) -> std::io::Result<PathBuf> {
+        if parent == 1 && name == HIDDEN {
+            return Err(std::io::Error::from_raw_os_error(libc::ENOENT));
+        }
         self.path(parent)
             .map(|p| p.join(name))
             .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOENT))
+    }
+
+    /// The name `rel` is going away (unlink, or a rename over it). An inode still open keeps
+    /// its data: its backing file moves to the hidden directory until the last release.
+    /// Returns whether it was hidden (then the name is already gone from BACKING).
+    fn forget_name(&mut self, rel: &Path) -> std::io::Result<bool> {
+        let Some(ino) = self.inos.get(rel).copied() else {
+            return Ok(false);
+        };
+        if self.opens.get(&ino).copied().unwrap_or(0) == 0 {
+            self.inos.remove(rel);
+            self.paths.remove(&ino);
+            self.dirty.remove(&ino);
+            return Ok(false);
+        }
+        let hidden = Path::new(HIDDEN).join(ino.to_string());
+        std::fs::create_dir_all(self.backing.join(HIDDEN))?;
+        std::fs::rename(self.backing.join(rel), self.backing.join(&hidden))?;
+        self.inos.remove(rel);
+        self.paths.insert(ino, hidden);
+        Ok(true)
     }
 
     fn entry(&mut self, parent: u64, name: &OsStr) -> std::io::Result<(u64, FileAttr)> {
@@ -351,14 +384,19 @@ impl Filesystem for LossyFs {
             Ok(rel) => rel,
             Err(e) => return reply.error(errno(&e)),
         };
-        match std::fs::remove_file(self.backing.join(&rel)) {
-            Ok(()) => {
-                if let Some(ino) = self.inos.remove(&rel) {
-                    self.paths.remove(&ino);
-                    self.dirty.remove(&ino);
-                }
-                reply.ok()
-            }
+        let meta = match std::fs::symlink_metadata(self.backing.join(&rel)) {
+            Ok(m) => m,
+            Err(e) => return reply.error(errno(&e)),
+        };
+        if meta.is_dir() {
+            return reply.error(libc::EISDIR);
+        }
+        match self.forget_name(&rel) {
+            Ok(true) => reply.ok(),
+            Ok(false) => match std::fs::remove_file(self.backing.join(&rel)) {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno(&e)),
+            },
             Err(e) => reply.error(errno(&e)),
         }
     }
@@ -394,15 +432,29 @@ impl Filesystem for LossyFs {
         let (Some(p), Some(np)) = (self.path(parent), self.path(newparent)) else {
             return reply.error(libc::ENOENT);
         };
+        if (parent == 1 && name == HIDDEN) || (newparent == 1 && newname == HIDDEN) {
+            return reply.error(libc::ENOENT);
+        }
         let (from, to) = (p.join(name), np.join(newname));
+        if let Err(e) = std::fs::symlink_metadata(self.backing.join(&from)) {
+            return reply.error(errno(&e));
+        }
+        // The replaced target's name disappears (its inode lives on while open) …
+        let replaced_file =
+            std::fs::symlink_metadata(self.backing.join(&to)).is_ok_and(|m| !m.is_dir());
+        if replaced_file && from != to {
+            if let Err(e) = self.forget_name(&to) {
+                return reply.error(errno(&e));
+            }
+        }
         if let Err(e) = std::fs::rename(self.backing.join(&from), self.backing.join(&to)) {
             return reply.error(errno(&e));
         }
-        // The replaced target's inode disappears; everything under `from` moves.
         if let Some(old) = self.inos.remove(&to) {
             self.paths.remove(&old);
             self.dirty.remove(&old);
         }
+        // … and everything under `from` moves.
         let moved: Vec<(PathBuf, u64)> = self
             .inos
             .iter()
@@ -428,7 +480,34 @@ impl Filesystem for LossyFs {
         if self.path(ino).is_none() {
             return reply.error(libc::ENOENT);
         }
+        *self.opens.entry(ino).or_default() += 1;
         reply.opened(0, FOPEN_DIRECT_IO)
+    }
+
+    fn release(
+        &mut self,
+        _req: &Request<'_>,
+        ino: u64,
+        _fh: u64,
+        _flags: i32,
+        _lock_owner: Option<u64>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let left = self.opens.get_mut(&ino).map(|n| {
+            *n = n.saturating_sub(1);
+            *n
+        });
+        if left == Some(0) {
+            self.opens.remove(&ino);
+            let hidden = self.path(ino).filter(|p| p.starts_with(HIDDEN));
+            if let Some(rel) = hidden {
+                let _ = std::fs::remove_file(self.backing.join(rel));
+                self.paths.remove(&ino);
+                self.dirty.remove(&ino);
+            }
+        }
+        reply.ok()
     }
 
     fn read(
@@ -570,6 +649,9 @@ impl Filesystem for LossyFs {
         let mut names: Vec<_> = rd.flatten().collect();
         names.sort_by_key(|e| e.file_name());
         for e in names {
+            if rel.as_os_str().is_empty() && e.file_name() == HIDDEN {
+                continue;
+            }
             let kind = e
                 .file_type()
                 .map_or(FileType::RegularFile, |t| file_type(&t));
@@ -630,6 +712,7 @@ impl Filesystem for LossyFs {
                         d.floor = 0;
                     }
                 }
+                *self.opens.entry(ino).or_default() += 1;
                 reply.created(&TTL, &a, 0, 0, FOPEN_DIRECT_IO)
             }
             Err(e) => reply.error(errno(&e)),
