@@ -368,9 +368,22 @@ async fn memory(
     tokio::time::sleep(Duration::from_millis(200)).await;
     let l2 = live();
     let per_extent = (l2 as f64 - l0 as f64) / runs as f64;
+    // The same runs written in random order (runs land in the middle of the map).
+    let shuffled = empty_volume(&m, "frag-random", runs * 2 * 4096).await;
+    let mut order: Vec<u64> = (0..runs).collect();
+    let mut rng = SmallRng::seed_from_u64(6);
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.random_range(0..=i));
+    }
+    let r0 = live();
+    for &i in &order {
+        shuffled.write(i * 2 * 4096, &block, false).await.unwrap();
+    }
+    let per_run_random = (live() - r0) as f64 / shuffled.stats().overlay_runs.max(1) as f64;
+    drop(shuffled);
     let peak_above = (peak - l0) as u64;
     println!(
-        "memory: overlay {overlay_runs} runs hold {:.1} B/run; after the publish (v{}) the base manifest holds {:.1} B/extent; heap peak during the publish {} MiB above the start ({} MiB of data)",
+        "memory: overlay {overlay_runs} runs hold {:.1} B/run ({per_run_random:.1} written in random order); after the publish (v{}) the base manifest holds {:.1} B/extent; heap peak during the publish {} MiB above the start ({} MiB of data)",
         per_run,
         p.version,
         per_extent,
@@ -378,6 +391,7 @@ async fn memory(
         (runs * 4096) >> 20
     );
     json!({"runs": overlay_runs, "overlay_bytes_per_run": per_run,
+        "overlay_bytes_per_run_random": per_run_random,
         "manifest_bytes_per_extent": per_extent, "publish_peak_bytes": peak_above,
         "data_bytes": runs * 4096})
 }

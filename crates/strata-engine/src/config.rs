@@ -51,6 +51,10 @@ pub struct EngineConfig {
     pub min_free_bytes: u64,
 }
 
+/// Largest journal segment (`segment_max_bytes`): the overlay names offsets in a segment in
+/// 40 bits ([`crate::overlay`]), and a segment ends past its limit by at most one record.
+pub const MAX_SEGMENT_BYTES: u64 = 64 << 30;
+
 impl EngineConfig {
     pub fn new(data_dir: impl Into<PathBuf>) -> EngineConfig {
         EngineConfig {

@@ -103,6 +103,13 @@ impl Engine {
         store: Store,
         fs: Arc<dyn Fs>,
     ) -> Result<Arc<Engine>> {
+        if !(1..=crate::config::MAX_SEGMENT_BYTES).contains(&cfg.segment_max_bytes) {
+            return Err(Error::Invalid(format!(
+                "segment size {} is outside 1..={} bytes",
+                cfg.segment_max_bytes,
+                crate::config::MAX_SEGMENT_BYTES
+            )));
+        }
         let node = match &cfg.node_id {
             Some(n) => {
                 name::validate("node id", n)?;

@@ -169,7 +169,8 @@ impl Journal {
                     // Unpublished sequence numbers are contiguous: a gap means a lost record, so
                     // stop there. (Published records, <= skip_upto, may be left over from an
                     // interrupted deletion; they are skipped, not checked.)
-                    if pos + h.total_len() > len {
+                    // (No record of ours lies past what the overlay can name.)
+                    if pos + h.total_len() > len.min(crate::overlay::MAX_OFF) {
                         return None;
                     }
                     let mut payload = vec![0u8; h.payload_len as usize];

@@ -20,7 +20,9 @@ mod space;
 pub mod template;
 mod volume;
 
-pub use config::{cache_unsafe, cache_unsafe_from_env, EngineConfig, UNSAFE_ENV};
+pub use config::{
+    cache_unsafe, cache_unsafe_from_env, EngineConfig, MAX_SEGMENT_BYTES, UNSAFE_ENV,
+};
 pub use engine::{tempdir_in, Engine, Source};
 pub use error::{is_no_space, Error, Result};
 pub use gc::{GcOptions, GcReport};

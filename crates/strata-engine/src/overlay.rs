@@ -3,11 +3,14 @@
 //! A volume reads through up to three layers: the *active* overlay (writes since the last cut),
 //! a *frozen* overlay (a cut being published), and the base manifest. Each overlay maps
 //! non-overlapping block runs to where their newest bytes are: a journal record, or zeros.
-//! Memory is per run, not per block of disk size.
+//! Memory is per run, not per block of disk size: about 24 bytes each ([`runs`]).
 
-use std::collections::BTreeMap;
+mod runs;
 
 use strata_format::BLOCK_SIZE;
+
+pub(crate) use runs::MAX_OFF;
+use runs::{Runs, MAX_LEN};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Loc {
@@ -38,7 +41,7 @@ pub(crate) struct Run {
 
 #[derive(Clone, Default, Debug)]
 pub(crate) struct Overlay {
-    map: BTreeMap<u64, Run>,
+    map: Runs,
     blocks: u64,
 }
 
@@ -61,7 +64,7 @@ impl Overlay {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (u64, Run)> + '_ {
-        self.map.iter().map(|(k, v)| (*k, *v))
+        self.map.iter()
     }
 
     fn count(&mut self, r: &Run, add: bool) {
@@ -74,13 +77,25 @@ impl Overlay {
         }
     }
 
+    /// Maps `lba..lba+r.len` to `r` where nothing starts (runs longer than a packed run can
+    /// hold are stored as several).
     fn put(&mut self, lba: u64, r: Run) {
         self.count(&r, true);
-        self.map.insert(lba, r);
+        let mut at = 0;
+        while at < r.len {
+            let len = (r.len - at).min(MAX_LEN);
+            let piece = Run {
+                len,
+                loc: r.loc.advance(at),
+                ..r
+            };
+            self.map.insert(lba + at, piece);
+            at += len;
+        }
     }
 
     fn take(&mut self, lba: u64) -> Option<Run> {
-        let r = self.map.remove(&lba)?;
+        let r = self.map.remove(lba)?;
         self.count(&r, false);
         Some(r)
     }
@@ -103,8 +118,8 @@ impl Overlay {
     pub fn insert_newer(&mut self, lba: u64, len: u64, seq: u64, loc: Loc) {
         let end = lba + len;
         let mut newer: Vec<(u64, u64)> = vec![];
-        let before = self.map.range(..lba).next_back();
-        for (&s, r) in before.into_iter().chain(self.map.range(lba..end)) {
+        let before = self.map.last_before(lba);
+        for (s, r) in before.into_iter().chain(self.map.range(lba, end)) {
             if r.seq > seq && s + r.len > lba {
                 newer.push((s.max(lba), (s + r.len).min(end)));
             }
@@ -125,7 +140,7 @@ impl Overlay {
     pub fn insert(&mut self, lba: u64, len: u64, seq: u64, loc: Loc) {
         let end = lba + len;
         // A run starting before `lba` that reaches into the range: keep its head (and tail).
-        if let Some((&s, &r)) = self.map.range(..lba).next_back() {
+        if let Some((s, r)) = self.map.last_before(lba) {
             if s + r.len > lba {
                 self.take(s);
                 self.put(s, Run { len: lba - s, ..r });
@@ -133,7 +148,7 @@ impl Overlay {
             }
         }
         // Runs starting inside the range: drop them, keeping any tail past `end`.
-        let inside: Vec<u64> = self.map.range(lba..end).map(|(k, _)| *k).collect();
+        let inside: Vec<u64> = self.map.range(lba, end).map(|(k, _)| k).collect();
         for s in inside {
             if let Some(r) = self.take(s) {
                 self.keep_tail(s, r, end);
@@ -146,11 +161,11 @@ impl Overlay {
     pub fn resolve(&self, lba: u64, len: u64, out: &mut Vec<(u64, u64, Hit)>) {
         let end = lba + len;
         let mut cur = lba;
-        let start_key = match self.map.range(..=lba).next_back() {
-            Some((&s, r)) if s + r.len > lba => s,
+        let start_key = match self.map.last_before(lba + 1) {
+            Some((s, r)) if s + r.len > lba => s,
             _ => lba,
         };
-        for (&s, &r) in self.map.range(start_key..end) {
+        for (s, r) in self.map.range(start_key, end) {
             if s > cur {
                 out.push((cur, s - cur, Hit::Below));
                 cur = s;
@@ -174,21 +189,21 @@ impl Overlay {
 
     /// Drops every run written at or before `seq` (they are in a published base now).
     pub fn drop_through(&mut self, seq: u64) {
-        let old: Vec<u64> = self
-            .map
-            .iter()
-            .filter(|(_, r)| r.seq <= seq)
-            .map(|(k, _)| *k)
-            .collect();
-        for lba in old {
-            self.take(lba);
-        }
+        let mut gone = 0;
+        self.map.retain(|r| {
+            let old = r.seq <= seq;
+            if old && matches!(r.loc, Loc::Journal { .. }) {
+                gone += r.len;
+            }
+            !old
+        });
+        self.blocks -= gone;
     }
 
     /// Lays `self` over `lower`: the result has `lower`'s runs wherever `self` has none.
     pub fn over(self, lower: &Overlay) -> Overlay {
         let mut merged = lower.clone();
-        for (lba, r) in self.map {
+        for (lba, r) in self.map.iter() {
             merged.insert(lba, r.len, r.seq, r.loc);
         }
         merged
@@ -199,6 +214,53 @@ impl Overlay {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A run longer than one packed run holds (a trim of a large disk) is stored in pieces
+    /// and reads back as one range; a write inside it and a drop leave the right blocks.
+    #[test]
+    fn runs_longer_than_a_packed_run_split_and_read_back() {
+        let mut o = Overlay::default();
+        let total = 3 * MAX_LEN + 5;
+        o.insert(0, total, 1, Loc::Zero);
+        assert_eq!(o.runs(), 4);
+        let at = 2 * MAX_LEN - 1;
+        let data = Loc::Journal { seg: 9, off: 4096 };
+        o.insert(at, 4, 2, data);
+        o.insert(7, MAX_LEN + 2, 3, Loc::Journal { seg: 10, off: 0 });
+        assert_eq!(o.data_blocks(), 4 + MAX_LEN + 2);
+        let mut pieces = vec![];
+        o.resolve(0, total, &mut pieces);
+        let mut lba = 0;
+        for &(s, n, hit) in &pieces {
+            assert_eq!(s, lba);
+            let Hit::Here(r) = hit else {
+                panic!("gap at {s}")
+            };
+            let want = if (7..MAX_LEN + 9).contains(&s) {
+                Loc::Journal {
+                    seg: 10,
+                    off: (s - 7) * BLOCK_SIZE,
+                }
+            } else if (at..at + 4).contains(&s) {
+                data.advance(s - at)
+            } else {
+                Loc::Zero
+            };
+            assert_eq!(r.loc, want, "at {s}");
+            lba += n;
+        }
+        assert_eq!(lba, total);
+        o.drop_through(2);
+        assert_eq!(o.data_blocks(), MAX_LEN + 2);
+        pieces.clear();
+        o.resolve(0, total, &mut pieces);
+        let here: u64 = pieces
+            .iter()
+            .filter(|p| matches!(p.2, Hit::Here(_)))
+            .map(|p| p.1)
+            .sum();
+        assert_eq!(here, MAX_LEN + 2);
+    }
 
     proptest! {
         #[test]

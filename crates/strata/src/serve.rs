@@ -330,7 +330,10 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
         cfg.min_free_bytes = n;
     }
     if let Some(n) = size(a.segment_size, &file.segment_size)? {
-        anyhow::ensure!(n >= 1 << 20, "--segment-size must be at least 1MiB");
+        anyhow::ensure!(
+            (1 << 20..=strata_engine::MAX_SEGMENT_BYTES).contains(&n),
+            "--segment-size must be between 1MiB and 64GiB"
+        );
         cfg.segment_max_bytes = n;
     }
     if let Some(t) = a.compact_below.or(file.compact_below) {
