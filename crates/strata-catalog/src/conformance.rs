@@ -321,6 +321,42 @@ async fn tenants_and_templates(cat: &dyn Catalog) {
     )
     .await
     .unwrap();
+    // Recorded references: idempotent, per tenant, pruned with their keys.
+    assert_eq!(cat.recorded_references("acme").await.unwrap(), (1, 1));
+    let two = [
+        ObjectRef {
+            id: h(2),
+            data_len: 4096,
+        },
+        ObjectRef {
+            id: h(4),
+            data_len: 8192,
+        },
+    ];
+    cat.record_manifest("acme", h(3), &two).await.unwrap();
+    assert_eq!(cat.recorded_references("acme").await.unwrap(), (2, 2));
+    assert_eq!(cat.recorded_references("nope").await.unwrap(), (0, 0));
+    // Manifest 3 and object 4 go: 2 links, 1 manifest, 1 object.
+    assert_eq!(
+        cat.prune_references("acme", &[h(3)], &[h(4)])
+            .await
+            .unwrap(),
+        4
+    );
+    assert_eq!(cat.recorded_references("acme").await.unwrap(), (1, 1));
+    assert_eq!(
+        cat.prune_references("acme", &[h(3)], &[h(4)])
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        cat.prune_references("other", &[h(1)], &[h(2)])
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(cat.recorded_references("acme").await.unwrap(), (1, 1));
     let t = Template {
         tenant: "acme".into(),
         name: "base".into(),

@@ -184,6 +184,17 @@ pub trait Catalog: Send + Sync + 'static {
     async fn gc_condemned(&self, tenant: &str) -> Result<Vec<(String, u64)>>;
     /// Forgets condemned keys (deleted, or referenced again).
     async fn gc_forget(&self, tenant: &str, keys: &[String]) -> Result<()>;
+    /// Deletes the rows [`Catalog::record_manifest`] made for manifests and objects whose
+    /// store keys GC is deleting: the manifests, their object links, the objects. Returns the
+    /// rows deleted. (Called before the store deletes, so a failure leaves rows, not leaks.)
+    async fn prune_references(
+        &self,
+        tenant: &str,
+        manifests: &[Hash],
+        objects: &[Hash],
+    ) -> Result<u64>;
+    /// How many manifests and objects the catalog has recorded for `tenant`.
+    async fn recorded_references(&self, tenant: &str) -> Result<(u64, u64)>;
 
     /// Records a node's heartbeat and what it serves (upsert; `seen_ms` is the catalog's clock).
     async fn report_node(&self, status: &NodeStatus) -> Result<()>;

@@ -742,6 +742,53 @@ impl Catalog for PostgresCatalog {
             .collect())
     }
 
+    async fn prune_references(
+        &self,
+        tenant: &str,
+        manifests: &[Hash],
+        objects: &[Hash],
+    ) -> Result<u64> {
+        let ms: Vec<String> = manifests.iter().map(|h| h.to_hex()).collect();
+        let os: Vec<String> = objects.iter().map(|h| h.to_hex()).collect();
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(be)?;
+        let mut n = tx
+            .execute(
+                "DELETE FROM manifest_objects WHERE tenant = $1 AND manifest = ANY($2)",
+                &[&tenant, &ms],
+            )
+            .await
+            .map_err(be)?;
+        n += tx
+            .execute(
+                "DELETE FROM manifests WHERE tenant = $1 AND id = ANY($2)",
+                &[&tenant, &ms],
+            )
+            .await
+            .map_err(be)?;
+        n += tx
+            .execute(
+                "DELETE FROM objects WHERE tenant = $1 AND id = ANY($2)",
+                &[&tenant, &os],
+            )
+            .await
+            .map_err(be)?;
+        tx.commit().await.map_err(be)?;
+        Ok(n)
+    }
+
+    async fn recorded_references(&self, tenant: &str) -> Result<(u64, u64)> {
+        let c = self.conn().await?;
+        let r = c
+            .query_one(
+                "SELECT (SELECT COUNT(*) FROM manifests WHERE tenant = $1), (SELECT COUNT(*) FROM objects WHERE tenant = $1)",
+                &[&tenant],
+            )
+            .await
+            .map_err(be)?;
+        Ok((u(&r, 0), u(&r, 1)))
+    }
+
     async fn gc_forget(&self, tenant: &str, keys: &[String]) -> Result<()> {
         let c = self.conn().await?;
         c.execute(

@@ -670,6 +670,63 @@ impl Catalog for SqliteCatalog {
         .await
     }
 
+    async fn prune_references(
+        &self,
+        tenant: &str,
+        manifests: &[Hash],
+        objects: &[Hash],
+    ) -> Result<u64> {
+        let t = tenant.to_string();
+        let (ms, os): (Vec<String>, Vec<String>) = (
+            manifests.iter().map(|h| h.to_hex()).collect(),
+            objects.iter().map(|h| h.to_hex()).collect(),
+        );
+        self.run(move |c| {
+            let tx = c.transaction().map_err(be)?;
+            let mut n = 0usize;
+            {
+                let mut links = tx
+                    .prepare_cached(
+                        "DELETE FROM manifest_objects WHERE tenant = ?1 AND manifest = ?2",
+                    )
+                    .map_err(be)?;
+                let mut man = tx
+                    .prepare_cached("DELETE FROM manifests WHERE tenant = ?1 AND id = ?2")
+                    .map_err(be)?;
+                let mut obj = tx
+                    .prepare_cached("DELETE FROM objects WHERE tenant = ?1 AND id = ?2")
+                    .map_err(be)?;
+                for m in &ms {
+                    n += links.execute(params![t, m]).map_err(be)?;
+                    n += man.execute(params![t, m]).map_err(be)?;
+                }
+                for o in &os {
+                    n += obj.execute(params![t, o]).map_err(be)?;
+                }
+            }
+            tx.commit().map_err(be)?;
+            Ok(n as u64)
+        })
+        .await
+    }
+
+    async fn recorded_references(&self, tenant: &str) -> Result<(u64, u64)> {
+        let t = tenant.to_string();
+        self.run(move |c| {
+            let count = |table: &str| -> Result<u64> {
+                c.query_row(
+                    &format!("SELECT COUNT(*) FROM {table} WHERE tenant = ?1"),
+                    params![t],
+                    |r| r.get::<_, i64>(0),
+                )
+                .map(|n| n as u64)
+                .map_err(be)
+            };
+            Ok((count("manifests")?, count("objects")?))
+        })
+        .await
+    }
+
     async fn gc_forget(&self, tenant: &str, keys: &[String]) -> Result<()> {
         let (t, keys) = (tenant.to_string(), keys.to_vec());
         self.run(move |c| {

@@ -13,7 +13,9 @@
 //! 3. **Sweep, in two phases.** Store keys that are unreferenced (and older than `grace` by the
 //!    store's clock) are *condemned* in the catalog; a key is deleted only by a later pass that
 //!    finds it condemned for at least `grace` and still unreferenced. A key that became
-//!    referenced again is forgotten.
+//!    referenced again is forgotten. Before a key is deleted, the catalog's rows for it
+//!    (`record_manifest`'s manifests, links and objects) are pruned, so the catalog's record
+//!    of the reference graph stays the size of what is live.
 //!
 //! Why that is safe under concurrent checkpoints, forks, restores and uploads:
 //! - Every upload creates keys that never existed (objects and manifests carry a random salt),
@@ -98,6 +100,9 @@ pub struct GcReport {
     pub compactions: u64,
     #[serde(default)]
     pub compacted_bytes: u64,
+    /// Catalog rows (manifests, their object links, objects) deleted with their store keys.
+    #[serde(default)]
+    pub pruned_rows: u64,
 }
 
 /// Retention: which of `cps` (a workspace's visible checkpoints) expire now.
@@ -301,6 +306,21 @@ impl Engine {
             }
             cat.gc_condemn(tenant, &fresh).await?;
             report.condemned += fresh.len() as u64;
+        }
+        // The catalog's rows for what is deleted go first: a failure after leaves a key
+        // without rows (deleted by the next pass), never rows without a key.
+        let doomed: Vec<(bool, Hash)> = condemned
+            .iter()
+            .filter(|(k, age_ms)| *age_ms >= grace_ms && unreferenced.contains_key(k))
+            .filter_map(|(k, _)| key_id(tenant, k))
+            .collect();
+        if !doomed.is_empty() {
+            if !steps.take() {
+                return Ok(false);
+            }
+            let (objs, mans): (Vec<_>, Vec<_>) = doomed.iter().partition(|(o, _)| *o);
+            let ids = |v: Vec<&(bool, Hash)>| v.into_iter().map(|(_, h)| *h).collect::<Vec<_>>();
+            report.pruned_rows += cat.prune_references(tenant, &ids(mans), &ids(objs)).await?;
         }
         let mut deleted = vec![];
         let mut revived = vec![];

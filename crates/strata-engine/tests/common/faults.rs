@@ -308,6 +308,19 @@ impl Catalog for LossyCatalog {
     async fn gc_forget(&self, tenant: &str, keys: &[String]) -> Result<()> {
         self.inner.gc_forget(tenant, keys).await
     }
+    async fn prune_references(
+        &self,
+        tenant: &str,
+        manifests: &[Hash],
+        objects: &[Hash],
+    ) -> Result<u64> {
+        self.inner
+            .prune_references(tenant, manifests, objects)
+            .await
+    }
+    async fn recorded_references(&self, tenant: &str) -> Result<(u64, u64)> {
+        self.inner.recorded_references(tenant).await
+    }
     async fn report_node(&self, status: &NodeStatus) -> Result<()> {
         self.inner.report_node(status).await
     }
