@@ -16,6 +16,7 @@ use tokio::task::JoinHandle;
 use crate::fs::{Fs, RealFs};
 mod background;
 mod fork;
+mod hold;
 mod templates;
 
 use crate::volume::{Published, Volume, VolumeOptions, VolumeParts};
@@ -40,8 +41,11 @@ pub enum Source {
 struct Attached {
     vol: Arc<Volume>,
     task: JoinHandle<()>,
-    /// Attached at a user's request (not only to publish a live fork).
+    /// Attached at a user's request (not only to publish a live fork, or for one call).
     claimed: bool,
+    /// Calls running on it that attached it for themselves (see `engine/hold.rs`): it is
+    /// detached when the last ends, unless a user claimed it meanwhile.
+    holds: u32,
 }
 
 type Key = (String, String);
@@ -404,6 +408,7 @@ impl Engine {
             vol: vol.clone(),
             task,
             claimed: claim,
+            holds: 0,
         });
         self.set_live(&key, Some(vol.clone()));
         if let Some(src) = vol.adopt_source().and_then(|s| self.volume(tenant, &s)) {
@@ -455,7 +460,7 @@ impl Engine {
         let key = key(tenant, ws);
         let slot = self.slot(&key);
         let mut s = slot.lock().await;
-        if only_unclaimed && s.as_ref().is_none_or(|a| a.claimed) {
+        if only_unclaimed && s.as_ref().is_none_or(|a| a.claimed || a.holds > 0) {
             return Ok(None);
         }
         let Some(a) = s.take() else {
@@ -520,22 +525,6 @@ impl Engine {
             }
             self.set_live(&k, None);
         }
-    }
-
-    /// Runs `f` on the workspace's volume, attaching it for the call if it is not attached.
-    async fn with_volume<T>(
-        self: &Arc<Self>,
-        tenant: &str,
-        ws: &str,
-        f: impl AsyncFnOnce(&Volume) -> Result<T>,
-    ) -> Result<T> {
-        if let Some(v) = self.volume(tenant, ws) {
-            return f(&v).await;
-        }
-        let v = self.attach(tenant, ws).await?;
-        let r = f(&v).await;
-        self.detach(tenant, ws).await?;
-        r
     }
 
     /// Checkpoints everything acknowledged so far, with an optional label, and waits until it

@@ -565,3 +565,55 @@ async fn a_record_that_fails_to_land_fails_the_flush_waiting_for_it() {
     );
     assert!(v.failure().is_some());
 }
+
+/// A call on a detached workspace attaches it for itself (here a checkpoint, slowed by the
+/// store). A user who attaches it meanwhile gets the same volume and keeps it when the call
+/// ends (before, the call's detach closed it under the user's writes); a call whose caller
+/// goes away still lets go of the workspace once it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_attached_for_itself_leaves_a_users_attach_alone() {
+    let c = Cluster::new().await;
+    let store = slow_store(200);
+    let fs = Arc::new(strata_engine::fs::RealFs);
+    let a = Engine::open_with(c.config("a"), c.catalog.clone(), store, fs).unwrap();
+    let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
+    v.write(0, &tagged(1, 0), true).await.unwrap();
+    drop(v);
+    a.detach(TENANT, "w").await.unwrap();
+    assert!(a.volume(TENANT, "w").is_none());
+
+    let call = {
+        let a = a.clone();
+        tokio::spawn(async move { a.checkpoint(TENANT, "w", Some("mid".into())).await })
+    };
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    let user = a.attach(TENANT, "w").await.unwrap();
+    call.await.unwrap().unwrap();
+    assert!(
+        a.volume(TENANT, "w").is_some(),
+        "the user's attach outlives the call"
+    );
+    user.write(4096, &tagged(2, 1), true).await.unwrap();
+    user.flush().await.unwrap();
+    drop(user);
+    a.detach(TENANT, "w").await.unwrap();
+
+    // A caller that gives up mid-call: the workspace is detached once the call ends.
+    let r = tokio::time::timeout(
+        Duration::from_millis(60),
+        a.checkpoint(TENANT, "w", Some("gone".into())),
+    )
+    .await;
+    assert!(r.is_err(), "the checkpoint was still running");
+    let mut detached = false;
+    for _ in 0..100 {
+        if a.volume(TENANT, "w").is_none() {
+            detached = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(detached, "an abandoned call lets go of the workspace");
+    let v = a.attach(TENANT, "w").await.unwrap();
+    assert_eq!(tag_of(&v.read(4096, 4096).await.unwrap(), 1), Some(2));
+}
