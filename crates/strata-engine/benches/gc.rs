@@ -57,6 +57,7 @@ async fn main() {
             dry_run: false,
             stop_after: None,
             compact_below: Some(threshold),
+            compact_detached_after: None,
         };
         // Fill the disk once with distinct data: every block live, nothing dedups.
         let mut rng = SmallRng::seed_from_u64(42);

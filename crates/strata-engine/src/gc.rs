@@ -1,7 +1,9 @@
 //! Retention and garbage collection.
 //!
 //! The catalog is the durable graph of what is live: workspace heads, checkpoints and templates
-//! name manifests, manifests name objects. One pass, per tenant:
+//! name manifests, manifests name objects. A pass first compacts sparse heads (workspaces
+//! attached here, and those detached everywhere for a while; see
+//! [`GcOptions::compact_detached_after`]), then, per tenant:
 //!
 //! 1. **Retention** expires checkpoints by policy (never a head; labelled ones only by their
 //!    own `keep_until`; unlabelled beyond the newest `keep_last` or older than `max_age`).
@@ -38,7 +40,9 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use object_store::{ObjectStore, ObjectStoreExt};
 use serde::{Deserialize, Serialize};
-use strata_catalog::Checkpoint;
+use std::sync::Arc;
+
+use strata_catalog::{Checkpoint, CheckpointKind};
 use strata_format::Hash;
 
 use crate::{Engine, Error, Result};
@@ -55,7 +59,16 @@ pub struct GcOptions {
     /// Compact the volumes attached on this node whose head objects are less live than this
     /// fraction (before retention, so the old objects are released by the same passes).
     pub compact_below: Option<f64>,
+    /// Also compact workspaces detached everywhere (lease released after a clean detach) for
+    /// at least this long, attaching each on this node for the rewrite (`None`: only attached
+    /// ones). Never a workspace whose lease is held or only expired: a node that crashed may
+    /// still replay its journal onto the head, which must not move under it.
+    pub compact_detached_after: Option<Duration>,
 }
+
+/// How long a workspace stays detached before GC compacts it (a sandbox paused for a moment is
+/// likely resumed soon; its attach would wait for the compaction's lease).
+pub const COMPACT_DETACHED_AFTER: Duration = Duration::from_secs(600);
 
 impl GcOptions {
     /// A pass with a node's configured grace, retention and compaction settings.
@@ -67,6 +80,7 @@ impl GcOptions {
             dry_run,
             stop_after: None,
             compact_below: Some(cfg.compact_below),
+            compact_detached_after: Some(COMPACT_DETACHED_AFTER),
         }
     }
 }
@@ -176,7 +190,7 @@ fn key_id(tenant: &str, key: &str) -> Option<(bool, Hash)> {
 
 impl Engine {
     /// One GC pass over every tenant (see the module docs).
-    pub async fn gc(&self, opts: &GcOptions) -> Result<GcReport> {
+    pub async fn gc(self: &Arc<Self>, opts: &GcOptions) -> Result<GcReport> {
         let started = Instant::now();
         let mut report = GcReport {
             dry_run: opts.dry_run,
@@ -204,6 +218,16 @@ impl Engine {
                 }
             }
         }
+        if let (Some(t), Some(after), false) = (
+            opts.compact_below,
+            opts.compact_detached_after,
+            opts.dry_run,
+        ) {
+            for tenant in self.catalog().list_tenants().await? {
+                self.compact_detached(&tenant, t, after, &mut report)
+                    .await?;
+            }
+        }
         for tenant in self.catalog().list_tenants().await? {
             report.tenants += 1;
             if !self
@@ -216,6 +240,60 @@ impl Engine {
         }
         report.duration_ms = started.elapsed().as_millis() as u64;
         Ok(report)
+    }
+
+    /// Compacts the tenant's workspaces that are detached everywhere (see
+    /// [`GcOptions::compact_detached_after`]) and whose head has objects less live than
+    /// `threshold`, each attached here for the call (a hold: a user's attach on this node
+    /// meanwhile keeps it; one on another node waits for the lease, as for any call here).
+    async fn compact_detached(
+        self: &Arc<Self>,
+        tenant: &str,
+        threshold: f64,
+        after: Duration,
+        report: &mut GcReport,
+    ) -> Result<()> {
+        let cat = self.catalog().clone();
+        for w in cat.list_workspaces(tenant).await? {
+            if self.volume(tenant, &w.name).is_some() {
+                continue; // attached here: compacted above
+            }
+            let lease = cat.get_lease(tenant, &w.name).await?;
+            // Held (or expired: that node may still replay its journal), or never attached
+            // (the head is a template's or a source's, shared).
+            if lease.holder.is_some() || lease.epoch == 0 {
+                continue;
+            }
+            let head = cat.get_checkpoint(tenant, &w.name, w.head_version).await?;
+            let idle_ms = now_ms().saturating_sub(head.created_ms);
+            if head.kind == CheckpointKind::LiveFork || idle_ms < after.as_millis() as u64 {
+                continue;
+            }
+            let m = self
+                .reader()
+                .store()
+                .get_manifest(tenant, &w.head_manifest)
+                .await?;
+            let sparse = crate::volume::object_usage(&m)
+                .iter()
+                .any(|(live, stored)| (*live as f64) < threshold * *stored as f64);
+            if !sparse {
+                continue;
+            }
+            match self.compact(tenant, &w.name, threshold).await {
+                Ok(Some(p)) => {
+                    report.compactions += 1;
+                    report.compacted_bytes += p.bytes_uploaded;
+                    tracing::info!(tenant, workspace = %w.name, version = p.version, "compacted a detached workspace");
+                }
+                Ok(None) => {}
+                // Attached elsewhere meanwhile, say: the next pass looks again.
+                Err(e) => {
+                    tracing::warn!(tenant, workspace = %w.name, error = %e, "compacting a detached workspace failed")
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Returns false when `steps` ran out.

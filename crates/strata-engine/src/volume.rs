@@ -52,6 +52,7 @@ mod publish;
 mod rebase;
 mod write;
 
+pub(crate) use compact::object_usage;
 pub use layers::CheckpointState;
 pub(crate) use layers::Inheritance;
 use layers::{CutSpec, Layer, LayerRecord};

@@ -9,7 +9,7 @@
 
 mod common;
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,6 +37,8 @@ fn gc_opts(keep_last: usize) -> GcOptions {
         dry_run: false,
         stop_after: None,
         compact_below: Some(0.5),
+        // Detached workspaces too, at once: the campaigns detach and re-attach them.
+        compact_detached_after: Some(Duration::ZERO),
     }
 }
 
@@ -565,4 +567,102 @@ async fn gc_on_two_nodes_overlapping_checkpoints_and_forks_loses_nothing() {
     assert!(total.1 > 0, "GC did delete while checkpoints ran");
     let mut n = 0;
     check(&c, &writer, &mut m, &labelled, &mut n).await;
+}
+
+/// A workspace detached everywhere is compacted too (it used to keep its sparse objects for
+/// good): attached here for the rewrite and detached again, its data intact. One whose node
+/// crashed (lease held, only expired) is left alone: that node's journal must still apply to
+/// the head when it comes back. One detached too recently is left alone as well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detached_workspaces_are_compacted_and_crashed_ones_left_alone() {
+    let c = Cluster::new().await;
+    let mut cfg = c.config("a");
+    cfg.lease_ttl = Duration::from_secs(1);
+    let fs = Arc::new(strata_engine::fs::RealFs);
+    let node = Engine::open_with(cfg, c.catalog.clone(), c.store.clone(), fs).unwrap();
+    let mut disks = HashMap::new();
+    for ws in ["idle", "crashed"] {
+        node.create_workspace(
+            TENANT,
+            ws,
+            Source::Empty { size: 4 << 20 },
+            Mode::Durable,
+            None,
+        )
+        .await
+        .unwrap();
+        let v = node.attach(TENANT, ws).await.unwrap();
+        let mut disk = Disk::new();
+        // 256 blocks, then three in four of them again: the first objects end up 25% live.
+        for round in [1u64, 2] {
+            for lba in (0..256u64).filter(|l| round == 1 || l % 4 != 0) {
+                v.write(lba * 4096, &tagged(round * 1000 + lba, lba), false)
+                    .await
+                    .unwrap();
+                disk.insert(lba, round * 1000 + lba);
+            }
+            v.checkpoint(None).await.unwrap();
+        }
+        disks.insert(ws, disk);
+    }
+    node.detach(TENANT, "idle").await.unwrap();
+    // "crashed": its node dies with the lease held (it expires; nothing released it).
+    let crashed_head = node
+        .workspace(TENANT, "crashed")
+        .await
+        .unwrap()
+        .head_version;
+    node.abandon().await;
+    let idle_head = node.workspace(TENANT, "idle").await.unwrap().head_version;
+    let gc = c.node("gc");
+    let later = GcOptions {
+        compact_detached_after: Some(Duration::from_secs(3600)),
+        ..gc_opts(16)
+    };
+    assert_eq!(
+        gc.gc(&later).await.unwrap().compactions,
+        0,
+        "detached too recently"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await; // node a's lease TTL runs out
+    assert!(c
+        .catalog
+        .get_lease(TENANT, "crashed")
+        .await
+        .unwrap()
+        .holder
+        .is_some());
+    let r = gc.gc(&gc_opts(16)).await.unwrap();
+    assert_eq!(r.compactions, 1, "{r:?}");
+    assert!(gc.volume(TENANT, "idle").is_none(), "detached again");
+    let lease = c.catalog.get_lease(TENANT, "idle").await.unwrap();
+    assert_eq!(lease.holder, None, "its lease is released");
+    let log = gc.log(TENANT, "idle").await.unwrap();
+    let after: Vec<_> = log.iter().filter(|cp| cp.version > idle_head).collect();
+    assert!(
+        after
+            .iter()
+            .any(|cp| cp.kind == strata_catalog::CheckpointKind::Compact),
+        "{after:?}"
+    );
+    assert_eq!(
+        node.workspace(TENANT, "crashed")
+            .await
+            .unwrap()
+            .head_version,
+        crashed_head,
+        "a crashed node's workspace keeps its head"
+    );
+    assert_eq!(
+        gc.gc(&gc_opts(16)).await.unwrap().compactions,
+        0,
+        "nothing sparse left"
+    );
+    for ws in ["idle", "crashed"] {
+        let v = c.node("reader").attach(TENANT, ws).await.unwrap();
+        for (lba, tag) in &disks[ws] {
+            let b = v.read(lba * 4096, 4096).await.unwrap();
+            assert_eq!(tag_of(&b, *lba), Some(*tag), "{ws} block {lba}");
+        }
+    }
 }
