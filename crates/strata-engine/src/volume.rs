@@ -509,7 +509,8 @@ impl Volume {
         Ok(out)
     }
 
-    pub(crate) fn dir(&self) -> &PathBuf {
+    /// The volume's local directory (journal, local state).
+    pub fn dir(&self) -> &PathBuf {
         &self.dir
     }
 

@@ -137,7 +137,27 @@ async fn finish(
     ws: &str,
 ) -> anyhow::Result<()> {
     vol.flush().await?;
-    let p = e.detach(&g.tenant, ws).await?;
+    // The final publish can take long (a large upload) or not end at all (an unreachable
+    // store retried): a second signal stops it. Everything flushed is in the journal, which
+    // the next attach on this node replays (the lease is left to expire, not released).
+    if !g.json {
+        eprintln!(
+            "detaching {ws}: final publish (signal again to stop and keep the local journal)"
+        );
+    }
+    let p = tokio::select! {
+        p = e.detach(&g.tenant, ws) => p?,
+        r = wait_for_signal() => {
+            r?;
+            // Out at once: the publish holds the workspace (an orderly shutdown would wait
+            // for it), and a thread blocked in the store must not hold the exit either.
+            eprintln!(
+                "strata: final publish of {ws} stopped: every flushed write is in the local journal under {}; attaching {ws} again on this node replays and publishes it",
+                vol.dir().display()
+            );
+            std::process::exit(1);
+        }
+    };
     if !g.json {
         eprintln!(
             "detached {ws}{}",

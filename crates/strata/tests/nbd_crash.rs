@@ -2,6 +2,7 @@
 //! a `strata ws attach` process, one of them flushes, the process is killed with SIGKILL (while
 //! more writes are in flight), restarted, and every write acknowledged before the flush must be
 //! there; every other block holds either its old or its new content, never anything else.
+//! Also: a final publish that hangs is stopped by a second signal, keeping the journal.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -153,4 +154,134 @@ fn flushed_writes_on_any_connection_survive_kill_9() {
         "kill -9 cycles: {}, blocks checked: {checked}, lost flushed writes: 0",
         cycles()
     );
+}
+
+/// `ws attach` in the foreground, told to stop while its final publish hangs (its object
+/// directory is on a FUSE mount whose server is stopped with SIGSTOP): a second signal stops
+/// the publish and the process exits with an error naming the journal (before, it waited for
+/// ever); the next attach replays the journal and the flushed writes are there.
+#[test]
+fn a_second_signal_stops_a_final_publish_that_hangs() {
+    if !(common::is_root() && common::have("fusermount3")) {
+        assert!(std::env::var("CI").is_err(), "CI runs as root with fuse3");
+        eprintln!("skipping: needs root and fusermount3");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let data: PathBuf = d.path().join("data");
+    let sock = d.path().join("w.sock");
+    let out = strata(&data)
+        .args(["ws", "create", "w", "--size", "16MiB"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The object directory moves onto a FUSE passthrough (strata-lossyfs; everything here is
+    // synced through it before the stall, so nothing is lost by it).
+    let (backing, mnt) = (d.path().join("backing"), d.path().join("mnt"));
+    std::fs::rename(data.join("objects"), &backing).unwrap();
+    std::fs::create_dir_all(&mnt).unwrap();
+    let fuse = Command::new(env!("CARGO_BIN_EXE_strata-lossyfs"))
+        .arg(&backing)
+        .arg(&mnt)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let fuse = Fuse(fuse, mnt.clone());
+    let mounted = (0..100).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        std::fs::read_to_string("/proc/mounts")
+            .unwrap_or_default()
+            .contains(&format!(" {} fuse", mnt.display()))
+    });
+    assert!(mounted, "strata-lossyfs did not mount");
+    std::os::unix::fs::symlink(&mnt, data.join("objects")).unwrap();
+    let fuse_pid = fuse.0.id().to_string();
+    let signal = |sig: &str, pid: &str| {
+        assert!(Command::new("kill")
+            .args([sig, pid])
+            .status()
+            .unwrap()
+            .success());
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut child = strata(&data)
+        .args(["ws", "attach", "w", "--socket"])
+        .arg(&sock)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    rt.block_on(async {
+        let mut c = Client::connect_unix(&sock, "w").await.unwrap();
+        for lba in 0..64u64 {
+            c.write(lba * 4096, &block(7, lba), false).await.unwrap();
+        }
+        c.flush().await.unwrap();
+    });
+    signal("-STOP", &fuse_pid); // every request to the object directory now waits
+    let pid = child.id().to_string();
+    signal("-TERM", &pid);
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the final publish waits on the stalled store"
+    );
+    signal("-TERM", &pid);
+    let status = (0..150).find_map(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        child.try_wait().unwrap()
+    });
+    let mut err = String::new();
+    if status.is_some() {
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+    }
+    signal("-CONT", &fuse_pid);
+    let status = status.unwrap_or_else(|| {
+        let _ = child.kill();
+        panic!("ws attach did not exit after a second signal")
+    });
+    assert!(!status.success(), "{err}");
+    assert!(
+        err.contains("stopped: every flushed write is in the local journal"),
+        "{err}"
+    );
+    let _ = std::fs::remove_file(&sock);
+    let mut child = start(&data, &sock);
+    rt.block_on(async {
+        let mut c = Client::connect_unix(&sock, "w").await.unwrap();
+        for lba in 0..64u64 {
+            let b = c.read(lba * 4096, 4096).await.unwrap();
+            assert_eq!(b, block(7, lba), "block {lba}");
+        }
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// The FUSE server: resumed, unmounted and killed however the test ends (a stopped server
+/// left behind would hang whatever waits on its mount or its output).
+struct Fuse(Child, PathBuf);
+
+impl Drop for Fuse {
+    fn drop(&mut self) {
+        let pid = self.0.id().to_string();
+        let _ = Command::new("kill").args(["-CONT", &pid]).status();
+        let _ = Command::new("fusermount3").arg("-u").arg(&self.1).status();
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
