@@ -302,6 +302,14 @@ impl Daemon {
                 {
                     continue;
                 }
+                if self.engine.was_held(&tenant, &ws) {
+                    // Attached only for a call (a GC compaction, a checkpoint of a detached
+                    // workspace) when the node stopped: settled, not served.
+                    if let Err(e) = self.engine.settle_held(&tenant, &ws).await {
+                        tracing::warn!(tenant, workspace = ws, error = %e, "settling a workspace held for a call");
+                    }
+                    continue;
+                }
                 // Served as it was: over vhost-user where a record says so (the VMM reconnects).
                 let req = self.resume_request(&tenant, &ws);
                 match self.attach_and_export(&tenant, &ws, req).await {

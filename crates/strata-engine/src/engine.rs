@@ -356,18 +356,24 @@ impl Engine {
         tenant: &str,
         ws: &str,
         s: &mut Option<Attached>,
-        claim: bool,
+        mut claim: bool,
         inherit: Option<crate::volume::Inheritance>,
     ) -> Result<Arc<Volume>> {
         let key = key(tenant, ws);
         if let Some(a) = s.as_mut() {
             if a.vol.failure().is_none() {
-                a.claimed |= claim;
+                if claim && !a.claimed {
+                    a.claimed = true;
+                    let _ = self.fs.remove(&a.vol.dir().join(hold::HELD));
+                }
                 return Ok(a.vol.clone());
             }
             // Fenced (another node took the lease) or failed for good: attaching again starts
             // over from the head rather than handing out a volume that refuses everything.
             if let Some(old) = s.take() {
+                // A user's claim survives the replacement (a call's hold does not carry over:
+                // it belongs to the failed volume, see `engine/hold.rs`).
+                claim |= old.claimed;
                 tracing::info!(tenant, workspace = ws, why = ?old.vol.failure(), "replacing a failed volume");
                 old.task.abort();
                 old.vol.close();
@@ -399,10 +405,20 @@ impl Engine {
         let vol = match opened {
             Ok(v) => v,
             Err(e) => {
-                let _ = self.catalog.release_lease(tenant, ws, &lease).await;
+                // A journal left here (its writes may be flushed and unpublished) keeps the
+                // lease until it expires: released, it would read as a clean detach, and GC
+                // may compact the head under the journal (which the next attach here would
+                // then have to discard). Without one there is nothing to protect.
+                let dir = self.volume_dir(tenant, ws);
+                if !self.fs.exists(&dir.join("state.json")) {
+                    let _ = self.catalog.release_lease(tenant, ws, &lease).await;
+                }
                 return Err(e);
             }
         };
+        if claim {
+            let _ = self.fs.remove(&vol.dir().join(hold::HELD));
+        }
         let task = self.spawn_background(&vol);
         *s = Some(Attached {
             vol: vol.clone(),
@@ -461,6 +477,8 @@ impl Engine {
         let slot = self.slot(&key);
         let mut s = slot.lock().await;
         if only_unclaimed && s.as_ref().is_none_or(|a| a.claimed || a.holds > 0) {
+            drop(s);
+            self.tidy_slot(&key, slot);
             return Ok(None);
         }
         let Some(a) = s.take() else {

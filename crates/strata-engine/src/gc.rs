@@ -60,14 +60,15 @@ pub struct GcOptions {
     /// fraction (before retention, so the old objects are released by the same passes).
     pub compact_below: Option<f64>,
     /// Also compact workspaces detached everywhere (lease released after a clean detach) for
-    /// at least this long, attaching each on this node for the rewrite (`None`: only attached
-    /// ones). Never a workspace whose lease is held or only expired: a node that crashed may
-    /// still replay its journal onto the head, which must not move under it.
+    /// at least this long (measured from its head's creation), attaching each on this node for
+    /// the rewrite (`None`: only attached ones). Never a workspace whose lease is held or only
+    /// expired: a node that crashed may still replay its journal onto the head, which must not
+    /// move under it.
     pub compact_detached_after: Option<Duration>,
 }
 
 /// How long a workspace stays detached before GC compacts it (a sandbox paused for a moment is
-/// likely resumed soon; its attach would wait for the compaction's lease).
+/// likely resumed soon; an attach on another node during the compaction gets a lease conflict).
 pub const COMPACT_DETACHED_AFTER: Duration = Duration::from_secs(600);
 
 impl GcOptions {
@@ -245,7 +246,9 @@ impl Engine {
     /// Compacts the tenant's workspaces that are detached everywhere (see
     /// [`GcOptions::compact_detached_after`]) and whose head has objects less live than
     /// `threshold`, each attached here for the call (a hold: a user's attach on this node
-    /// meanwhile keeps it; one on another node waits for the lease, as for any call here).
+    /// meanwhile gets the same volume and keeps it; one on another node is refused with a
+    /// lease conflict until the compaction ends). A workspace that cannot be looked at (deleted
+    /// meanwhile, say) is skipped, not the pass.
     async fn compact_detached(
         self: &Arc<Self>,
         tenant: &str,
@@ -253,32 +256,17 @@ impl Engine {
         after: Duration,
         report: &mut GcReport,
     ) -> Result<()> {
-        let cat = self.catalog().clone();
-        for w in cat.list_workspaces(tenant).await? {
+        for w in self.catalog().list_workspaces(tenant).await? {
             if self.volume(tenant, &w.name).is_some() {
                 continue; // attached here: compacted above
             }
-            let lease = cat.get_lease(tenant, &w.name).await?;
-            // Held (or expired: that node may still replay its journal), or never attached
-            // (the head is a template's or a source's, shared).
-            if lease.holder.is_some() || lease.epoch == 0 {
-                continue;
-            }
-            let head = cat.get_checkpoint(tenant, &w.name, w.head_version).await?;
-            let idle_ms = now_ms().saturating_sub(head.created_ms);
-            if head.kind == CheckpointKind::LiveFork || idle_ms < after.as_millis() as u64 {
-                continue;
-            }
-            let m = self
-                .reader()
-                .store()
-                .get_manifest(tenant, &w.head_manifest)
-                .await?;
-            let sparse = crate::volume::object_usage(&m)
-                .iter()
-                .any(|(live, stored)| (*live as f64) < threshold * *stored as f64);
-            if !sparse {
-                continue;
+            match self.detached_candidate(tenant, &w, threshold, after).await {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(e) => {
+                    tracing::warn!(tenant, workspace = %w.name, error = %e, "not compacting a detached workspace");
+                    continue;
+                }
             }
             match self.compact(tenant, &w.name, threshold).await {
                 Ok(Some(p)) => {
@@ -294,6 +282,41 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// Whether a workspace not attached here may be compacted now: its lease released (by a
+    /// clean detach: a node whose attach failed with a journal on its disk keeps the lease until
+    /// it expires, and an expired lease may still have a journal behind it, which the head must
+    /// not move under), its head published by one of its own volumes (not a template's or a
+    /// source's, shared) and not a live fork's, idle long enough, and sparse.
+    async fn detached_candidate(
+        &self,
+        tenant: &str,
+        w: &strata_catalog::Workspace,
+        threshold: f64,
+        after: Duration,
+    ) -> Result<bool> {
+        let cat = self.catalog();
+        let lease = cat.get_lease(tenant, &w.name).await?;
+        if lease.holder.is_some() || lease.epoch == 0 {
+            return Ok(false);
+        }
+        let head = cat.get_checkpoint(tenant, &w.name, w.head_version).await?;
+        let idle_ms = now_ms().saturating_sub(head.created_ms);
+        if head.kind == CheckpointKind::LiveFork
+            || head.journal_id.is_none()
+            || idle_ms < after.as_millis() as u64
+        {
+            return Ok(false);
+        }
+        let m = self
+            .reader()
+            .store()
+            .get_manifest(tenant, &w.head_manifest)
+            .await?;
+        Ok(crate::volume::object_usage(&m)
+            .iter()
+            .any(|(live, stored)| (*live as f64) < threshold * *stored as f64))
     }
 
     /// Returns false when `steps` ran out.

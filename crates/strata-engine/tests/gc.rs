@@ -571,15 +571,17 @@ async fn gc_on_two_nodes_overlapping_checkpoints_and_forks_loses_nothing() {
 
 /// A workspace detached everywhere is compacted too (it used to keep its sparse objects for
 /// good): attached here for the rewrite and detached again, its data intact. One whose node
-/// crashed (lease held, only expired) is left alone: that node's journal must still apply to
-/// the head when it comes back. One detached too recently is left alone as well.
+/// crashed with flushed, unpublished writes is left alone, even after that node's first attach
+/// attempt failed (which used to release the lease, so it looked cleanly detached): the
+/// node's journal must still apply to the head when it comes back. One detached too recently
+/// is left alone as well.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn detached_workspaces_are_compacted_and_crashed_ones_left_alone() {
     let c = Cluster::new().await;
     let mut cfg = c.config("a");
     cfg.lease_ttl = Duration::from_secs(1);
     let fs = Arc::new(strata_engine::fs::RealFs);
-    let node = Engine::open_with(cfg, c.catalog.clone(), c.store.clone(), fs).unwrap();
+    let node = c.node_with(cfg.clone(), fs.clone());
     let mut disks = HashMap::new();
     for ws in ["idle", "crashed"] {
         node.create_workspace(
@@ -606,14 +608,36 @@ async fn detached_workspaces_are_compacted_and_crashed_ones_left_alone() {
         disks.insert(ws, disk);
     }
     node.detach(TENANT, "idle").await.unwrap();
-    // "crashed": its node dies with the lease held (it expires; nothing released it).
-    let crashed_head = node
-        .workspace(TENANT, "crashed")
-        .await
-        .unwrap()
-        .head_version;
+    // "crashed": flushed writes only in node a's journal, then the node dies with the lease.
+    let v = node.volume(TENANT, "crashed").unwrap();
+    for lba in 300..340u64 {
+        v.write(lba * 4096, &tagged(3000 + lba, lba), false)
+            .await
+            .unwrap();
+        disks.get_mut("crashed").unwrap().insert(lba, 3000 + lba);
+    }
+    v.flush().await.unwrap();
+    drop(v);
+    let crashed = node.workspace(TENANT, "crashed").await.unwrap();
     node.abandon().await;
-    let idle_head = node.workspace(TENANT, "idle").await.unwrap().head_version;
+    drop(node);
+    // Node a comes back; its first attach fails (the head manifest unreadable for a moment).
+    let man = c.path(&format!(
+        "objects/t/{TENANT}/man/{}",
+        crashed.head_manifest.to_hex()
+    ));
+    let aside = c.path("manifest.aside");
+    std::fs::rename(&man, &aside).unwrap();
+    let node = c.node_with(cfg, fs);
+    assert!(node.attach(TENANT, "crashed").await.is_err());
+    std::fs::rename(&aside, &man).unwrap();
+    let lease = c.catalog.get_lease(TENANT, "crashed").await.unwrap();
+    assert_eq!(
+        lease.holder.as_deref(),
+        Some("a"),
+        "a failed attach over a journal keeps the lease"
+    );
+
     let gc = c.node("gc");
     let later = GcOptions {
         compact_detached_after: Some(Duration::from_secs(3600)),
@@ -625,13 +649,7 @@ async fn detached_workspaces_are_compacted_and_crashed_ones_left_alone() {
         "detached too recently"
     );
     tokio::time::sleep(Duration::from_millis(1500)).await; // node a's lease TTL runs out
-    assert!(c
-        .catalog
-        .get_lease(TENANT, "crashed")
-        .await
-        .unwrap()
-        .holder
-        .is_some());
+    let idle_head = gc.workspace(TENANT, "idle").await.unwrap().head_version;
     let r = gc.gc(&gc_opts(16)).await.unwrap();
     assert_eq!(r.compactions, 1, "{r:?}");
     assert!(gc.volume(TENANT, "idle").is_none(), "detached again");
@@ -646,11 +664,8 @@ async fn detached_workspaces_are_compacted_and_crashed_ones_left_alone() {
         "{after:?}"
     );
     assert_eq!(
-        node.workspace(TENANT, "crashed")
-            .await
-            .unwrap()
-            .head_version,
-        crashed_head,
+        gc.workspace(TENANT, "crashed").await.unwrap().head_version,
+        crashed.head_version,
         "a crashed node's workspace keeps its head"
     );
     assert_eq!(
@@ -658,11 +673,15 @@ async fn detached_workspaces_are_compacted_and_crashed_ones_left_alone() {
         0,
         "nothing sparse left"
     );
-    for ws in ["idle", "crashed"] {
-        let v = c.node("reader").attach(TENANT, ws).await.unwrap();
-        for (lba, tag) in &disks[ws] {
-            let b = v.read(lba * 4096, 4096).await.unwrap();
-            assert_eq!(tag_of(&b, *lba), Some(*tag), "{ws} block {lba}");
-        }
+    // Node a attaches again: its journal replays onto the unmoved head.
+    let v = node.attach(TENANT, "crashed").await.unwrap();
+    for (lba, tag) in &disks["crashed"] {
+        let b = v.read(lba * 4096, 4096).await.unwrap();
+        assert_eq!(tag_of(&b, *lba), Some(*tag), "crashed block {lba}");
+    }
+    let v = c.node("reader").attach(TENANT, "idle").await.unwrap();
+    for (lba, tag) in &disks["idle"] {
+        let b = v.read(lba * 4096, 4096).await.unwrap();
+        assert_eq!(tag_of(&b, *lba), Some(*tag), "idle block {lba}");
     }
 }

@@ -605,6 +605,16 @@ async fn a_call_that_attached_for_itself_leaves_a_users_attach_alone() {
     )
     .await;
     assert!(r.is_err(), "the checkpoint was still running");
+    // Its call goes on (attached for it), then lets go.
+    let mut held = false;
+    for _ in 0..100 {
+        if a.volume(TENANT, "w").is_some() {
+            held = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(held, "the abandoned call attached the workspace for itself");
     let mut detached = false;
     for _ in 0..100 {
         if a.volume(TENANT, "w").is_none() {
@@ -616,4 +626,51 @@ async fn a_call_that_attached_for_itself_leaves_a_users_attach_alone() {
     assert!(detached, "an abandoned call lets go of the workspace");
     let v = a.attach(TENANT, "w").await.unwrap();
     assert_eq!(tag_of(&v.read(4096, 4096).await.unwrap(), 1), Some(2));
+}
+
+/// A node that stops in the middle of a call that attached a workspace for itself marks it:
+/// after the restart it is settled (published, detached, lease let go), not resumed as if a
+/// user had attached it; a user's attach during the call clears the mark.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_during_a_call_settles_what_it_held() {
+    let c = Cluster::new().await;
+    let store = slow_store(300);
+    let fs = Arc::new(strata_engine::fs::RealFs);
+    let node = || Engine::open_with(c.config("a"), c.catalog.clone(), store.clone(), fs.clone());
+    let a = node().unwrap();
+    for ws in ["held", "claimed"] {
+        let v = empty_volume(&a, ws, DISK, Mode::Durable).await;
+        v.write(0, &tagged(1, 0), true).await.unwrap();
+        drop(v);
+        a.detach(TENANT, ws).await.unwrap();
+    }
+    let calls: Vec<_> = ["held", "claimed"]
+        .into_iter()
+        .map(|ws| {
+            let a = a.clone();
+            tokio::spawn(async move { a.checkpoint(TENANT, ws, Some("x".into())).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(a.was_held(TENANT, "held") && a.was_held(TENANT, "claimed"));
+    let user = a.attach(TENANT, "claimed").await.unwrap();
+    assert!(
+        !a.was_held(TENANT, "claimed"),
+        "a user's attach clears the mark"
+    );
+    drop(user);
+    a.abandon().await; // the node stops mid-call
+    for t in calls {
+        t.abort();
+    }
+    drop(a);
+    let a = node().unwrap();
+    assert!(a.was_held(TENANT, "held"));
+    a.settle_held(TENANT, "held").await.unwrap();
+    assert!(a.volume(TENANT, "held").is_none(), "settled, not attached");
+    let lease = c.catalog.get_lease(TENANT, "held").await.unwrap();
+    assert_eq!(lease.holder, None, "its lease is let go");
+    let b = Engine::open_with(c.config("b"), c.catalog.clone(), store.clone(), fs.clone());
+    let v = b.unwrap().attach(TENANT, "held").await.unwrap();
+    assert_eq!(tag_of(&v.read(0, 4096).await.unwrap(), 0), Some(1));
 }

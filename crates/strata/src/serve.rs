@@ -70,7 +70,8 @@ pub async fn attach(
         use std::io::Write;
         let _ = std::io::stdout().flush();
         wait_for_signal().await?;
-        tokio::task::spawn_blocking(move || served.stop()).await?;
+        eprint_stopping(g, ws);
+        stoppable(tokio::task::spawn_blocking(move || served.stop()), ws, &vol).await?;
         return finish(e, g, &vol, ws).await;
     }
     let exports = Exports::new();
@@ -111,7 +112,8 @@ pub async fn attach(
     let _ = std::io::stdout().flush();
     wait_for_signal().await?;
     // Clients finish what they sent, then their connections close; then the final publish.
-    server.shutdown().await;
+    eprint_stopping(g, ws);
+    stoppable(server.shutdown(), ws, &vol).await;
     let _ = unix_task.await;
     if let Some(t) = tcp_task {
         let _ = t.await;
@@ -129,6 +131,35 @@ async fn wait_for_signal() -> anyhow::Result<()> {
     Ok(())
 }
 
+fn eprint_stopping(g: &Global, ws: &str) {
+    if !g.json {
+        eprintln!("detaching {ws}: connections end, then the final publish (signal again to stop and keep the local journal)");
+    }
+}
+
+/// Runs a step of a foreground attach's end; a second signal meanwhile exits at once. The
+/// steps can take long (a large upload) or not end at all (an unreachable store retried, a
+/// client that never finishes). Everything flushed is in the journal, which the next attach
+/// on this node replays (the lease is left to expire, not released). Out at once: the final
+/// publish holds the workspace (an orderly shutdown would wait for it), and a thread blocked
+/// in the store must not hold the exit either.
+async fn stoppable<T>(
+    step: impl std::future::Future<Output = T>,
+    ws: &str,
+    vol: &strata_engine::Volume,
+) -> T {
+    tokio::select! {
+        r = step => r,
+        _ = wait_for_signal() => {
+            eprintln!(
+                "strata: final publish of {ws} stopped: every flushed write is in the local journal under {}; attaching {ws} again on this node replays and publishes it",
+                vol.dir().display()
+            );
+            std::process::exit(1);
+        }
+    }
+}
+
 /// The end of a foreground attach, once nothing serves the volume: flush, final publish.
 async fn finish(
     e: &Arc<Engine>,
@@ -136,28 +167,8 @@ async fn finish(
     vol: &Arc<strata_engine::Volume>,
     ws: &str,
 ) -> anyhow::Result<()> {
-    vol.flush().await?;
-    // The final publish can take long (a large upload) or not end at all (an unreachable
-    // store retried): a second signal stops it. Everything flushed is in the journal, which
-    // the next attach on this node replays (the lease is left to expire, not released).
-    if !g.json {
-        eprintln!(
-            "detaching {ws}: final publish (signal again to stop and keep the local journal)"
-        );
-    }
-    let p = tokio::select! {
-        p = e.detach(&g.tenant, ws) => p?,
-        r = wait_for_signal() => {
-            r?;
-            // Out at once: the publish holds the workspace (an orderly shutdown would wait
-            // for it), and a thread blocked in the store must not hold the exit either.
-            eprintln!(
-                "strata: final publish of {ws} stopped: every flushed write is in the local journal under {}; attaching {ws} again on this node replays and publishes it",
-                vol.dir().display()
-            );
-            std::process::exit(1);
-        }
-    };
+    stoppable(vol.flush(), ws, vol).await?;
+    let p = stoppable(e.detach(&g.tenant, ws), ws, vol).await?;
     if !g.json {
         eprintln!(
             "detached {ws}{}",

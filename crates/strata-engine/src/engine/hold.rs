@@ -7,9 +7,15 @@
 
 use super::*;
 
-/// A hold taken; released by [`Hold::release`], or in the background if dropped.
+/// In a volume's directory: attached only for calls (holds), never claimed by a user.
+pub(crate) const HELD: &str = "held";
+
+/// A hold on one attachment (its volume); released by [`Hold::release`], or in the
+/// background if dropped (wherever that happens: the caller's future, or the channel that
+/// carried it to a caller who had gone).
 struct Hold {
     engine: Option<Arc<Engine>>,
+    vol: Arc<Volume>,
     tenant: String,
     ws: String,
 }
@@ -17,8 +23,8 @@ struct Hold {
 impl Hold {
     async fn release(mut self) -> Result<()> {
         let e = self.engine.take().expect("a hold is released once");
-        let (t, w) = (self.tenant.clone(), self.ws.clone());
-        e.in_own_task(move |e| async move { e.release_hold(&t, &w).await })
+        let (t, w, v) = (self.tenant.clone(), self.ws.clone(), self.vol.clone());
+        e.in_own_task(move |e| async move { e.release_hold(&t, &w, &v).await })
             .await
     }
 }
@@ -32,9 +38,10 @@ impl Drop for Hold {
             std::mem::take(&mut self.tenant),
             std::mem::take(&mut self.ws),
         );
+        let v = self.vol.clone();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                if let Err(err) = e.release_hold(&t, &w).await {
+                if let Err(err) = e.release_hold(&t, &w, &v).await {
                     tracing::warn!(tenant = %t, workspace = %w, error = %err, "detaching after an abandoned call failed");
                 }
             });
@@ -52,35 +59,28 @@ impl Engine {
         ws: &str,
         f: impl AsyncFnOnce(&Volume) -> Result<T>,
     ) -> Result<T> {
-        let (v, hold) = self.hold(tenant, ws).await?;
-        let r = f(&v).await;
-        drop(v);
+        let hold = self.hold(tenant, ws).await?;
+        let r = f(&hold.vol).await;
         hold.release().await?;
         r
     }
 
-    /// Takes a hold in a task of its own: if the caller is gone by the time it is taken,
-    /// the task lets go of it again.
-    async fn hold(self: &Arc<Self>, tenant: &str, ws: &str) -> Result<(Arc<Volume>, Hold)> {
+    /// Takes a hold in a task of its own; the hold travels back to the caller, so if the
+    /// caller is gone it is dropped (and released) wherever it is.
+    async fn hold(self: &Arc<Self>, tenant: &str, ws: &str) -> Result<Hold> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (e, t, w) = (self.clone(), tenant.to_string(), ws.to_string());
         tokio::spawn(async move {
-            let r = e.take_hold(&t, &w).await;
-            if let Err(Ok(_)) = tx.send(r) {
-                if let Err(err) = e.release_hold(&t, &w).await {
-                    tracing::warn!(tenant = %t, workspace = %w, error = %err, "detaching after an abandoned call failed");
-                }
-            }
+            let r = e.take_hold(&t, &w).await.map(|vol| Hold {
+                engine: Some(e.clone()),
+                vol,
+                tenant: t,
+                ws: w,
+            });
+            let _ = tx.send(r);
         });
-        let v = rx
-            .await
-            .map_err(|e| Error::Invalid(format!("engine task failed: {e}")))??;
-        let hold = Hold {
-            engine: Some(self.clone()),
-            tenant: tenant.into(),
-            ws: ws.into(),
-        };
-        Ok((v, hold))
+        rx.await
+            .map_err(|e| Error::Invalid(format!("engine task failed: {e}")))?
     }
 
     async fn take_hold(self: &Arc<Self>, tenant: &str, ws: &str) -> Result<Arc<Volume>> {
@@ -88,8 +88,16 @@ impl Engine {
         let key = key(tenant, ws);
         let slot = self.slot(&key);
         let mut s = slot.lock().await;
+        let fresh = s.is_none();
         match self.attach_locked(tenant, ws, &mut s, false, None).await {
             Ok(v) => {
+                if fresh {
+                    // Attached only for calls: a restart must not resume it as a user's
+                    // attachment (see `settle_held`).
+                    if let Err(e) = self.fs.write_atomic(&v.dir().join(HELD), b"") {
+                        tracing::warn!(tenant, workspace = ws, error = %e, "marking a held workspace");
+                    }
+                }
                 if let Some(a) = s.as_mut() {
                     a.holds += 1;
                 }
@@ -103,14 +111,36 @@ impl Engine {
         }
     }
 
-    async fn release_hold(&self, tenant: &str, ws: &str) -> Result<()> {
-        {
-            let slot = self.slot(&key(tenant, ws));
-            let mut s = slot.lock().await;
-            if let Some(a) = s.as_mut() {
-                a.holds = a.holds.saturating_sub(1);
+    /// Lets go of a hold on `vol`. One on an attachment since replaced (detached and attached
+    /// again, or a failed volume replaced) has nothing left to let go of.
+    async fn release_hold(&self, tenant: &str, ws: &str, vol: &Arc<Volume>) -> Result<()> {
+        let k = key(tenant, ws);
+        let slot = self.slot(&k);
+        let mut s = slot.lock().await;
+        match s.as_mut() {
+            Some(a) if Arc::ptr_eq(&a.vol, vol) => a.holds = a.holds.saturating_sub(1),
+            _ => {
+                drop(s);
+                self.tidy_slot(&k, slot);
+                return Ok(());
             }
         }
+        drop(s);
         self.detach_if(tenant, ws, true).await.map(|_| ())
+    }
+}
+
+impl Engine {
+    /// Whether this node's local state for the workspace is from an attachment only calls
+    /// held (a restart came in the middle of one).
+    pub fn was_held(&self, tenant: &str, ws: &str) -> bool {
+        self.fs.exists(&self.volume_dir(tenant, ws).join(HELD))
+    }
+
+    /// After a restart, a workspace that was attached here only for calls: attached for a
+    /// moment and detached, so anything its journal holds is published and the lease let go
+    /// (instead of resuming it as if a user had attached it).
+    pub async fn settle_held(self: &Arc<Self>, tenant: &str, ws: &str) -> Result<()> {
+        self.with_volume(tenant, ws, async |_| Ok(())).await
     }
 }

@@ -74,6 +74,8 @@ fn errno(e: &std::io::Error) -> i32 {
 
 impl LossyFs {
     fn new(backing: PathBuf) -> LossyFs {
+        // Files hidden by an earlier mount had no open handle left once it ended.
+        let _ = std::fs::remove_dir_all(backing.join(HIDDEN));
         let mut fs = LossyFs {
             backing,
             paths: HashMap::new(),
@@ -442,12 +444,26 @@ impl Filesystem for LossyFs {
         // The replaced target's name disappears (its inode lives on while open) …
         let replaced_file =
             std::fs::symlink_metadata(self.backing.join(&to)).is_ok_and(|m| !m.is_dir());
-        if replaced_file && from != to {
-            if let Err(e) = self.forget_name(&to) {
-                return reply.error(errno(&e));
+        let hidden = if replaced_file && from != to {
+            let ino = self.inos.get(&to).copied();
+            match self.forget_name(&to) {
+                Ok(true) => ino,
+                Ok(false) => None,
+                Err(e) => return reply.error(errno(&e)),
             }
-        }
+        } else {
+            None
+        };
         if let Err(e) = std::fs::rename(self.backing.join(&from), self.backing.join(&to)) {
+            // The target keeps its name after all.
+            if let Some(ino) = hidden {
+                if let Some(h) = self.paths.get(&ino).cloned() {
+                    if std::fs::rename(self.backing.join(&h), self.backing.join(&to)).is_ok() {
+                        self.paths.insert(ino, to.clone());
+                        self.inos.insert(to, ino);
+                    }
+                }
+            }
             return reply.error(errno(&e));
         }
         if let Some(old) = self.inos.remove(&to) {
