@@ -41,6 +41,9 @@ pub(crate) struct ExportHandle {
     pub socket: PathBuf,
     pub req: AttachRequest,
     front: Front,
+    /// The volume it serves: an export of a volume the engine has since replaced (a failed
+    /// one, by a call's attach) is stale.
+    vol: std::sync::Weak<Volume>,
 }
 
 enum Front {
@@ -219,6 +222,15 @@ impl Daemon {
                 ));
             }
             let current = d.engine.volume(&t, &ws).filter(|v| v.failure().is_none());
+            let stale = current.as_ref().is_some_and(|cur| {
+                d.lock_exports().get(&k).is_some_and(|h| {
+                    h.vol.upgrade().is_none_or(|v| !Arc::ptr_eq(&v, cur))
+                })
+            });
+            if stale {
+                // It serves a volume the engine replaced: the current one is exported instead.
+                d.stop_export(&t, &ws).await;
+            }
             if current.is_some() {
                 if let Some(h) = d.lock_exports().get(&k) {
                     if h.req != req {
@@ -282,13 +294,14 @@ impl Daemon {
                 .map_err(io)?;
         }
         let mode = vol.mode();
+        let served = Arc::downgrade(&vol);
         let device: Arc<dyn BlockDevice> = if req.read_only {
             Arc::new(strata_nbd::ReadOnly(vol))
         } else {
             vol
         };
         if req.protocol == Protocol::VhostUser {
-            return self.export_vhost(t, ws, device, mode, req);
+            return self.export_vhost(t, ws, device, mode, req, served);
         }
         // A record left by an earlier vhost-user export (its resume failed) must not make the
         // next restart serve this NBD export as vhost-user.
@@ -324,6 +337,7 @@ impl Daemon {
             socket,
             req,
             front: Front::Nbd { server, task },
+            vol: served,
         };
         let a = attached(ws, &h);
         self.lock_exports().insert(key(t, ws), h);
@@ -337,6 +351,7 @@ impl Daemon {
         device: Arc<dyn BlockDevice>,
         mode: strata_catalog::Mode,
         req: AttachRequest,
+        vol: std::sync::Weak<Volume>,
     ) -> Result<Attached, ApiError> {
         let io = |e: std::io::Error| ApiError::internal(format!("vhost-user socket: {e}"));
         let socket = self.vhost_socket_path(t, ws);
@@ -366,6 +381,7 @@ impl Daemon {
             socket,
             req,
             front: Front::Vhost(served),
+            vol,
         };
         let a = attached(ws, &h);
         self.lock_exports().insert(key(t, ws), h);

@@ -364,7 +364,7 @@ impl Engine {
             if a.vol.failure().is_none() {
                 if claim && !a.claimed {
                     a.claimed = true;
-                    let _ = self.fs.remove(&a.vol.dir().join(hold::HELD));
+                    hold::unmark(&*self.fs, a.vol.dir());
                 }
                 return Ok(a.vol.clone());
             }
@@ -383,6 +383,13 @@ impl Engine {
         }
         self.settle_fork_marker(tenant, ws).await?;
         let ttl = self.cfg.lease_ttl.as_millis() as u64;
+        // Whether a failed open may let go of the lease (below): not over a journal of ours,
+        // nor when taking over another node's expired lease (its journal may still apply).
+        let had_state = self
+            .fs
+            .exists(&self.volume_dir(tenant, ws).join("state.json"));
+        let before = self.catalog.get_lease(tenant, ws).await?;
+        let takeover = before.holder.as_ref().is_some_and(|h| *h != self.node);
         let lease_asked = Instant::now();
         let lease = self
             .catalog
@@ -405,19 +412,18 @@ impl Engine {
         let vol = match opened {
             Ok(v) => v,
             Err(e) => {
-                // A journal left here (its writes may be flushed and unpublished) keeps the
-                // lease until it expires: released, it would read as a clean detach, and GC
-                // may compact the head under the journal (which the next attach here would
-                // then have to discard). Without one there is nothing to protect.
-                let dir = self.volume_dir(tenant, ws);
-                if !self.fs.exists(&dir.join("state.json")) {
+                // A journal here (its writes may be flushed and unpublished), or another
+                // node's behind the expired lease this took over, keeps the lease until it
+                // expires: released, it would read as a clean detach, and GC may compact the
+                // head under that journal (which its next attach would have to discard).
+                if !had_state && !takeover {
                     let _ = self.catalog.release_lease(tenant, ws, &lease).await;
                 }
                 return Err(e);
             }
         };
         if claim {
-            let _ = self.fs.remove(&vol.dir().join(hold::HELD));
+            hold::unmark(&*self.fs, vol.dir());
         }
         let task = self.spawn_background(&vol);
         *s = Some(Attached {

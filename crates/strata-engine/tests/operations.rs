@@ -644,25 +644,35 @@ async fn a_restart_during_a_call_settles_what_it_held() {
         drop(v);
         a.detach(TENANT, ws).await.unwrap();
     }
-    let calls: Vec<_> = ["held", "claimed"]
-        .into_iter()
-        .map(|ws| {
-            let a = a.clone();
-            tokio::spawn(async move { a.checkpoint(TENANT, ws, Some("x".into())).await })
-        })
-        .collect();
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(a.was_held(TENANT, "held") && a.was_held(TENANT, "claimed"));
+    let call = |ws: &'static str| {
+        let a = a.clone();
+        tokio::spawn(async move { a.checkpoint(TENANT, ws, Some("x".into())).await })
+    };
+    let wait_held = async |ws: &str| {
+        for _ in 0..100 {
+            if a.was_held(TENANT, ws) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("{ws} was not marked held");
+    };
+    // A user's attach during the call: no mark left, still attached after it.
+    let t = call("claimed");
+    wait_held("claimed").await;
     let user = a.attach(TENANT, "claimed").await.unwrap();
     assert!(
         !a.was_held(TENANT, "claimed"),
         "a user's attach clears the mark"
     );
+    t.await.unwrap().unwrap();
+    assert!(a.volume(TENANT, "claimed").is_some());
     drop(user);
-    a.abandon().await; // the node stops mid-call
-    for t in calls {
-        t.abort();
-    }
+    // The node stops mid-call.
+    let t = call("held");
+    wait_held("held").await;
+    a.abandon().await;
+    t.abort();
     drop(a);
     let a = node().unwrap();
     assert!(a.was_held(TENANT, "held"));

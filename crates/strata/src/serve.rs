@@ -113,11 +113,14 @@ pub async fn attach(
     wait_for_signal().await?;
     // Clients finish what they sent, then their connections close; then the final publish.
     eprint_stopping(g, ws);
-    stoppable(server.shutdown(), ws, &vol).await;
-    let _ = unix_task.await;
-    if let Some(t) = tcp_task {
-        let _ = t.await;
-    }
+    let drained = async {
+        server.shutdown().await;
+        let _ = unix_task.await;
+        if let Some(t) = tcp_task {
+            let _ = t.await;
+        }
+    };
+    stoppable(drained, ws, &vol).await;
     let _ = std::fs::remove_file(&socket);
     finish(e, g, &vol, ws).await
 }
@@ -152,7 +155,7 @@ async fn stoppable<T>(
         r = step => r,
         _ = wait_for_signal() => {
             eprintln!(
-                "strata: final publish of {ws} stopped: every flushed write is in the local journal under {}; attaching {ws} again on this node replays and publishes it",
+                "strata: detaching {ws} stopped before its final publish completed: every flushed write is in the local journal under {}; attaching {ws} again on this node replays and publishes it",
                 vol.dir().display()
             );
             std::process::exit(1);

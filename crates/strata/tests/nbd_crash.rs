@@ -256,7 +256,7 @@ fn a_second_signal_stops_a_final_publish_that_hangs() {
     });
     assert!(!status.success(), "{err}");
     assert!(
-        err.contains("stopped: every flushed write is in the local journal"),
+        err.contains("stopped before its final publish completed: every flushed write is in the local journal"),
         "{err}"
     );
     let _ = std::fs::remove_file(&sock);

@@ -10,6 +10,21 @@ use super::*;
 /// In a volume's directory: attached only for calls (holds), never claimed by a user.
 pub(crate) const HELD: &str = "held";
 
+/// A user claimed the attachment: the mark goes, durably (a mark that came back after a
+/// power cut would detach the user's workspace at the restart).
+pub(crate) fn unmark(fs: &dyn crate::fs::Fs, dir: &std::path::Path) {
+    let p = dir.join(HELD);
+    if !fs.exists(&p) {
+        return;
+    }
+    if let Err(e) = fs.remove(&p).and_then(|()| fs.sync_dir(dir)) {
+        tracing::warn!(dir = %dir.display(), error = %e, "clearing a held mark");
+    }
+}
+
+/// How long a detach after the last hold waits before trying again when it failed.
+const RETRY_DETACH: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// A hold on one attachment (its volume); released by [`Hold::release`], or in the
 /// background if dropped (wherever that happens: the caller's future, or the channel that
 /// carried it to a caller who had gone).
@@ -113,7 +128,12 @@ impl Engine {
 
     /// Lets go of a hold on `vol`. One on an attachment since replaced (detached and attached
     /// again, or a failed volume replaced) has nothing left to let go of.
-    async fn release_hold(&self, tenant: &str, ws: &str, vol: &Arc<Volume>) -> Result<()> {
+    async fn release_hold(
+        self: &Arc<Self>,
+        tenant: &str,
+        ws: &str,
+        vol: &Arc<Volume>,
+    ) -> Result<()> {
         let k = key(tenant, ws);
         let slot = self.slot(&k);
         let mut s = slot.lock().await;
@@ -126,7 +146,37 @@ impl Engine {
             }
         }
         drop(s);
-        self.detach_if(tenant, ws, true).await.map(|_| ())
+        let r = self.detach_if(tenant, ws, true).await.map(|_| ());
+        if r.is_err() {
+            self.retry_detach(tenant, ws, vol);
+        }
+        r
+    }
+
+    /// A detach after the last hold failed (its final publish: a store outage, say): nothing
+    /// is lost, the volume stays attached, and it is tried again in the background until it
+    /// is detached, claimed by a user, held again or replaced (otherwise it would keep its
+    /// lease here for good, refusing attaches elsewhere).
+    fn retry_detach(self: &Arc<Self>, tenant: &str, ws: &str, vol: &Arc<Volume>) {
+        let e = self.clone();
+        let (t, w, weak) = (tenant.to_string(), ws.to_string(), Arc::downgrade(vol));
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(RETRY_DETACH).await;
+                let Some(v) = weak.upgrade() else { return };
+                let current = e.volume(&t, &w).is_some_and(|c| Arc::ptr_eq(&c, &v));
+                drop(v);
+                if !current {
+                    return;
+                }
+                match e.detach_if(&t, &w, true).await {
+                    Ok(_) => return,
+                    Err(err) => {
+                        tracing::warn!(tenant = %t, workspace = %w, error = %err, "detaching after a call failed again; retrying")
+                    }
+                }
+            }
+        });
     }
 }
 
