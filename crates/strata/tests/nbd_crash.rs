@@ -24,12 +24,27 @@ fn strata(data: &Path) -> Command {
     c
 }
 
-fn start(data: &Path, sock: &Path) -> Child {
+/// `ws create w` (16 MiB) in `data`.
+fn create(data: &Path) {
+    let out = strata(data)
+        .args(["ws", "create", "w", "--size", "16MiB"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `ws attach w` in the foreground, once it serves `sock`.
+fn attach(data: &Path, sock: &Path, stderr: Stdio) -> Child {
     let mut child = strata(data)
         .args(["ws", "attach", "w", "--socket"])
         .arg(sock)
+        .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(stderr)
         .spawn()
         .unwrap();
     let mut line = String::new();
@@ -38,6 +53,10 @@ fn start(data: &Path, sock: &Path) -> Child {
         .unwrap();
     assert!(line.starts_with("nbd+unix:///w?socket="), "{line}");
     child
+}
+
+fn start(data: &Path, sock: &Path) -> Child {
+    attach(data, sock, Stdio::inherit())
 }
 
 fn cycles() -> u64 {
@@ -52,15 +71,7 @@ fn flushed_writes_on_any_connection_survive_kill_9() {
     let d = tempfile::tempdir().unwrap();
     let data: PathBuf = d.path().join("data");
     let sock = d.path().join("w.sock");
-    let out = strata(&data)
-        .args(["ws", "create", "w", "--size", "16MiB"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    create(&data);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -170,15 +181,7 @@ fn a_second_signal_stops_a_final_publish_that_hangs() {
     let d = tempfile::tempdir().unwrap();
     let data: PathBuf = d.path().join("data");
     let sock = d.path().join("w.sock");
-    let out = strata(&data)
-        .args(["ws", "create", "w", "--size", "16MiB"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    create(&data);
     // The object directory moves onto a FUSE passthrough (strata-lossyfs; everything here is
     // synced through it before the stall, so nothing is lost by it).
     let (backing, mnt) = (d.path().join("backing"), d.path().join("mnt"));
@@ -213,18 +216,7 @@ fn a_second_signal_stops_a_final_publish_that_hangs() {
         .enable_all()
         .build()
         .unwrap();
-    let mut child = strata(&data)
-        .args(["ws", "attach", "w", "--socket"])
-        .arg(&sock)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    let mut child = attach(&data, &sock, Stdio::piped());
     rt.block_on(async {
         let mut c = Client::connect_unix(&sock, "w").await.unwrap();
         for lba in 0..64u64 {
