@@ -235,7 +235,8 @@ pub struct ServeArgs {
     #[arg(long, env = "STRATA_KEEP_CHECKPOINT_AGE", value_parser = crate::units::parse_duration)]
     keep_checkpoint_age: Option<std::time::Duration>,
     /// Journal segment size per volume (default 64MiB); each attached volume keeps up to two
-    /// spare segments ready, so local spare space is about 2x this per workspace.
+    /// spare segments ready, so local spare space is about 2x this per workspace (1MiB to
+    /// 64GiB).
     #[arg(long, env = "STRATA_SEGMENT_SIZE", value_parser = crate::units::parse_size)]
     segment_size: Option<u64>,
     /// GC compacts attached workspaces whose objects are less live than this (default 0.5).
