@@ -22,6 +22,7 @@ pub struct PostgresCatalog {
 }
 
 mod sql;
+mod sweep;
 
 pub use sql::create_database;
 use sql::*;
@@ -712,34 +713,11 @@ impl Catalog for PostgresCatalog {
     }
 
     async fn gc_condemn(&self, tenant: &str, keys: &[String]) -> Result<()> {
-        let c = self.conn().await?;
-        c.execute(
-            &format!(
-                "INSERT INTO gc_condemned (tenant, key, condemned_ms)
-                 SELECT $1, k, ({SERVER_NOW}) FROM unnest($2::TEXT[]) AS u(k)
-                 ON CONFLICT DO NOTHING"
-            ),
-            &[&tenant, &keys],
-        )
-        .await
-        .map_err(be)?;
-        Ok(())
+        self.condemn(tenant, keys).await
     }
 
     async fn gc_condemned(&self, tenant: &str) -> Result<Vec<(String, u64)>> {
-        let c = self.conn().await?;
-        Ok(c
-            .query(
-                &format!(
-                    "SELECT key, GREATEST(({SERVER_NOW}) - condemned_ms, 0) FROM gc_condemned WHERE tenant = $1 ORDER BY key"
-                ),
-                &[&tenant],
-            )
-            .await
-            .map_err(be)?
-            .iter()
-            .map(|r| (r.get(0), u(r, 1)))
-            .collect())
+        self.condemned(tenant).await
     }
 
     async fn prune_references(
@@ -748,55 +726,14 @@ impl Catalog for PostgresCatalog {
         manifests: &[Hash],
         objects: &[Hash],
     ) -> Result<u64> {
-        let ms: Vec<String> = manifests.iter().map(|h| h.to_hex()).collect();
-        let os: Vec<String> = objects.iter().map(|h| h.to_hex()).collect();
-        let mut c = self.conn().await?;
-        let tx = c.transaction().await.map_err(be)?;
-        let mut n = tx
-            .execute(
-                "DELETE FROM manifest_objects WHERE tenant = $1 AND manifest = ANY($2)",
-                &[&tenant, &ms],
-            )
-            .await
-            .map_err(be)?;
-        n += tx
-            .execute(
-                "DELETE FROM manifests WHERE tenant = $1 AND id = ANY($2)",
-                &[&tenant, &ms],
-            )
-            .await
-            .map_err(be)?;
-        n += tx
-            .execute(
-                "DELETE FROM objects WHERE tenant = $1 AND id = ANY($2)",
-                &[&tenant, &os],
-            )
-            .await
-            .map_err(be)?;
-        tx.commit().await.map_err(be)?;
-        Ok(n)
+        self.prune(tenant, manifests, objects).await
     }
 
     async fn recorded_references(&self, tenant: &str) -> Result<(u64, u64)> {
-        let c = self.conn().await?;
-        let r = c
-            .query_one(
-                "SELECT (SELECT COUNT(*) FROM manifests WHERE tenant = $1), (SELECT COUNT(*) FROM objects WHERE tenant = $1)",
-                &[&tenant],
-            )
-            .await
-            .map_err(be)?;
-        Ok((u(&r, 0), u(&r, 1)))
+        self.recorded(tenant).await
     }
 
     async fn gc_forget(&self, tenant: &str, keys: &[String]) -> Result<()> {
-        let c = self.conn().await?;
-        c.execute(
-            "DELETE FROM gc_condemned WHERE tenant = $1 AND key = ANY($2)",
-            &[&tenant, &keys],
-        )
-        .await
-        .map_err(be)?;
-        Ok(())
+        self.forget(tenant, keys).await
     }
 }

@@ -566,6 +566,17 @@ async fn a_record_that_fails_to_land_fails_the_flush_waiting_for_it() {
     assert!(v.failure().is_some());
 }
 
+/// Whether `cond` holds within 5 s (polled every 10 ms).
+async fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+    for _ in 0..500 {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    false
+}
+
 /// A call on a detached workspace attaches it for itself (here a checkpoint, slowed by the
 /// store). A user who attaches it meanwhile gets the same volume and keeps it when the call
 /// ends (before, the call's detach closed it under the user's writes); a call whose caller
@@ -606,24 +617,14 @@ async fn a_call_that_attached_for_itself_leaves_a_users_attach_alone() {
     .await;
     assert!(r.is_err(), "the checkpoint was still running");
     // Its call goes on (attached for it), then lets go.
-    let mut held = false;
-    for _ in 0..100 {
-        if a.volume(TENANT, "w").is_some() {
-            held = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(held, "the abandoned call attached the workspace for itself");
-    let mut detached = false;
-    for _ in 0..100 {
-        if a.volume(TENANT, "w").is_none() {
-            detached = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(detached, "an abandoned call lets go of the workspace");
+    assert!(
+        eventually(|| a.volume(TENANT, "w").is_some()).await,
+        "the abandoned call attached the workspace for itself"
+    );
+    assert!(
+        eventually(|| a.volume(TENANT, "w").is_none()).await,
+        "an abandoned call lets go of the workspace"
+    );
     let v = a.attach(TENANT, "w").await.unwrap();
     assert_eq!(tag_of(&v.read(4096, 4096).await.unwrap(), 1), Some(2));
 }
@@ -649,13 +650,10 @@ async fn a_restart_during_a_call_settles_what_it_held() {
         tokio::spawn(async move { a.checkpoint(TENANT, ws, Some("x".into())).await })
     };
     let wait_held = async |ws: &str| {
-        for _ in 0..100 {
-            if a.was_held(TENANT, ws) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("{ws} was not marked held");
+        assert!(
+            eventually(|| a.was_held(TENANT, ws)).await,
+            "{ws} was not marked held"
+        );
     };
     // A user's attach during the call: no mark left, still attached after it.
     let t = call("claimed");

@@ -178,9 +178,7 @@ impl Engine {
             }
         });
     }
-}
 
-impl Engine {
     /// Whether this node's local state for the workspace is from an attachment only calls
     /// held (a restart came in the middle of one).
     pub fn was_held(&self, tenant: &str, ws: &str) -> bool {
