@@ -376,6 +376,11 @@ impl Engine {
                 // it belongs to the failed volume, see `engine/hold.rs`).
                 claim |= old.claimed;
                 tracing::info!(tenant, workspace = ws, why = ?old.vol.failure(), "replacing a failed volume");
+                // Its writes in flight (one parked in a read-modify-write, one landing outside
+                // the lock) end first, as for a detach or delete: one appended after the
+                // successor replayed the same journal would sit where the successor's records
+                // go, and the next replay would stop there.
+                old.vol.seal().await;
                 old.task.abort();
                 old.vol.close();
                 old.vol.quiesce().await;
