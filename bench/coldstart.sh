@@ -121,11 +121,11 @@ workload() {  # PASS: mount ro, find + grep -r, unmount; prints "ms read_bytes g
   local dev; dev=$(basename "$loop")
   local r0 g0 f0 t0 t1 r1 g1 f1
   r0=$(awk '{print $3}' "/sys/block/$dev/stat"); g0=$(metric "$b_url" strata_object_gets_total)
-  f0=$(metric "$b_url" strata_object_bytes_fetched_total); t0=$(now_ms)
+  f0=$(metric "$b_url" strata_object_fetched_bytes_total); t0=$(now_ms)
   find "$work/mnt" -type f | wc -l > "$work/found"
   grep -r -l -F 'unsafe' "$work/mnt" | wc -l > "$work/grepped" || true
   t1=$(now_ms); r1=$(awk '{print $3}' "/sys/block/$dev/stat")
-  g1=$(metric "$b_url" strata_object_gets_total); f1=$(metric "$b_url" strata_object_bytes_fetched_total)
+  g1=$(metric "$b_url" strata_object_gets_total); f1=$(metric "$b_url" strata_object_fetched_bytes_total)
   umount "$work/mnt"; losetup -d "$loop"; loop=""; fusermount3 -u "$work/fuse"
   rm -f "$work/nbdfuse.pid"
   echo "$((t1 - t0)) $(( (r1 - r0) * 512 )) $((g1 - g0)) $((f1 - f0))"

@@ -16,6 +16,7 @@
 mod api;
 mod error;
 mod exports;
+mod metrics;
 pub mod mount;
 pub mod relay;
 mod relay_api;
@@ -68,9 +69,8 @@ pub const TEMPLATE_MAX_BYTES: u64 = 16 << 30;
 pub struct Daemon {
     pub(crate) engine: Arc<Engine>,
     pub(crate) nbd_metrics: Arc<strata_nbd::NbdMetrics>,
-    pub(crate) checkpoint_seconds: strata_nbd::metrics::Histogram,
-    pub(crate) fork_seconds: strata_nbd::metrics::Histogram,
-    pub(crate) expired_deleted: std::sync::atomic::AtomicU64,
+    /// `/metrics` (`metrics.rs`).
+    pub(crate) metrics: metrics::Metrics,
     pub(crate) admin_hash: Option<String>,
     pub(crate) metrics_hash: Option<String>,
     pub(crate) run_dir: PathBuf,
@@ -146,12 +146,11 @@ impl Daemon {
             engine.reader().store().clone(),
             RELAY_MAX_BYTES,
         )?);
-        Ok(Arc::new(Daemon {
+        let nbd_metrics = Arc::new(strata_nbd::NbdMetrics::default());
+        Ok(Arc::new_cyclic(|me| Daemon {
             engine,
-            nbd_metrics: Arc::default(),
-            checkpoint_seconds: Default::default(),
-            fork_seconds: Default::default(),
-            expired_deleted: Default::default(),
+            metrics: metrics::Metrics::new(me.clone(), nbd_metrics.clone()),
+            nbd_metrics,
             admin_hash: hash(&cfg.admin_token),
             metrics_hash: hash(&cfg.metrics_token),
             run_dir,
@@ -379,8 +378,7 @@ impl Daemon {
                 for (t, w) in expired {
                     match d.delete_workspace(&t, &w).await {
                         Ok(()) => {
-                            d.expired_deleted
-                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            d.metrics.expired_deleted.inc();
                             tracing::info!(
                                 tenant = t,
                                 workspace = w,

@@ -362,7 +362,9 @@ async fn checkpoint(
     let r = d
         .checkpoint_workspace(&t, &name, b.label, keep_until, !b.no_freeze, b.wait)
         .await;
-    d.checkpoint_seconds.record(started.elapsed(), 0, r.is_ok());
+    d.metrics
+        .checkpoint
+        .observe(started.elapsed().as_secs_f64());
     Ok(Json(r?))
 }
 
@@ -391,7 +393,7 @@ async fn fork(
         }
     })
     .await;
-    d.fork_seconds.record(started.elapsed(), 0, r.is_ok());
+    d.metrics.fork.observe(started.elapsed().as_secs_f64());
     let w = r?;
     Ok((StatusCode::CREATED, Json(w)))
 }
@@ -540,180 +542,10 @@ impl FromRequestParts<Arc<Daemon>> for Scraper {
 
 /// Prometheus text exposition (it spans tenants: admin or scrape token only).
 async fn metrics(_: Scraper, State(d): D) -> impl IntoResponse {
-    use std::fmt::Write;
-    let mut out = String::new();
-    {
-        use std::sync::atomic::Ordering::Relaxed;
-        let g = &d.gc;
-        for (name, kind, v) in [
-            ("strata_gc_runs_total", "counter", g.runs.load(Relaxed)),
-            (
-                "strata_gc_failures_total",
-                "counter",
-                g.failures.load(Relaxed),
-            ),
-            (
-                "strata_gc_deleted_keys_total",
-                "counter",
-                g.deleted_keys.load(Relaxed),
-            ),
-            (
-                "strata_gc_reclaimed_bytes_total",
-                "counter",
-                g.deleted_bytes.load(Relaxed),
-            ),
-            (
-                "strata_gc_checkpoints_expired_total",
-                "counter",
-                g.checkpoints_expired.load(Relaxed),
-            ),
-        ] {
-            let _ = writeln!(out, "# TYPE {name} {kind}\n{name} {v}");
-        }
-        if let Some(r) = g.last.lock().unwrap_or_else(|p| p.into_inner()).clone() {
-            for (name, v) in [
-                ("strata_gc_live_bytes", r.live_bytes),
-                ("strata_gc_live_objects", r.live_objects),
-                ("strata_gc_stored_bytes", r.stored_bytes),
-                ("strata_gc_unreferenced_bytes", r.unreferenced_bytes),
-                ("strata_gc_last_duration_ms", r.duration_ms),
-            ] {
-                let _ = writeln!(out, "# TYPE {name} gauge\n{name} {v}");
-            }
-        }
-    }
-    {
-        let rl = &d.relay;
-        let _ = writeln!(out, "# TYPE strata_relay_uploaded_bytes_total counter\nstrata_relay_uploaded_bytes_total {}", rl.uploaded_bytes.load(std::sync::atomic::Ordering::Relaxed));
-        let _ = writeln!(
-            out,
-            "# TYPE strata_relay_conflicts_total counter\nstrata_relay_conflicts_total {}",
-            rl.conflicts.load(std::sync::atomic::Ordering::Relaxed)
-        );
-        let _ = writeln!(out, "# TYPE strata_relay_upload_failures_total counter\nstrata_relay_upload_failures_total {}", rl.failures.load(std::sync::atomic::Ordering::Relaxed));
-        let lag = rl.lag();
-        for (name, f) in [
-            (
-                "strata_relay_pending_files",
-                (|l: &crate::relay::Lag| l.pending_files) as fn(&crate::relay::Lag) -> u64,
-            ),
-            ("strata_relay_pending_bytes", |l| l.pending_bytes),
-            ("strata_relay_upload_lag_ms", |l| l.lag_ms),
-        ] {
-            let _ = writeln!(out, "# TYPE {name} gauge");
-            for ((t, s), l) in &lag {
-                let _ = writeln!(out, "{name}{{tenant=\"{t}\",stream=\"{s}\"}} {}", f(l));
-            }
-        }
-    }
-    {
-        let vs = d.vhost_stats();
-        let _ = writeln!(out, "# TYPE strata_vhost_requests_total counter");
-        for ((t, w), n, _) in &vs {
-            let _ = writeln!(
-                out,
-                "strata_vhost_requests_total{{tenant=\"{t}\",workspace=\"{w}\"}} {n}"
-            );
-        }
-        // Chains a frontend sent that could not be answered (descriptors outside its memory,
-        // no status byte, a broken ring): a hostile or broken guest.
-        let _ = writeln!(out, "# TYPE strata_vhost_malformed_total counter");
-        for ((t, w), _, n) in &vs {
-            let _ = writeln!(
-                out,
-                "strata_vhost_malformed_total{{tenant=\"{t}\",workspace=\"{w}\"}} {n}"
-            );
-        }
-    }
-    let r = d.engine.reader().stats();
-    let _ = writeln!(
-        out,
-        "# TYPE strata_object_gets_total counter\nstrata_object_gets_total {}",
-        r.gets
-    );
-    let _ = writeln!(
-        out,
-        "# TYPE strata_object_bytes_fetched_total counter\nstrata_object_bytes_fetched_total {}",
-        r.bytes_fetched
-    );
-    let _ = writeln!(
-        out,
-        "# TYPE strata_object_prefetches_total counter\nstrata_object_prefetches_total {}",
-        r.prefetches
-    );
-    let _ = writeln!(
-        out,
-        "# TYPE strata_object_bytes_uploaded_total counter\nstrata_object_bytes_uploaded_total {}",
-        r.bytes_put
-    );
-    let _ = writeln!(
-        out,
-        "# TYPE strata_cache_hits_total counter\nstrata_cache_hits_total {}",
-        r.cache_hits
-    );
-    let _ = writeln!(
-        out,
-        "# TYPE strata_cache_misses_total counter\nstrata_cache_misses_total {}",
-        r.cache_misses
-    );
-    let _ = writeln!(
-        out,
-        "# TYPE strata_verify_failures_total counter\nstrata_verify_failures_total {}",
-        r.verify_failures
-    );
-
-    type Series = (
-        &'static str,
-        &'static str,
-        fn(&strata_engine::VolumeStats) -> u64,
-    );
-    let series: [Series; 9] = [
-        ("strata_volume_bytes_written_total", "counter", |s| {
-            s.bytes_written
-        }),
-        ("strata_volume_bytes_read_total", "counter", |s| {
-            s.bytes_read
-        }),
-        ("strata_volume_flushes_total", "counter", |s| s.flushes),
-        ("strata_volume_publishes_total", "counter", |s| s.publishes),
-        ("strata_volume_remote_window_bytes", "gauge", |s| {
-            s.window_bytes
-        }),
-        ("strata_volume_remote_window_age_ms", "gauge", |s| {
-            s.window_age_ms
-        }),
-        ("strata_volume_journal_bytes", "gauge", |s| s.journal_bytes),
-        // Cuts taken (local checkpoints among them) and not yet in the object store.
-        ("strata_volume_pending_versions", "gauge", |s| {
-            s.pending_versions
-        }),
-        ("strata_volume_lease_epoch", "gauge", |s| s.lease_epoch),
-    ];
-    let stats: Vec<_> = d
-        .engine
-        .attached()
-        .iter()
-        .map(|v| (v.tenant().to_string(), v.name().to_string(), v.stats()))
-        .collect();
-    for (name, kind, f) in series {
-        let _ = writeln!(out, "# TYPE {name} {kind}");
-        for (t, w, s) in &stats {
-            let _ = writeln!(out, "{name}{{tenant=\"{t}\",workspace=\"{w}\"}} {}", f(s));
-        }
-    }
-    d.nbd_metrics.render(&mut out);
-    let _ = writeln!(out, "# TYPE strata_checkpoint_seconds histogram");
-    d.checkpoint_seconds
-        .render(&mut out, "strata_checkpoint_seconds", "op=\"checkpoint\"");
-    let _ = writeln!(out, "# TYPE strata_fork_seconds histogram");
-    d.fork_seconds
-        .render(&mut out, "strata_fork_seconds", "op=\"fork\"");
-    let _ = writeln!(
-        out,
-        "# TYPE strata_expired_workspaces_deleted_total counter\nstrata_expired_workspaces_deleted_total {}",
-        d.expired_deleted.load(std::sync::atomic::Ordering::Relaxed)
-    );
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+    (
+        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
+        d.metrics.render(),
+    )
 }
 
 fn now_ms() -> u64 {

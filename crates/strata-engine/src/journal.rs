@@ -77,6 +77,9 @@ pub(crate) struct Journal {
     /// Segments shared with a live fork (or from its source) since this journal opened:
     /// never recycled, even once the other side let go (a read there may still be running).
     shared: std::collections::BTreeSet<u64>,
+    /// Bytes held by all segments (the sum of their lengths), kept beside them so that
+    /// metrics read it without the journal's lock ([`Journal::held`]).
+    held: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Recycled files kept for reuse; more are deleted.
@@ -261,7 +264,9 @@ impl Journal {
             rotated: vec![],
             in_place,
             shared: Default::default(),
+            held: Default::default(),
         };
+        j.count_held();
         j.rotate()?;
         Ok((j, discarded))
     }
@@ -305,7 +310,9 @@ impl Journal {
             rotated: vec![],
             in_place,
             shared: segs.iter().map(|s| s.0).collect(),
+            held: Default::default(),
         };
+        j.count_held();
         j.rotate()?;
         Ok(j)
     }
@@ -333,7 +340,17 @@ impl Journal {
 
     /// Bytes held by all segments.
     pub fn bytes(&self) -> u64 {
-        self.segments.values().map(|s| s.len).sum()
+        self.held.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The live count behind [`Journal::bytes`], readable without the journal's lock.
+    pub fn held(&self) -> Arc<std::sync::atomic::AtomicU64> {
+        self.held.clone()
+    }
+
+    fn count_held(&self) {
+        let n = self.segments.values().map(|s| s.len).sum();
+        self.held.store(n, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn file(&self, seg: u64) -> Option<Arc<dyn FsFile>> {
@@ -393,6 +410,10 @@ impl Journal {
         );
         self.active = id;
         self.dir_dirty = true;
+        self.held.fetch_add(
+            SEGMENT_HEADER_LEN as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         Ok((id, file))
     }
 
@@ -491,6 +512,10 @@ impl Journal {
     fn commit(&mut self, r: &Reserved, payload_len: u64) {
         if let Some(seg) = self.segments.get_mut(&r.seg) {
             seg.len += HEADER_LEN as u64 + payload_len;
+            self.held.fetch_add(
+                HEADER_LEN as u64 + payload_len,
+                std::sync::atomic::Ordering::Relaxed,
+            );
             seg.last_seq = r.seq;
             self.dirty.insert(r.seg, seg.file.clone());
         }
@@ -570,7 +595,11 @@ impl Journal {
             dir: self.dir.clone(),
         };
         for id in victims {
-            let file = self.segments.remove(&id).map(|m| m.file);
+            let file = self.segments.remove(&id).map(|m| {
+                self.held
+                    .fetch_sub(m.len, std::sync::atomic::Ordering::Relaxed);
+                m.file
+            });
             if let Some(f) = &file {
                 r.files.push(f.clone());
             }

@@ -213,6 +213,8 @@ pub struct Volume {
     /// [`Volume::journal`] (which also waits for appends in flight) by everything but the
     /// write fast path.
     writer: tokio::sync::Mutex<Journal>,
+    /// The journal's size in bytes ([`Journal::held`]), read by `stats` without its lock.
+    journal_held: Arc<std::sync::atomic::AtomicU64>,
     /// Appends reserved under `writer` and being written outside it (see [`Volume::write`]).
     in_flight: AtomicU64,
     /// Woken when `in_flight` falls to zero.
@@ -549,7 +551,7 @@ impl Volume {
             bytes_uploaded: c.bytes_uploaded.load(SeqCst),
             window_bytes,
             window_age_ms,
-            journal_bytes: self.writer.try_lock().map(|j| j.bytes()).unwrap_or(0),
+            journal_bytes: self.journal_held.load(SeqCst),
             journal_live_bytes: live_blocks * BLOCK_SIZE,
             publish_total_bytes: self.publish_total.load(SeqCst),
             publish_done_bytes: self.publish_done.load(SeqCst),

@@ -1,84 +1,72 @@
-//! Request latency histograms per NBD command (lock-free counters, Prometheus-style buckets).
+//! Request latency, errors and bytes per NBD command, shared by every connection of a server (or
+//! of a daemon), exposed through `prometheus-client` as
+//! `strata_nbd_request_seconds{command}` (histogram), `strata_nbd_request_errors_total{command}`
+//! and `strata_nbd_bytes_total{command}`. Recording is lock-free (atomic counters).
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::TypedMetric;
+use prometheus_client::registry::Unit;
 
 use crate::proto::*;
 
-/// Upper bounds of the latency buckets, in microseconds.
-pub const BUCKETS_US: [u64; 12] = [
-    50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 100_000, 1_000_000, 10_000_000,
+/// Upper bounds of the latency buckets, in seconds (50 µs to 10 s).
+pub const BUCKETS_SECONDS: [f64; 12] = [
+    50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 0.1, 1.0, 10.0,
 ];
 
-#[derive(Default, Debug)]
-pub struct Histogram {
-    buckets: [AtomicU64; 12],
-    count: AtomicU64,
-    sum_us: AtomicU64,
-    errors: AtomicU64,
-    bytes: AtomicU64,
+/// One command's latency histogram, error count and payload bytes.
+#[derive(Debug)]
+pub struct CommandStats {
+    seconds: Histogram,
+    errors: Counter,
+    bytes: Counter,
 }
 
-impl Histogram {
+impl Default for CommandStats {
+    fn default() -> Self {
+        CommandStats {
+            seconds: Histogram::new(BUCKETS_SECONDS),
+            errors: Counter::default(),
+            bytes: Counter::default(),
+        }
+    }
+}
+
+impl CommandStats {
     pub fn record(&self, d: Duration, bytes: u64, ok: bool) {
-        let us = d.as_micros() as u64;
-        if let Some(i) = BUCKETS_US.iter().position(|&b| us <= b) {
-            self.buckets[i].fetch_add(1, Relaxed);
-        }
-        self.count.fetch_add(1, Relaxed);
-        self.sum_us.fetch_add(us, Relaxed);
-        self.bytes.fetch_add(bytes, Relaxed);
+        self.seconds.observe(d.as_secs_f64());
+        self.bytes.inc_by(bytes);
         if !ok {
-            self.errors.fetch_add(1, Relaxed);
+            self.errors.inc();
         }
     }
 
-    /// Appends this histogram in Prometheus text format under `name` with `labels`.
-    pub fn render(&self, out: &mut String, name: &str, labels: &str) {
-        use std::fmt::Write;
-        let mut cum = 0;
-        for (i, b) in BUCKETS_US.iter().enumerate() {
-            cum += self.buckets[i].load(Relaxed);
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{{labels},le=\"{}\"}} {cum}",
-                *b as f64 / 1e6
-            );
-        }
-        let count = self.count.load(Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
-        let _ = writeln!(
-            out,
-            "{name}_sum{{{labels}}} {}",
-            self.sum_us.load(Relaxed) as f64 / 1e6
-        );
-        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
-    }
-
-    pub fn count(&self) -> u64 {
-        self.count.load(Relaxed)
-    }
     pub fn errors(&self) -> u64 {
-        self.errors.load(Relaxed)
+        self.errors.get()
     }
     pub fn bytes(&self) -> u64 {
-        self.bytes.load(Relaxed)
+        self.bytes.get()
     }
 }
 
-/// One histogram per command, shared by every connection of a server (or of a daemon).
+/// One [`CommandStats`] per command.
 #[derive(Default, Debug)]
 pub struct NbdMetrics {
-    pub read: Histogram,
-    pub write: Histogram,
-    pub flush: Histogram,
-    pub trim: Histogram,
-    pub write_zeroes: Histogram,
-    pub block_status: Histogram,
+    pub read: CommandStats,
+    pub write: CommandStats,
+    pub flush: CommandStats,
+    pub trim: CommandStats,
+    pub write_zeroes: CommandStats,
+    pub block_status: CommandStats,
 }
 
 impl NbdMetrics {
-    pub fn for_command(&self, kind: u16) -> Option<&Histogram> {
+    pub fn for_command(&self, kind: u16) -> Option<&CommandStats> {
         Some(match kind {
             CMD_READ => &self.read,
             CMD_WRITE => &self.write,
@@ -90,7 +78,7 @@ impl NbdMetrics {
         })
     }
 
-    pub fn all(&self) -> [(&'static str, &Histogram); 6] {
+    pub fn all(&self) -> [(&'static str, &CommandStats); 6] {
         [
             ("read", &self.read),
             ("write", &self.write),
@@ -100,33 +88,42 @@ impl NbdMetrics {
             ("block_status", &self.block_status),
         ]
     }
+}
 
-    /// Prometheus text for all commands.
-    pub fn render(&self, out: &mut String) {
-        use std::fmt::Write;
-        let _ = writeln!(out, "# TYPE strata_nbd_request_seconds histogram");
-        for (cmd, h) in self.all() {
-            h.render(
-                out,
-                "strata_nbd_request_seconds",
-                &format!("command=\"{cmd}\""),
-            );
+/// Registered once in a daemon's registry: encodes every command's series on each scrape.
+impl Collector for NbdMetrics {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        {
+            let mut m = enc.encode_descriptor(
+                "strata_nbd_request",
+                "Time from an NBD request's arrival to its reply, by command",
+                Some(&Unit::Seconds),
+                Histogram::TYPE,
+            )?;
+            for (cmd, s) in self.all() {
+                s.seconds.encode(m.encode_family(&[("command", cmd)])?)?;
+            }
         }
-        let _ = writeln!(out, "# TYPE strata_nbd_request_errors_total counter");
-        for (cmd, h) in self.all() {
-            let _ = writeln!(
-                out,
-                "strata_nbd_request_errors_total{{command=\"{cmd}\"}} {}",
-                h.errors()
-            );
+        {
+            let mut m = enc.encode_descriptor(
+                "strata_nbd_request_errors",
+                "NBD requests answered with an error, by command",
+                None,
+                Counter::<u64>::TYPE,
+            )?;
+            for (cmd, s) in self.all() {
+                ConstCounter::new(s.errors()).encode(m.encode_family(&[("command", cmd)])?)?;
+            }
         }
-        let _ = writeln!(out, "# TYPE strata_nbd_bytes_total counter");
-        for (cmd, h) in [("read", &self.read), ("write", &self.write)] {
-            let _ = writeln!(
-                out,
-                "strata_nbd_bytes_total{{command=\"{cmd}\"}} {}",
-                h.bytes()
-            );
+        let mut m = enc.encode_descriptor(
+            "strata_nbd",
+            "Payload bytes of NBD reads and writes",
+            Some(&Unit::Bytes),
+            Counter::<u64>::TYPE,
+        )?;
+        for (cmd, s) in [("read", &self.read), ("write", &self.write)] {
+            ConstCounter::new(s.bytes()).encode(m.encode_family(&[("command", cmd)])?)?;
         }
+        Ok(())
     }
 }

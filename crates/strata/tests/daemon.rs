@@ -102,6 +102,36 @@ async fn lifecycle_isolation_and_bad_input() {
         metrics.contains("strata_volume_remote_window_bytes{tenant=\"alpha\",workspace=\"w1\"}"),
         "{metrics}"
     );
+    // Typed, documented, in base units: every family has HELP and TYPE, none is in
+    // milliseconds, and the journal's size is real (it read 0 whenever the writer was busy).
+    let families: Vec<&str> = metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .collect();
+    assert!(families.len() > 30, "{metrics}");
+    for f in &families {
+        let name = f.split(' ').next().unwrap();
+        assert!(
+            metrics.contains(&format!("# HELP {name} ")),
+            "{name} has no HELP"
+        );
+        assert!(!name.ends_with("_ms"), "{name} is not in a base unit");
+    }
+    let journal: u64 = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("strata_volume_journal_bytes{tenant=\"alpha\",workspace=\"w1\"} ")
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no journal size for w1: {metrics}"));
+    assert!(journal > 0, "{journal}");
+    for name in [
+        "strata_checkpoint_seconds_count 1",
+        "strata_fork_seconds_count 1",
+        "strata_nbd_bytes_total{command=\"write\"} 8192",
+    ] {
+        assert!(metrics.contains(name), "{name}: {metrics}");
+    }
 
     // Tenant isolation: beta sees nothing of alpha's, on every endpoint, and changes nothing.
     for (m, p, body) in [

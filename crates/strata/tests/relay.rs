@@ -236,7 +236,9 @@ async fn relay_puts_are_durable_idempotent_and_scoped() {
     let (s, m) = a.api(ADMIN).get("/metrics").await;
     assert_eq!(s, StatusCode::OK);
     assert!(
-        m.as_str().unwrap().contains("strata_relay_upload_lag_ms"),
+        m.as_str()
+            .unwrap()
+            .contains("strata_relay_upload_lag_seconds"),
         "{m}"
     );
     drop(a);

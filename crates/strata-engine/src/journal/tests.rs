@@ -146,3 +146,36 @@ fn a_segment_shared_with_a_fork_is_never_recycled() {
     let (_, gone) = Journal::open(Arc::new(fs.clone()), fork, 0, MAX, |_, _| {}).unwrap();
     assert_eq!(gone, 0);
 }
+
+/// The journal's size is kept as segments grow, rotate, are prepared and retire: it is what
+/// metrics read without the journal's lock, and it must equal a recount at every step.
+#[test]
+fn held_bytes_match_a_recount_through_appends_rotations_and_retirement() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut j, _) = open(dir.path(), 0);
+    let held = j.held();
+    let recount = |j: &Journal| j.segments.values().map(|s| s.len).sum::<u64>();
+    let check = |j: &Journal| {
+        assert_eq!(held.load(std::sync::atomic::Ordering::Relaxed), recount(j));
+        assert_eq!(j.bytes(), recount(j));
+    };
+    check(&j);
+    append(&mut j, 5);
+    check(&j);
+    j.rotate().unwrap();
+    append(&mut j, 3);
+    check(&j);
+    let p = prepare_file(&RealFs, dir.path(), MAX).unwrap();
+    j.add_prepared(p).unwrap();
+    append(&mut j, 2);
+    check(&j);
+    let last = j.last_seq();
+    let r = j.detach_through(last);
+    assert!(!r.ids.is_empty());
+    check(&j);
+    drop(j);
+    let (j, _) = open(dir.path(), 0);
+    let n = j.bytes();
+    assert!(n > 0);
+    assert_eq!(n, recount(&j));
+}

@@ -261,6 +261,7 @@ impl Volume {
             journal_id,
             opts: p.opts,
             gate: Arc::new(tokio::sync::RwLock::new(())),
+            journal_held: journal.held(),
             writer: tokio::sync::Mutex::new(journal),
             in_flight: AtomicU64::new(0),
             landed: tokio::sync::Notify::new(),
