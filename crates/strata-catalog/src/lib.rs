@@ -14,7 +14,7 @@ mod postgres;
 mod sqlite;
 mod types;
 
-pub use postgres::{create_database, PostgresCatalog};
+pub use postgres::{create_database, pg_retryable, PostgresCatalog};
 pub use sqlite::SqliteCatalog;
 pub use types::*;
 
@@ -22,7 +22,7 @@ use async_trait::async_trait;
 use strata_format::manifest::ObjectRef;
 use strata_format::Hash;
 
-#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum CatalogError {
     #[error("{what} {name:?} not found")]
     NotFound { what: &'static str, name: String },
@@ -44,8 +44,17 @@ pub enum CatalogError {
     },
     #[error("{0}")]
     InUse(String),
-    #[error("catalog backend: {0}")]
-    Backend(String),
+    /// The catalog's database or its connection failed. The source is kept (a
+    /// `rusqlite::Error`, `tokio_postgres::Error`, pool or I/O error) and so is whether a
+    /// retry can help: a lost connection, a busy database or a serialization failure can; a
+    /// syntax error, a constraint, a corrupt row or a bad URL cannot.
+    #[error("catalog backend: {message}")]
+    Backend {
+        message: String,
+        retryable: bool,
+        #[source]
+        source: Option<std::sync::Arc<dyn std::error::Error + Send + Sync>>,
+    },
 }
 
 /// What a head CAS that would make a disk smaller gets: sizes only grow (a mounted filesystem
@@ -56,11 +65,115 @@ pub(crate) fn shrink(current: u64, asked: u64) -> CatalogError {
     ))
 }
 
-impl CatalogError {
-    pub fn is_retryable(&self) -> bool {
-        matches!(self, CatalogError::Backend(_))
+/// Equal when of the same kind with the same details; backend errors compare by message and
+/// retryability (their sources are not comparable).
+impl PartialEq for CatalogError {
+    fn eq(&self, other: &Self) -> bool {
+        use CatalogError::*;
+        match (self, other) {
+            (NotFound { what: a, name: b }, NotFound { what: c, name: d })
+            | (AlreadyExists { what: a, name: b }, AlreadyExists { what: c, name: d }) => {
+                a == c && b == d
+            }
+            (
+                Conflict {
+                    expected: a,
+                    actual: b,
+                },
+                Conflict {
+                    expected: c,
+                    actual: d,
+                },
+            ) => a == c && b == d,
+            (
+                Fenced {
+                    held: a,
+                    current: b,
+                    holder: h,
+                },
+                Fenced {
+                    held: c,
+                    current: d,
+                    holder: i,
+                },
+            ) => a == c && b == d && h == i,
+            (
+                LeaseHeld {
+                    holder: h,
+                    epoch: a,
+                    expires_in_ms: b,
+                },
+                LeaseHeld {
+                    holder: i,
+                    epoch: c,
+                    expires_in_ms: d,
+                },
+            ) => h == i && a == c && b == d,
+            (InUse(a), InUse(b)) => a == b,
+            (
+                Backend {
+                    message: a,
+                    retryable: r,
+                    ..
+                },
+                Backend {
+                    message: b,
+                    retryable: s,
+                    ..
+                },
+            ) => a == b && r == s,
+            _ => false,
+        }
     }
 }
+
+impl Eq for CatalogError {}
+
+impl CatalogError {
+    /// Whether retrying the same call may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            CatalogError::Backend {
+                retryable: true,
+                ..
+            }
+        )
+    }
+
+    /// A backend failure no retry fixes (corrupt data, a bad URL, a newer schema).
+    pub fn backend(message: impl Into<String>) -> Self {
+        CatalogError::Backend {
+            message: message.into(),
+            retryable: false,
+            source: None,
+        }
+    }
+
+    /// A backend that cannot be reached now (a retry may succeed).
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        CatalogError::Backend {
+            message: message.into(),
+            retryable: true,
+            source: None,
+        }
+    }
+
+    /// A backend failure with its source; the message names both.
+    pub fn from_source(
+        context: &str,
+        retryable: bool,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        CatalogError::Backend {
+            message: format!("{context}: {source}"),
+            retryable,
+            source: Some(std::sync::Arc::new(source)),
+        }
+    }
+}
+
+pub use strata_format::io_retryable;
 
 pub type Result<T, E = CatalogError> = std::result::Result<T, E>;
 
@@ -215,14 +328,9 @@ pub async fn open_url(url: &str, pool_size: usize) -> Result<std::sync::Arc<dyn 
             PostgresCatalog::connect(url, pool_size).await?,
         ));
     }
-    Err(CatalogError::Backend(format!(
+    Err(CatalogError::backend(format!(
         "catalog {url:?}: use sqlite:PATH or postgres://user@host:port/db"
     )))
 }
 
-pub(crate) fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+pub(crate) use strata_format::now_ms;

@@ -24,8 +24,8 @@ pub struct PostgresCatalog {
 mod sql;
 mod sweep;
 
-pub use sql::create_database;
 use sql::*;
+pub use sql::{create_database, pg_retryable};
 
 #[async_trait]
 impl Catalog for PostgresCatalog {
@@ -346,9 +346,7 @@ impl Catalog for PostgresCatalog {
             .await
             .map_err(be)?;
         if k != 1 {
-            return Err(CatalogError::Backend(
-                "head changed under a row lock".into(),
-            ));
+            return Err(CatalogError::unavailable("head changed under a row lock"));
         }
         tx.execute(
             &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"),
@@ -539,7 +537,7 @@ impl Catalog for PostgresCatalog {
     async fn report_node(&self, status: &NodeStatus) -> Result<()> {
         let c = self.conn().await?;
         let attached = serde_json::to_string(&status.attached)
-            .map_err(|e| CatalogError::Backend(e.to_string()))?;
+            .map_err(|e| CatalogError::from_source("encoding a node row", false, e))?;
         c.execute(
             &format!(
                 "INSERT INTO nodes (id, url, seen_ms, attached) VALUES ($1, $2, ({SERVER_NOW}), $3)
@@ -570,7 +568,7 @@ impl Catalog for PostgresCatalog {
                 seen_ms: seen,
                 seen_ago_ms: now.saturating_sub(seen),
                 attached: serde_json::from_str(r.get(3))
-                    .map_err(|e| CatalogError::Backend(format!("corrupt node row: {e}")))?,
+                    .map_err(|e| CatalogError::from_source("corrupt node row", false, e))?,
             })
         })
         .collect()

@@ -427,7 +427,7 @@ impl Catalog for SqliteCatalog {
 
     async fn report_node(&self, status: &NodeStatus) -> Result<()> {
         let attached = serde_json::to_string(&status.attached)
-            .map_err(|e| CatalogError::Backend(e.to_string()))?;
+            .map_err(|e| CatalogError::from_source("encoding a node row", false, e))?;
         let (node, url) = (status.node.clone(), status.url.clone());
         self.run(move |c| {
             c.execute(
@@ -467,7 +467,7 @@ impl Catalog for SqliteCatalog {
                         seen_ms: seen,
                         seen_ago_ms: now.saturating_sub(seen),
                         attached: serde_json::from_str(&attached)
-                            .map_err(|e| CatalogError::Backend(format!("corrupt node row: {e}")))?,
+                            .map_err(|e| CatalogError::from_source("corrupt node row", false, e))?,
                     })
                 })
                 .collect()

@@ -83,3 +83,28 @@ async fn futures_join(
     }
     out
 }
+
+/// A syntax error recurs; a server that cannot be reached may come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_errors_say_whether_a_retry_can_help() {
+    let Some(url) = fresh_db("err").await else {
+        return;
+    };
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let e = client.execute("SELEC 1", &[]).await.unwrap_err();
+    assert!(!strata_catalog::pg_retryable(&e), "{e}");
+    // Nobody listens on this loopback port.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let e = PostgresCatalog::connect(&format!("postgres://x@127.0.0.1:{port}/x"), 1)
+        .await
+        .err()
+        .expect("nothing listens there");
+    assert!(e.is_retryable(), "{e}");
+}

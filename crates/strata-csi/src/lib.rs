@@ -58,13 +58,7 @@ pub(crate) fn invalid(m: impl Into<String>) -> Status {
     Status::invalid_argument(m.into())
 }
 
-/// Milliseconds since the Unix epoch.
-pub(crate) fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+pub(crate) use strata_format::now_ms;
 
 /// A request's capacity range as (required_bytes, limit_bytes), (0, 0) without one;
 /// `OUT_OF_RANGE` if negative, crossed, or asking for more than 1 PiB.

@@ -364,10 +364,7 @@ impl Daemon {
             loop {
                 tokio::time::sleep(std::time::Duration::from_millis(500)).await;
                 let Some(d) = d.upgrade() else { return };
-                let now = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|t| t.as_millis() as u64)
-                    .unwrap_or(0);
+                let now = strata_format::now_ms();
                 let expired = match d.engine.catalog().list_expired(now).await {
                     Ok(e) => e,
                     Err(e) => {

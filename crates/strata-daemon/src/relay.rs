@@ -121,12 +121,7 @@ pub struct Relay {
     transfers: tokio::sync::Semaphore,
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+use strata_format::now_ms;
 
 fn io(what: &str) -> impl Fn(std::io::Error) -> ApiError + '_ {
     move |e| {

@@ -71,10 +71,7 @@ pub(crate) async fn create_stream(
 ) -> Result<(StatusCode, Json<StreamToken>), ApiError> {
     let b = body(b)?;
     check_stream_name(&b.name)?;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0);
+    let now = strata_format::now_ms();
     d.engine
         .catalog()
         .create_stream(&RelayStream {

@@ -548,12 +548,7 @@ async fn metrics(_: Scraper, State(d): D) -> impl IntoResponse {
     )
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+use strata_format::now_ms;
 
 /// One GC pass now (admin: it spans tenants). A dry run reports and changes nothing.
 async fn run_gc(

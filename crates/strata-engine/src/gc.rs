@@ -174,9 +174,7 @@ impl Steps {
     }
 }
 
-fn now_ms() -> u64 {
-    crate::now_ms()
-}
+use strata_format::now_ms;
 
 /// A store key's id, if it is an object or manifest key of `tenant`.
 fn key_id(tenant: &str, key: &str) -> Option<(bool, Hash)> {

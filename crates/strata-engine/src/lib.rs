@@ -31,9 +31,4 @@ pub use volume::{CheckpointState, Published, Volume, VolumeOptions, VolumeStats}
 
 pub use strata_catalog::{Checkpoint, CheckpointKind, Mode, Template, Workspace};
 
-pub(crate) fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+pub(crate) use strata_format::now_ms;

@@ -15,6 +15,38 @@ pub mod object;
 
 pub use id::Hash;
 
+/// Milliseconds since the Unix epoch: the unit of every time strata records (checkpoints,
+/// leases, TTLs, relay files). A clock before 1970 reads as 0.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Whether an I/O error may pass on a retry (a peer or a disk busy or gone for a moment), as
+/// opposed to one that recurs (a missing file or directory, no permission, a read-only or
+/// full file system). Shared by the store, the catalog and the engine so that "retryable"
+/// means the same everywhere.
+pub fn io_retryable(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind as K;
+    matches!(
+        e.kind(),
+        K::Interrupted
+            | K::WouldBlock
+            | K::TimedOut
+            | K::ConnectionRefused
+            | K::ConnectionReset
+            | K::ConnectionAborted
+            | K::NotConnected
+            | K::BrokenPipe
+            | K::UnexpectedEof
+            | K::HostUnreachable
+            | K::NetworkUnreachable
+            | K::NetworkDown
+            | K::ResourceBusy
+    )
+}
+
 /// Logical block size of every strata disk, in bytes. Extents are counted in blocks.
 pub const BLOCK_SIZE: u64 = 4096;
 

@@ -111,8 +111,9 @@ impl Store {
         Path::from(format!("t/{tenant}/man/{}", id.to_hex()))
     }
 
-    /// Uploads `data` as a framed, content-addressed object. Idempotent: the same data always
-    /// lands at the same key with the same bytes. Returns the reference and the encoded object.
+    /// Uploads `data` as a framed, content-addressed object under a fresh random salt: a new
+    /// key every time, even for the same data (see [`Store::put_object_salted`]). Returns the
+    /// reference and the encoded object.
     pub async fn put_object(&self, tenant: &str, data: &[u8]) -> Result<(ObjectRef, Bytes)> {
         self.put_object_salted(tenant, data.to_vec(), rand::random())
             .await
@@ -147,7 +148,7 @@ impl Store {
     /// Puts immutable bytes; after a failed attempt the key is checked (HEAD) before retrying,
     /// so an upload whose reply was lost is recognised rather than assumed.
     async fn put_verified(&self, key: &Path, bytes: Bytes) -> Result<()> {
-        let mut last = None;
+        let mut last: Option<StoreError> = None;
         for attempt in 0..3u32 {
             if attempt > 0 {
                 tokio::time::sleep(std::time::Duration::from_millis(50 << attempt)).await;
@@ -161,11 +162,15 @@ impl Store {
                 Ok(_) => return Ok(()),
                 Err(e) => {
                     tracing::warn!(%key, attempt, error = %e, "put failed");
+                    let e = StoreError::from(e);
+                    if !e.is_retryable() {
+                        return Err(e);
+                    }
                     last = Some(e);
                 }
             }
         }
-        Err(last.map_or_else(|| StoreError::Backend("put failed".into()), Into::into))
+        Err(last.unwrap_or_else(|| StoreError::Corrupt(format!("put of {key} failed"))))
     }
 
     /// Stores a manifest under a fresh random salt: a new key every time (see

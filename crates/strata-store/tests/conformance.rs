@@ -138,3 +138,42 @@ async fn create_bucket(endpoint: &str, bucket: &str) {
     let code = String::from_utf8_lossy(&status.stdout).to_string();
     assert!(code.starts_with('2'), "creating bucket: HTTP {code}");
 }
+
+/// An error that will recur is reported at once and as such; one that may pass is retryable.
+/// (Every backend error used to be "retryable": a local ENOTDIR was retried three times and
+/// reported to API clients as worth retrying.)
+#[tokio::test]
+async fn errors_say_whether_a_retry_can_help() {
+    use std::error::Error as _;
+    // A local store whose tenant directory is a file: ENOTDIR on every put.
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&format!("file:{}", dir.path().display())).unwrap();
+    std::fs::write(dir.path().join("t"), b"not a directory").unwrap();
+    let e = store.put_object("acme", b"data").await.unwrap_err();
+    assert!(!e.is_retryable(), "{e}");
+    assert!(matches!(e, StoreError::Backend { .. }), "{e:?}");
+    assert!(e.source().is_some(), "the backend error keeps its source");
+    // An S3 endpoint nobody listens on (loopback, a closed port): a connection error, which a
+    // retry may get past once the store is back.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let creds = strata_store::Credentials {
+        access_key_id: Some("test".into()),
+        secret_access_key: Some("test".into()),
+        session_token: None,
+    };
+    let s3 = Store::open_with(
+        &format!(
+            "s3://b?endpoint=http://127.0.0.1:{port}&region=us-east-1&allow_http=true&retries=0"
+        ),
+        &creds,
+    )
+    .unwrap();
+    let e = s3.put_object("acme", b"data").await.unwrap_err();
+    assert!(e.is_retryable(), "{e}");
+    // Corruption is never worth a retry of the same read.
+    assert!(!StoreError::Corrupt("x".into()).is_retryable());
+}

@@ -1,8 +1,9 @@
 //! The `strata` command.
 //!
-//! Until the daemon lands (`strata serve`, HTTP API), the CLI drives the engine directly on the
-//! embedded default: a data directory holding the SQLite catalog, the local object directory,
-//! the node cache and the volumes' journals.
+//! With `STRATA_URL` set, every verb goes to that daemon's HTTP API (`remote.rs`); `serve`,
+//! `csi` and `demo` run here. Without it, the CLI drives the engine directly on a local data
+//! directory (the embedded default: SQLite catalog, local object directory, node cache and
+//! the volumes' journals).
 
 mod units;
 
@@ -554,11 +555,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         })
                     };
                     let keep_until = keep.map(|k| {
-                        std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .unwrap_or_default()
-                            .as_millis() as u64
-                            + k.as_millis() as u64
+                        strata_format::now_ms()
+                            .saturating_add(u64::try_from(k.as_millis()).unwrap_or(u64::MAX))
                     });
                     // The workspace is attached for the call: the checkpoint is published before the
                     // volume is detached again.

@@ -26,22 +26,18 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("size {s:?} is zero or too large"))
 }
 
+/// A duration: `humantime`'s syntax (`60s`, `10m`, `2h`, `30d`, `1h 30m`, `250ms`), or a bare
+/// number of seconds. Values too large for a `Duration` are refused, not wrapped.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("bad duration {s:?}: expected e.g. 60s, 10m, 2h"))?;
-    let secs = match unit {
-        "ms" => return Ok(Duration::from_millis(n)),
-        "s" | "" => n,
-        "m" => n * 60,
-        "h" => n * 3600,
-        "d" => n * 86400,
-        _ => return Err(format!("bad duration unit {unit:?}: use ms, s, m, h or d")),
-    };
-    Ok(Duration::from_secs(secs))
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+        return s
+            .parse()
+            .map(Duration::from_secs)
+            .map_err(|_| format!("duration {s:?} is too large"));
+    }
+    humantime::parse_duration(s)
+        .map_err(|e| format!("bad duration {s:?} ({e}): expected e.g. 60s, 10m, 2h, 30d"))
 }
 
 pub fn fmt_size(n: u64) -> String {
@@ -74,7 +70,14 @@ mod tests {
         assert!(parse_size("99999999999TiB").is_err());
         assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-        assert!(parse_duration("1y").is_err());
+        assert_eq!(parse_duration("90"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+        assert!(parse_duration("1x").is_err());
+        assert!(parse_duration("").is_err());
+        // Used to overflow (a panic in debug builds, a wrapped value in release).
+        assert!(parse_duration("99999999999999999999d").is_err());
+        assert!(parse_duration("999999999999999999d").is_err());
+        assert!(parse_duration("99999999999999999999").is_err());
         assert_eq!(fmt_size(1536), "1.5 KiB");
     }
 }

@@ -65,16 +65,41 @@ pub(super) const CP_COLS: &str =
 pub(super) const TPL_COLS: &str = "tenant, name, manifest, disk_size, stored_bytes, created_ms";
 
 pub(super) fn be(e: tokio_postgres::Error) -> CatalogError {
+    let retryable = pg_retryable(&e);
     match e.as_db_error() {
         Some(d) => {
-            CatalogError::Backend(format!("postgres: {} ({})", d.message(), d.code().code()))
+            let context = format!("postgres ({})", d.code().code());
+            CatalogError::from_source(&context, retryable, e)
         }
-        None => CatalogError::Backend(format!("postgres: {e}")),
+        None => CatalogError::from_source("postgres", retryable, e),
     }
 }
 
+/// Whether a PostgreSQL error may pass on a retry, by SQLSTATE class: connection exceptions
+/// (08), transaction rollbacks such as serialization failures and deadlocks (40),
+/// insufficient resources (53), operator intervention such as a shutdown (57P01–57P03) and
+/// a lock not available (55P03). Syntax errors (42), data exceptions (22), constraint
+/// violations (23) and the rest are the same every time. An error without a SQLSTATE is the
+/// connection's (closed, I/O, timeout): retryable.
+pub fn pg_retryable(e: &tokio_postgres::Error) -> bool {
+    let Some(code) = e.code() else {
+        return true;
+    };
+    let c = code.code();
+    c.starts_with("08")
+        || c.starts_with("40")
+        || c.starts_with("53")
+        || matches!(c, "57P01" | "57P02" | "57P03" | "55P03")
+}
+
 pub(super) fn pool_err(e: deadpool_postgres::PoolError) -> CatalogError {
-    CatalogError::Backend(format!("postgres pool: {e}"))
+    use deadpool_postgres::PoolError as P;
+    let retryable = match &e {
+        P::Timeout(_) => true,
+        P::Backend(b) => pg_retryable(b),
+        _ => false,
+    };
+    CatalogError::from_source("postgres pool", retryable, e)
 }
 
 /// A unique-key violation is `AlreadyExists` for `what` named `name`; anything else a backend error.
@@ -96,7 +121,7 @@ pub(super) fn exists_or_backend<'a>(
 
 pub(super) fn hash(s: &str) -> Result<Hash> {
     s.parse()
-        .map_err(|e| CatalogError::Backend(format!("corrupt hash {s:?} in catalog: {e}")))
+        .map_err(|e| CatalogError::from_source(&format!("corrupt hash {s:?} in catalog"), false, e))
 }
 
 pub(super) fn u(r: &Row, i: usize) -> u64 {
@@ -196,7 +221,7 @@ impl PostgresCatalog {
     pub async fn connect(url: &str, pool_size: usize) -> Result<PostgresCatalog> {
         let mut cfg: tokio_postgres::Config = url
             .parse()
-            .map_err(|e| CatalogError::Backend(format!("bad PostgreSQL URL: {e}")))?;
+            .map_err(|e| CatalogError::from_source("bad PostgreSQL URL", false, e))?;
         // A node paused or cut off inside a transaction (SIGSTOP, a partition) must not hold
         // its row locks until it wakes up: the server ends such a transaction after a few
         // seconds, so another node can take the workspace over; and no statement waits on a
@@ -220,7 +245,7 @@ impl PostgresCatalog {
             .create_timeout(Some(std::time::Duration::from_secs(10)))
             .wait_timeout(Some(std::time::Duration::from_secs(30)))
             .build()
-            .map_err(|e| CatalogError::Backend(format!("postgres pool: {e}")))?;
+            .map_err(|e| CatalogError::from_source("postgres pool", false, e))?;
         let cat = PostgresCatalog { pool };
         cat.migrate().await?;
         Ok(cat)
@@ -250,7 +275,7 @@ impl PostgresCatalog {
             }
         };
         if v as usize > MIGRATIONS.len() {
-            return Err(CatalogError::Backend(format!(
+            return Err(CatalogError::backend(format!(
                 "catalog schema version {v} is newer than this build ({}); upgrade strata",
                 MIGRATIONS.len()
             )));
@@ -280,7 +305,7 @@ pub async fn create_database(admin_url: &str, name: &str) -> Result<String> {
             .chars()
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
     {
-        return Err(CatalogError::Backend(format!("bad database name {name:?}")));
+        return Err(CatalogError::backend(format!("bad database name {name:?}")));
     }
     let (client, conn) = tokio_postgres::connect(admin_url, NoTls)
         .await

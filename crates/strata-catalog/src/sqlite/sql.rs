@@ -58,7 +58,18 @@ CREATE TABLE gc_condemned (tenant TEXT NOT NULL, key TEXT NOT NULL, condemned_ms
 ];
 
 pub(super) fn be(e: rusqlite::Error) -> CatalogError {
-    CatalogError::Backend(e.to_string())
+    CatalogError::from_source("sqlite", sqlite_retryable(&e), e)
+}
+
+/// Whether a SQLite error may pass on a retry: a busy or locked database (another process
+/// holds it past the busy timeout). Syntax errors, constraints, a read-only or corrupt file
+/// and I/O errors recur.
+pub(crate) fn sqlite_retryable(e: &rusqlite::Error) -> bool {
+    use rusqlite::ErrorCode as C;
+    matches!(
+        e.sqlite_error_code(),
+        Some(C::DatabaseBusy | C::DatabaseLocked)
+    )
 }
 
 pub(super) fn hash(s: String) -> rusqlite::Result<Hash> {
@@ -175,7 +186,10 @@ pub(super) fn get_ws(c: &Connection, tenant: &str, name: &str) -> Result<Workspa
 impl SqliteCatalog {
     pub fn open(path: &Path) -> Result<SqliteCatalog> {
         if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| CatalogError::Backend(e.to_string()))?;
+            std::fs::create_dir_all(parent).map_err(|e| {
+                let retry = crate::io_retryable(&e);
+                CatalogError::from_source(&format!("creating {}", parent.display()), retry, e)
+            })?;
         }
         let mut conn = Connection::open(path).map_err(be)?;
         conn.busy_timeout(std::time::Duration::from_secs(10))
@@ -189,7 +203,7 @@ impl SqliteCatalog {
             .pragma_query_value(None, "user_version", |r| r.get(0))
             .map_err(be)?;
         if applied as usize > MIGRATIONS.len() {
-            return Err(CatalogError::Backend(format!(
+            return Err(CatalogError::backend(format!(
                 "catalog schema version {applied} is newer than this strata ({})",
                 MIGRATIONS.len()
             )));
@@ -202,7 +216,7 @@ impl SqliteCatalog {
             tx.commit().map_err(be)?;
         }
         let worker = Worker::start(conn)
-            .map_err(|e| CatalogError::Backend(format!("starting the catalog thread: {e}")))?;
+            .map_err(|e| CatalogError::from_source("starting the catalog thread", false, e))?;
         Ok(SqliteCatalog { worker })
     }
 
@@ -250,4 +264,26 @@ pub(super) fn stream_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RelayStream>
         sync: r.get::<_, i64>(2)? != 0,
         created_ms: r.get::<_, i64>(3)? as u64,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A syntax error recurs; a database another connection holds locked may pass.
+    #[test]
+    fn sqlite_errors_say_whether_a_retry_can_help() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let a = Connection::open(&path).unwrap();
+        let e = be(a.execute("SELEC 1", []).unwrap_err());
+        assert!(!e.is_retryable(), "{e}");
+        assert!(std::error::Error::source(&e).is_some(), "{e:?}");
+        a.execute_batch("CREATE TABLE t (x INTEGER); BEGIN EXCLUSIVE; INSERT INTO t VALUES (1);")
+            .unwrap();
+        let b = Connection::open(&path).unwrap();
+        b.busy_timeout(std::time::Duration::ZERO).unwrap();
+        let e = be(b.execute("INSERT INTO t VALUES (2)", []).unwrap_err());
+        assert!(e.is_retryable(), "{e}");
+    }
 }

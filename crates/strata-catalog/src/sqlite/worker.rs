@@ -73,7 +73,7 @@ impl Worker {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let job: Job = Box::new(move |c| {
             let r = catch_unwind(AssertUnwindSafe(|| f(c)))
-                .unwrap_or_else(|_| Err(CatalogError::Backend("catalog call panicked".into())));
+                .unwrap_or_else(|_| Err(CatalogError::backend("catalog call panicked")));
             let _ = tx.send(r);
         });
         {
@@ -86,7 +86,7 @@ impl Worker {
             cv.notify_one();
         }
         rx.await
-            .map_err(|_| CatalogError::Backend("catalog thread stopped".into()))?
+            .map_err(|_| CatalogError::backend("catalog thread stopped"))?
     }
 }
 
@@ -168,11 +168,11 @@ mod tests {
     async fn a_panicking_call_is_an_error_and_the_thread_goes_on() {
         let w = Worker::start(Connection::open_in_memory().unwrap()).unwrap();
         let r: Result<()> = w.run(Lane::Normal, |_| panic!("boom")).await;
-        assert!(matches!(r, Err(CatalogError::Backend(_))));
+        assert!(matches!(r, Err(CatalogError::Backend { .. })));
         let v: i64 = w
             .run(Lane::Normal, |c| {
                 c.query_row("SELECT 41 + 1", [], |r| r.get(0))
-                    .map_err(|e| CatalogError::Backend(e.to_string()))
+                    .map_err(|e| CatalogError::from_source("sqlite", false, e))
             })
             .await
             .unwrap();

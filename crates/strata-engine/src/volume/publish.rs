@@ -513,7 +513,7 @@ impl Volume {
             }
             _ if matches!(
                 err,
-                CatalogError::Backend(_) | CatalogError::Conflict { .. }
+                CatalogError::Backend { .. } | CatalogError::Conflict { .. }
             ) =>
             {
                 self.ambiguous.store(true, SeqCst);

@@ -187,22 +187,20 @@ impl Catalog for LossyCatalog {
         cp: &NewCheckpoint,
     ) -> Result<u64> {
         if self.refuse_cas.load(SeqCst) {
-            return Err(CatalogError::Backend("catalog unreachable".into()));
+            return Err(CatalogError::unavailable("catalog unreachable"));
         }
         let r = self
             .inner
             .advance_head(tenant, workspace, expected, lease, cp)
             .await;
         if r.is_ok() && self.lose_next_cas_reply.swap(false, SeqCst) {
-            return Err(CatalogError::Backend(
-                "connection reset (reply lost)".into(),
-            ));
+            return Err(CatalogError::unavailable("connection reset (reply lost)"));
         }
         r
     }
     async fn get_workspace(&self, tenant: &str, name: &str) -> Result<Workspace> {
         if self.blind.load(SeqCst) {
-            return Err(CatalogError::Backend("catalog unreachable".into()));
+            return Err(CatalogError::unavailable("catalog unreachable"));
         }
         self.inner.get_workspace(tenant, name).await
     }
@@ -235,7 +233,7 @@ impl Catalog for LossyCatalog {
     }
     async fn record_manifest(&self, t: &str, m: Hash, objects: &[ObjectRef]) -> Result<()> {
         if self.refuse_manifests.load(SeqCst) {
-            return Err(CatalogError::Backend("catalog unreachable".into()));
+            return Err(CatalogError::unavailable("catalog unreachable"));
         }
         self.inner.record_manifest(t, m, objects).await
     }
