@@ -18,6 +18,7 @@ mod error;
 mod exports;
 mod metrics;
 pub mod mount;
+mod observe;
 pub mod relay;
 mod relay_api;
 mod routes;

@@ -34,6 +34,8 @@ pub(crate) struct Metrics {
     pub fork: Histogram,
     /// Ephemeral workspaces deleted at the end of their TTL.
     pub expired_deleted: Counter,
+    /// API requests by method, route template and status (`observe.rs`).
+    pub http: crate::observe::HttpSeconds,
 }
 
 impl Metrics {
@@ -46,6 +48,7 @@ impl Metrics {
             checkpoint: Histogram::new(buckets),
             fork: Histogram::new(buckets),
             expired_deleted: Counter::default(),
+            http: crate::observe::http_seconds(),
         };
         let mut registry = Registry::default();
         registry.register_with_unit(
@@ -64,6 +67,12 @@ impl Metrics {
             "strata_expired_workspaces_deleted",
             "Ephemeral workspaces deleted at the end of their TTL",
             m.expired_deleted.clone(),
+        );
+        registry.register_with_unit(
+            "strata_http_request",
+            "Duration of API requests by method, route template and status",
+            Unit::Seconds,
+            m.http.clone(),
         );
         registry.register_collector(Box::new(nbd));
         registry.register_collector(Box::new(Scrape(d)));

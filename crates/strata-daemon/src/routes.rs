@@ -17,7 +17,7 @@ use strata_engine::{Published, Source};
 use crate::api::*;
 use crate::error::ApiError;
 use crate::exports::own_task;
-use crate::{new_token, relay_api, template_api, token_hash, Daemon};
+use crate::{new_token, observe, relay_api, template_api, token_hash, Daemon};
 
 pub(crate) type D = State<Arc<Daemon>>;
 pub(crate) type R<T> = Result<Json<T>, ApiError>;
@@ -82,8 +82,25 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/workspaces/{name}/mount", post(mount).delete(umount))
         .route("/v1/mounts", get(list_mounts))
         .route("/v1/workspaces/{name}/thaw", post(thaw))
+        .route_layer(axum::middleware::from_fn_with_state(
+            d.clone(),
+            observe::time_route,
+        ))
         .fallback(|| async { ApiError::not_found("no such endpoint (see /v1/openapi.json)") })
         .layer(DefaultBodyLimit::max(64 * 1024))
+        // Outermost last: a client's over-long request id is dropped, one is made, the
+        // request runs in its span, and the id goes back on the response.
+        .layer(
+            tower_http::trace::TraceLayer::new_for_http()
+                .make_span_with(observe::span)
+                // Server errors are logged once, where they are made (`ApiError`).
+                .on_failure(()),
+        )
+        .layer(tower_http::request_id::PropagateRequestIdLayer::x_request_id())
+        .layer(tower_http::request_id::SetRequestIdLayer::x_request_id(
+            observe::Ids::default(),
+        ))
+        .layer(axum::middleware::from_fn(observe::bound_client_id))
         .with_state(d)
 }
 
@@ -111,7 +128,10 @@ impl FromRequestParts<Arc<Daemon>> for Tenant {
             .tenant_for_token(&token_hash(token))
             .await?
         {
-            Some(t) => Ok(Tenant(t)),
+            Some(t) => {
+                observe::record_tenant(&t);
+                Ok(Tenant(t))
+            }
             None if d.admin_hash.as_deref() == Some(&token_hash(token)) => {
                 Err(ApiError::forbidden(
                     "the admin token manages tenants; use a tenant's token for its data",

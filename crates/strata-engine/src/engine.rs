@@ -176,10 +176,15 @@ impl Engine {
     fn spawn_background(self: &Arc<Self>, vol: &Arc<Volume>) -> JoinHandle<()> {
         self.renewer
             .get_or_init(|| tokio::spawn(renew_leases(Arc::downgrade(self), self.cfg.lease_ttl)));
-        tokio::spawn(work(
-            Arc::downgrade(vol),
-            self.cfg.upload_interval,
-            self.cfg.segment_max_bytes,
+        // Everything the volume's background work logs carries its tenant and workspace.
+        let span = tracing::info_span!("volume", tenant = %vol.tenant(), workspace = %vol.name());
+        tokio::spawn(tracing::Instrument::instrument(
+            work(
+                Arc::downgrade(vol),
+                self.cfg.upload_interval,
+                self.cfg.segment_max_bytes,
+            ),
+            span,
         ))
     }
 

@@ -163,6 +163,9 @@ enum ConnError {
 }
 
 struct Negotiated {
+    /// The export's name as the client asked for it (logged with every error of the
+    /// connection).
+    name: String,
     export: Export,
     structured: bool,
     meta: bool,
@@ -291,12 +294,14 @@ impl Server {
         self.spawn_tracked(async move {
             let (rd, wr) = s.into_halves();
             let neg = Negotiated {
+                name: export.description.clone(),
                 export,
                 structured: false,
                 meta: false,
                 alive,
             };
-            if let Err(e) = me.transmit(rd, wr, neg).await {
+            let span = tracing::info_span!("nbd", export = %neg.name);
+            if let Err(e) = tracing::Instrument::instrument(me.transmit(rd, wr, neg), span).await {
                 tracing::debug!(error = %e, "nbd connection closed");
             }
         })
@@ -345,7 +350,8 @@ impl Server {
                 return;
             }
         };
-        if let Err(e) = self.transmit(rd, wr, neg).await {
+        let span = tracing::info_span!("nbd", export = %neg.name);
+        if let Err(e) = tracing::Instrument::instrument(self.transmit(rd, wr, neg), span).await {
             tracing::debug!(error = %e, "nbd connection closed");
         }
     }
@@ -468,7 +474,7 @@ impl Server {
             let metrics = self.cfg.metrics.clone();
             let max_span = self.cfg.max_request;
             let alive = neg.alive.clone();
-            tasks.spawn(async move {
+            tasks.spawn(tracing::Instrument::in_current_span(async move {
                 let changes = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
                 if changes && alive.is_some_and(|a| !a()) {
                     // Never answered: the client resends it on a live connection.
@@ -487,7 +493,7 @@ impl Server {
                 }
                 reply.permit = Some(permit);
                 let _ = tx.send(reply).await;
-            });
+            }));
         };
         // Finish what was accepted, then close: acknowledged work is never abandoned.
         while tasks.join_next().await.is_some() {}

@@ -44,6 +44,16 @@ struct Global {
     /// Machine-readable output.
     #[arg(long, global = true)]
     json: bool,
+    /// Log lines on stderr as text or as one JSON object per line (with the request's span:
+    /// request id, tenant, workspace, export). The level comes from STRATA_LOG (default warn).
+    #[arg(long, global = true, env = "STRATA_LOG_FORMAT", default_value = "text")]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 // Parsed once per process: the size of the `serve` variant does not matter.
@@ -663,13 +673,20 @@ mod serve;
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG")
                 .unwrap_or_else(|_| "warn".into()),
         )
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match cli.global.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .init(),
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -77,18 +77,18 @@ pub(super) async fn work(vol: Weak<Volume>, interval: Duration, segment_max: u64
         }
         let Some(v) = vol.upgrade() else { return };
         if let Some(why) = v.failure() {
-            tracing::warn!(workspace = v.name(), %why, "background uploads stop: the volume refuses writes; detach it");
+            tracing::warn!(%why, "background uploads stop: the volume refuses writes; detach it");
             return;
         }
         if let Err(e) = v.prepare_journal().await {
-            tracing::warn!(workspace = v.name(), error = %e, "preparing a journal segment failed");
+            tracing::warn!(error = %e, "preparing a journal segment failed");
         }
         let r = v.maybe_upload().await;
         match r {
             Ok(_) => backoff = Duration::ZERO,
             Err(e) => {
                 backoff = (backoff * 2).clamp(Duration::from_millis(100), Duration::from_secs(30));
-                tracing::warn!(workspace = v.name(), error = %e, retry_in = ?backoff, "background upload failed");
+                tracing::warn!(error = %e, retry_in = ?backoff, "background upload failed");
             }
         }
         // A volume that publishes reclaims its journal by publishing (every segment a cut
@@ -98,7 +98,7 @@ pub(super) async fn work(vol: Weak<Volume>, interval: Duration, segment_max: u64
         // would otherwise let overwrites grow the journal until the next upload).
         if !v.publishes() || !backoff.is_zero() || !v.window_full() {
             if let Err(e) = v.clean_journal(4 * segment_max).await {
-                tracing::warn!(workspace = v.name(), error = %e, "journal cleaning failed");
+                tracing::warn!(error = %e, "journal cleaning failed");
             }
         }
     }

@@ -79,6 +79,7 @@ impl Server {
                     wr.write_all(&v).await?;
                     wr.flush().await?;
                     return Ok(Some(Negotiated {
+                        name,
                         export,
                         structured: false,
                         meta: false,
@@ -163,6 +164,7 @@ impl Server {
                     wr.flush().await?;
                     if opt == OPT_GO {
                         return Ok(Some(Negotiated {
+                            name: req.name.clone(),
                             export,
                             structured,
                             meta,

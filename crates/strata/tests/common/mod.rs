@@ -52,6 +52,24 @@ pub fn serve_env(data: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
 
 /// [`serve_env`] with another `strata` binary (a mutation check runs an altered build).
 pub fn serve_bin(bin: &Path, data: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
+    serve_to(bin, data, extra, env, Stdio::inherit())
+}
+
+/// [`serve_env`] with the daemon's log (stderr) written to `log`.
+#[allow(dead_code)]
+pub fn serve_logged(data: &Path, env: &[(&str, &str)], log: &Path) -> Daemon {
+    let f = std::fs::File::create(log).unwrap();
+    let bin = Path::new(env!("CARGO_BIN_EXE_strata"));
+    serve_to(bin, data, &[], env, Stdio::from(f))
+}
+
+fn serve_to(
+    bin: &Path,
+    data: &Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+    stderr: Stdio,
+) -> Daemon {
     let mut child = Command::new(bin)
         .arg("--data")
         .arg(data)
@@ -66,7 +84,7 @@ pub fn serve_bin(bin: &Path, data: &Path, extra: &[&str], env: &[(&str, &str)]) 
         .env("STRATA_ADMIN_TOKEN", ADMIN)
         .envs(env.iter().copied())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(stderr)
         .spawn()
         .unwrap();
     let mut line = String::new();

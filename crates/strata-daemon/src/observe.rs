@@ -1,0 +1,121 @@
+//! Request observability: every HTTP request gets a request id (`x-request-id`, the client's
+//! if it sent a short one, else `req-N`), runs in an `http` span carrying its method, path,
+//! request id and, once resolved, the caller's `tenant` and the `workspace` it names (so every
+//! event logged while serving it says whose it was), and is counted in
+//! `strata_http_request_seconds{method,route,status}` by its route template (`/v1/workspaces/{name}`,
+//! never the name itself: a tenant cannot grow the metric's label set).
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::{HeaderValue, Method};
+use axum::middleware::Next;
+use axum::response::Response;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use tower_http::request_id::{MakeRequestId, RequestId};
+
+use crate::Daemon;
+
+/// The request-id header.
+pub const REQUEST_ID: &str = "x-request-id";
+
+/// Longest request id taken from a client; a longer one is replaced.
+const MAX_CLIENT_ID: usize = 64;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct HttpLabels {
+    pub method: String,
+    pub route: String,
+    pub status: u16,
+}
+
+pub(crate) type HttpSeconds = Family<HttpLabels, Histogram, fn() -> Histogram>;
+
+pub(crate) fn http_seconds() -> HttpSeconds {
+    Family::new_with_constructor(|| Histogram::new(strata_nbd::metrics::BUCKETS_SECONDS))
+}
+
+/// Request ids `req-1`, `req-2`, … per daemon; a client's own id is kept when it is short
+/// and printable.
+#[derive(Clone, Default)]
+pub(crate) struct Ids(Arc<AtomicU64>);
+
+impl MakeRequestId for Ids {
+    fn make_request_id<B>(&mut self, _: &axum::http::Request<B>) -> Option<RequestId> {
+        let n = self.0.fetch_add(1, Relaxed) + 1;
+        HeaderValue::from_str(&format!("req-{n}"))
+            .ok()
+            .map(RequestId::new)
+    }
+}
+
+/// Drops a client's request id that is too long to log (the layer then makes one).
+pub(crate) async fn bound_client_id(mut req: Request, next: Next) -> Response {
+    if req
+        .headers()
+        .get(REQUEST_ID)
+        .is_some_and(|v| v.len() > MAX_CLIENT_ID || v.to_str().is_err())
+    {
+        req.headers_mut().remove(REQUEST_ID);
+    }
+    next.run(req).await
+}
+
+/// The span a request runs in.
+pub(crate) fn span(req: &axum::http::Request<axum::body::Body>) -> tracing::Span {
+    let id = req
+        .headers()
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let path = req.uri().path();
+    // `/v1/workspaces/{name}…`: the workspace, for the logs (validated names only reach the
+    // engine; this is only what the request said).
+    let workspace = path
+        .strip_prefix("/v1/workspaces/")
+        .and_then(|r| r.split('/').next())
+        .filter(|w| !w.is_empty() && w.len() <= 128)
+        .unwrap_or("");
+    tracing::info_span!(
+        "http",
+        method = %req.method(),
+        path = %path,
+        request_id = %id,
+        tenant = tracing::field::Empty,
+        workspace = %workspace,
+    )
+}
+
+/// Records the caller's tenant on the request's span.
+pub(crate) fn record_tenant(tenant: &str) {
+    tracing::Span::current().record("tenant", tenant);
+}
+
+/// Times a matched route (a route layer: the route template is known).
+pub(crate) async fn time_route(State(d): State<Arc<Daemon>>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
+    let method = match *req.method() {
+        Method::GET | Method::POST | Method::PUT | Method::DELETE | Method::HEAD => {
+            req.method().to_string()
+        }
+        _ => "other".to_string(),
+    };
+    let started = std::time::Instant::now();
+    let resp = next.run(req).await;
+    let labels = HttpLabels {
+        method,
+        route,
+        status: resp.status().as_u16(),
+    };
+    d.metrics
+        .http
+        .get_or_create(&labels)
+        .observe(started.elapsed().as_secs_f64());
+    resp
+}
