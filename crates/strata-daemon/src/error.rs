@@ -47,25 +47,31 @@ impl ApiError {
     }
 }
 
+/// The HTTP status and stable kind of an engine error: the API reports it so, and the CLI
+/// maps it to its exit code, whichever way a verb ran.
+pub fn classify(e: &Error) -> (StatusCode, &'static str) {
+    match e {
+        Error::Catalog(CatalogError::NotFound { .. }) => (StatusCode::NOT_FOUND, "not_found"),
+        Error::Catalog(
+            CatalogError::AlreadyExists { .. }
+            | CatalogError::Conflict { .. }
+            | CatalogError::Fenced { .. }
+            | CatalogError::LeaseHeld { .. }
+            | CatalogError::InUse(_),
+        ) => (StatusCode::CONFLICT, "conflict"),
+        Error::Invalid(_) | Error::Format(_) | Error::OutOfRange { .. } | Error::Tool(_) => {
+            (StatusCode::BAD_REQUEST, "invalid")
+        }
+        Error::Unavailable(..) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+        Error::NoSpace(_) => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
+        _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+    }
+}
+
 impl From<Error> for ApiError {
     fn from(e: Error) -> Self {
         let retryable = e.is_retryable();
-        let (status, kind) = match &e {
-            Error::Catalog(CatalogError::NotFound { .. }) => (StatusCode::NOT_FOUND, "not_found"),
-            Error::Catalog(
-                CatalogError::AlreadyExists { .. }
-                | CatalogError::Conflict { .. }
-                | CatalogError::Fenced { .. }
-                | CatalogError::LeaseHeld { .. }
-                | CatalogError::InUse(_),
-            ) => (StatusCode::CONFLICT, "conflict"),
-            Error::Invalid(_) | Error::Format(_) | Error::OutOfRange { .. } | Error::Tool(_) => {
-                (StatusCode::BAD_REQUEST, "invalid")
-            }
-            Error::Unavailable(..) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
-            Error::NoSpace(_) => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
-            _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
-        };
+        let (status, kind) = classify(&e);
         if status.is_server_error() {
             tracing::error!(error = %e, "request failed");
         }

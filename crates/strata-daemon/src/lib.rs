@@ -25,6 +25,7 @@ mod routes;
 mod template_api;
 
 pub use api::*;
+pub use error::classify;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -241,7 +241,7 @@ impl<'a> Request<'a> {
                 } else {
                     r.available_bytes()
                 };
-                if len > MAX_REQUEST_BYTES || len as u64 % SECTOR != 0 {
+                if len > MAX_REQUEST_BYTES || !(len as u64).is_multiple_of(SECTOR) {
                     return ioerr;
                 }
                 let Some(offset) = in_bounds(len as u64) else {
@@ -265,7 +265,7 @@ impl<'a> Request<'a> {
                     return ioerr;
                 }
                 let n = r.available_bytes();
-                if n == 0 || n % 16 != 0 || n / 16 > MAX_RANGE_SEGMENTS as usize {
+                if n == 0 || !n.is_multiple_of(16) || n / 16 > MAX_RANGE_SEGMENTS as usize {
                     return ioerr;
                 }
                 let mut ranges = Vec::with_capacity(n / 16);

@@ -9,10 +9,8 @@ mod units;
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand};
-use serde::Serialize;
 use strata_engine::{Engine, EngineConfig, Mode, Source};
 
 #[derive(Parser)]
@@ -298,78 +296,10 @@ pub(crate) fn split_at_version(s: &str) -> anyhow::Result<(String, Option<u64>)>
             w.to_string(),
             Some(
                 v.parse()
-                    .map_err(|_| anyhow::anyhow!("bad version in {s:?}"))?,
+                    .map_err(|_| output::Usage(format!("bad version in {s:?}")))?,
             ),
         )),
         None => Ok((s.to_string(), None)),
-    }
-}
-
-fn print<T: Serialize>(json: bool, v: &T, human: impl FnOnce(&T) -> String) {
-    if json {
-        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
-    } else {
-        println!("{}", human(v));
-    }
-}
-
-/// Prints a GC report.
-pub(crate) fn print_gc(json: bool, v: &serde_json::Value) {
-    if json {
-        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
-        return;
-    }
-    let b = |k: &str| units::fmt_size(v[k].as_u64().unwrap_or(0));
-    println!(
-        "{}{} checkpoint(s) expired, {} purged; live {} in {} object(s) and {} manifest(s) of {} stored; \
-         unreferenced {} ({} key(s)); condemned {} key(s) now; deleted {} key(s), {} reclaimed ({} ms)",
-        if v["dry_run"] == true { "dry run: " } else { "" },
-        v["checkpoints_expired"],
-        v["checkpoints_purged"],
-        b("live_bytes"),
-        v["live_objects"],
-        v["live_manifests"],
-        b("stored_bytes"),
-        b("unreferenced_bytes"),
-        v["unreferenced_keys"],
-        v["condemned"],
-        v["deleted_keys"],
-        b("deleted_bytes"),
-        v["duration_ms"]
-    );
-}
-
-/// Prints the `nodes` view (one line per node, one indented line per workspace it serves).
-pub(crate) fn print_nodes(json: bool, v: &serde_json::Value) {
-    if json {
-        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
-        return;
-    }
-    for n in v["nodes"].as_array().into_iter().flatten() {
-        let alive = match n.get("alive").and_then(|a| a.as_bool()) {
-            Some(true) => "alive",
-            Some(false) => "silent",
-            None => "",
-        };
-        println!(
-            "{}  {}  last seen {} ms ago  {}",
-            n["node"].as_str().unwrap_or("?"),
-            n["url"].as_str().unwrap_or("-"),
-            n["seen_ago_ms"],
-            alive
-        );
-        for a in n["attached"].as_array().into_iter().flatten() {
-            println!(
-                "  {}/{}  {}  epoch {}  head v{}  remote window {} ({} ms)",
-                a["tenant"].as_str().unwrap_or(""),
-                a["workspace"].as_str().unwrap_or(""),
-                a["mode"].as_str().unwrap_or(""),
-                a["epoch"],
-                a["head_version"],
-                units::fmt_size(a["remote_window_bytes"].as_u64().unwrap_or(0)),
-                a["remote_window_age_ms"]
-            );
-        }
     }
 }
 
@@ -404,7 +334,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     match cli.cmd {
-        Cmd::Tenant(_) => anyhow::bail!("tenants are managed through the daemon: set STRATA_URL (and STRATA_TOKEN to the admin token)"),
+        Cmd::Tenant(_) => return usage("tenants are managed through the daemon: set STRATA_URL (and STRATA_TOKEN to the admin token)"),
         Cmd::Demo => demo::run(g.json).await?,
         Cmd::Gc { dry_run } => {
             let e = open(g).await?;
@@ -412,13 +342,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let r = e
                 .gc(&strata_engine::GcOptions::from_config(cfg, dry_run))
                 .await?;
-            print_gc(g.json, &serde_json::to_value(&r)?);
+            print_as(g.json, View::Gc, &r)?;
         }
         Cmd::Nodes => {
             let e = open(g).await?;
             let nodes = e.catalog().list_nodes().await?;
             let v = serde_json::json!({ "this": e.node_id(), "nodes": nodes });
-            print_nodes(g.json, &v);
+            print(g.json, View::Nodes, &v);
         }
         Cmd::Serve(a) => serve::serve(g, a).await?,
         Cmd::Csi(a) => csi::run(a).await?,
@@ -435,43 +365,25 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     let tpl = match (from_dir, from_image) {
                         (Some(d), _) => e.build_template_from_dir(t, &name, &d, size, &p).await?,
                         (None, Some(i)) => e.build_template_from_image(t, &name, &i, &p).await?,
-                        _ => anyhow::bail!("give --from-dir DIR or --from-image FILE"),
+                        _ => return usage("give --from-dir DIR or --from-image FILE"),
                     };
-                    print(g.json, &tpl, |t| {
-                        format!(
-                            "template {} built: {} disk, {} stored, manifest {}",
-                            t.name,
-                            units::fmt_size(t.disk_size),
-                            units::fmt_size(t.stored_bytes),
-                            t.manifest
-                        )
-                    });
+                    print_as(g.json, View::Template, &tpl)?;
                 }
                 TemplateCmd::List => {
                     let l = e.catalog().list_templates(t).await?;
-                    print(g.json, &l, |l| {
-                        l.iter()
-                            .map(|t| {
-                                format!(
-                                    "{}\t{}\t{}",
-                                    t.name,
-                                    units::fmt_size(t.disk_size),
-                                    t.manifest
-                                )
-                            })
-                            .collect::<Vec<_>>()
-                            .join("\n")
-                    });
+                    print_as(g.json, View::Templates, &l)?;
                 }
                 TemplateCmd::Show { name } => {
                     let tpl = e.catalog().get_template(t, &name).await?;
-                    print(g.json, &tpl, |t| format!("{t:#?}"));
+                    print_as(g.json, View::Template, &tpl)?;
                 }
                 TemplateCmd::Delete { name } => {
                     e.catalog().delete_template(t, &name).await?;
-                    print(g.json, &serde_json::json!({"deleted": name}), |_| {
-                        format!("template {name} deleted")
-                    });
+                    print(
+                        g.json,
+                        View::Deleted("template"),
+                        &serde_json::json!({"deleted": name}),
+                    );
                 }
             }
         }
@@ -496,62 +408,29 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                             }
                         }
                         (_, _, Some(s)) => Source::Empty { size: s },
-                        _ => anyhow::bail!(
-                            "give --template NAME, --from WS[@VERSION] or --size SIZE"
-                        ),
+                        _ => return usage("give --template NAME, --from WS[@VERSION] or --size SIZE"),
                     };
                     let w = e.create_workspace(t, &ws, source, mode, ttl).await?;
-                    print(g.json, &w, |w| {
-                        format!(
-                            "workspace {} created ({} mode, {}, from {})",
-                            w.name,
-                            w.mode,
-                            units::fmt_size(w.disk_size),
-                            w.source
-                        )
-                    });
+                    print_as(g.json, View::Workspace, &w)?;
                 }
                 WsCmd::List => {
                     let l = e.list_workspaces(t).await?;
-                    print(g.json, &l, |l| {
-                        l.iter()
-                            .map(|w| {
-                                format!(
-                                    "{}\t{}\tv{}\t{}",
-                                    w.name,
-                                    w.mode,
-                                    w.head_version,
-                                    units::fmt_size(w.disk_size)
-                                )
-                            })
-                            .collect::<Vec<_>>()
-                            .join("\n")
-                    });
+                    print_as(g.json, View::Workspaces, &l)?;
                 }
                 WsCmd::Show { ws } => {
-                    let w = e.workspace(t, &ws).await?;
-                    let lease = e.catalog().get_lease(t, &ws).await?;
-                    let v = serde_json::json!({"workspace": w, "lease": lease});
-                    print(g.json, &v, |v| {
-                        serde_json::to_string_pretty(v).unwrap_or_default()
-                    });
+                    // The daemon's view; nothing stays attached between local commands.
+                    let v = strata_daemon::WorkspaceView {
+                        workspace: e.workspace(t, &ws).await?,
+                        lease: e.catalog().get_lease(t, &ws).await?,
+                        attached: false,
+                        export: None,
+                        stats: None,
+                    };
+                    print_as(g.json, View::WorkspaceDetail, &v)?;
                 }
                 WsCmd::Log { ws } => {
                     let l = e.log(t, &ws).await?;
-                    print(g.json, &l, |l| {
-                        l.iter()
-                            .map(|c| {
-                                format!(
-                                    "v{}\t{}\t{}\t{}",
-                                    c.version,
-                                    c.kind.as_str(),
-                                    units::fmt_size(c.bytes),
-                                    c.label.clone().unwrap_or_default()
-                                )
-                            })
-                            .collect::<Vec<_>>()
-                            .join("\n")
-                    });
+                    print_as(g.json, View::Log, &l)?;
                 }
                 WsCmd::Checkpoint { ws, label, keep, .. } => {
                     let ticker = {
@@ -572,49 +451,29 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     // volume is detached again.
                     let p = e.checkpoint_with(t, &ws, label, keep_until, true).await;
                     end_progress(ticker);
-                    let p = p?;
-                    print(g.json, &p, |p| {
-                        format!(
-                            "checkpoint v{} {} ({} uploaded, stall {:?}, total {:?})",
-                            p.version,
-                            p.state.as_str(),
-                            units::fmt_size(p.bytes_uploaded),
-                            p.stall,
-                            p.total
-                        )
-                    });
+                    print_as(g.json, View::Checkpoint, &p?)?;
                 }
                 WsCmd::Fork { src, new } => {
                     let (s, v) = split_at_version(&src)?;
-                    let start = Instant::now();
                     let w = e.fork(t, &s, v, &new, None).await?;
-                    print(g.json, &w, |w| {
-                        format!(
-                            "forked {} from {} in {:?}",
-                            w.name,
-                            w.source,
-                            start.elapsed()
-                        )
-                    });
+                    print_as(g.json, View::Workspace, &w)?;
                 }
                 WsCmd::Rollback { ws, version, wait } => {
                     // Attached for the call, the workspace is published when it is let go.
                     let p = e.rollback_with(t, &ws, version, wait).await?;
-                    print(g.json, &p, |p| {
-                        format!("{ws} rolled back to v{version}: now v{}", p.version)
-                    });
+                    print_as(g.json, View::Rollback, &p)?;
                 }
                 WsCmd::Resize { ws, size } => {
                     let n = e.grow(t, &ws, size).await?;
-                    print(g.json, &serde_json::json!({"disk_size": n}), |_| {
-                        format!("{ws}: disk is {}", units::fmt_size(n))
-                    });
+                    print(g.json, View::Resized, &serde_json::json!({"disk_size": n}));
                 }
                 WsCmd::Delete { ws } => {
                     e.delete_workspace(t, &ws).await?;
-                    print(g.json, &serde_json::json!({"deleted": ws}), |_| {
-                        format!("workspace {ws} deleted")
-                    });
+                    print(
+                        g.json,
+                        View::Deleted("workspace"),
+                        &serde_json::json!({"deleted": ws}),
+                    );
                 }
                 WsCmd::Write { ws, file, offset } => {
                     let data = std::fs::read(&file)?;
@@ -622,13 +481,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     v.write(offset, &data, false).await?;
                     v.flush().await?;
                     let p = e.detach(t, &ws).await?;
-                    print(g.json, &p, |p| {
-                        format!(
-                            "wrote {} at {offset}; head v{}",
-                            units::fmt_size(data.len() as u64),
-                            p.as_ref().map_or(0, |p| p.version)
-                        )
-                    });
+                    let head = match p {
+                        Some(p) => p.version,
+                        None => e.workspace(t, &ws).await?.head_version,
+                    };
+                    let v = serde_json::json!({"bytes": data.len(), "offset": offset, "head_version": head});
+                    print(g.json, View::Written, &v);
                 }
                 WsCmd::Attach { ws, socket, tcp, vhost_user, read_only, queues } => {
                     let front = serve::Front { vhost_user, read_only, queues };
@@ -644,21 +502,18 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     });
                     let p = e.detach(t, &ws).await;
                     end_progress(ticker);
-                    let p = p?;
-                    print(g.json, &p, |_| format!("{ws} detached"));
+                    print_as(g.json, View::Detached, &p?)?;
                 }
                 WsCmd::Freeze { .. } | WsCmd::Thaw { .. } => {
-                    anyhow::bail!("freeze and thaw act on a workspace attached in a daemon: set STRATA_URL")
+                    return usage("freeze and thaw act on a workspace attached in a daemon: set STRATA_URL")
                 }
                 WsCmd::Mount { .. } | WsCmd::Umount { .. } | WsCmd::Mounts => {
-                    anyhow::bail!("mounts are held by a daemon (`strata serve`, as root): set STRATA_URL")
+                    return usage("mounts are held by a daemon (`strata serve`, as root): set STRATA_URL")
                 }
                 WsCmd::Export { ws, out } => {
                     let (w, v) = split_at_version(&ws)?;
                     let n = e.export(t, &w, v, &out).await?;
-                    print(g.json, &serde_json::json!({"bytes": n, "out": out}), |_| {
-                        format!("exported {} to {}", units::fmt_size(n), out.display())
-                    });
+                    print(g.json, View::Exported, &serde_json::json!({"bytes": n, "out": out}));
                 }
             }
         }
@@ -668,8 +523,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 
 mod csi;
 mod demo;
+mod output;
 mod remote;
 mod serve;
+
+use output::{print, print_as, usage, View};
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
@@ -697,28 +555,13 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(1);
         }
     };
+    let json = cli.global.json;
     match rt.block_on(run(cli)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("strata: {e:#}");
-            // 2: bad request or not found (fix the command); 1: anything else (may retry).
-            if let Some(r) = e.downcast_ref::<remote::RemoteError>() {
-                return std::process::ExitCode::from(if (400..500).contains(&r.status) {
-                    2
-                } else {
-                    1
-                });
-            }
-            let code = match e.downcast_ref::<strata_engine::Error>() {
-                Some(
-                    strata_engine::Error::Invalid(_)
-                    | strata_engine::Error::Format(_)
-                    | strata_engine::Error::OutOfRange { .. },
-                ) => 2,
-                Some(err) if err.is_not_found() => 2,
-                _ => 1,
-            };
-            std::process::ExitCode::from(code)
+            let f = output::Failure::of(&e);
+            f.report(json);
+            std::process::ExitCode::from(f.exit_code())
         }
     }
 }

@@ -2,6 +2,7 @@
 
 use serde_json::{json, Value};
 
+use crate::output::{print, usage, View};
 use crate::{Cmd, TemplateCmd, TenantCmd, WsCmd};
 
 struct Http {
@@ -58,10 +59,12 @@ impl Http {
         if !status.is_success() {
             let msg = v["error"]["message"].as_str().unwrap_or(&text).to_string();
             let kind = v["error"]["kind"].as_str().unwrap_or("error").to_string();
+            let retryable = v["error"]["retryable"].as_bool().unwrap_or(false);
             return Err(RemoteError {
                 status: status.as_u16(),
                 kind,
                 msg,
+                retryable,
             }
             .into());
         }
@@ -75,6 +78,7 @@ pub struct RemoteError {
     pub status: u16,
     pub kind: String,
     pub msg: String,
+    pub retryable: bool,
 }
 
 impl std::fmt::Display for RemoteError {
@@ -142,14 +146,6 @@ fn poll_mount(h: &Http, ws: &str) -> Option<tokio::task::JoinHandle<()>> {
     }))
 }
 
-fn out(json_out: bool, v: &Value, human: impl FnOnce(&Value) -> String) {
-    if json_out {
-        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
-    } else {
-        println!("{}", human(v));
-    }
-}
-
 /// `template build` through a daemon: the CLI sends the content (a tar archive of the
 /// directory, or the image with its format stated), never a path on the daemon's host.
 async fn upload_template(
@@ -191,7 +187,7 @@ async fn upload_template(
             });
             img
         }
-        _ => anyhow::bail!("give --from-dir DIR or --from-image FILE"),
+        _ => return usage("give --from-dir DIR or --from-image FILE"),
     };
     h.upload(&format!("/v1/templates/{name}?{q}"), &file).await
 }
@@ -209,100 +205,92 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
             let v = h
                 .call(M::POST, "/v1/tenants", Some(json!({"name": name})))
                 .await?;
-            out(json_out, &v, |v| {
-                format!(
-                    "tenant {} created; its token (shown once):\n{}",
-                    v["tenant"].as_str().unwrap_or(""),
-                    v["token"].as_str().unwrap_or("")
-                )
-            });
+            print(json_out, View::TenantCreated, &v);
         }
         Cmd::Tenant(TenantCmd::Token { name }) => {
             let v = h
                 .call(M::POST, &format!("/v1/tenants/{name}/tokens"), None)
                 .await?;
-            out(json_out, &v, |v| {
-                v["token"].as_str().unwrap_or("").to_string()
-            });
+            print(json_out, View::Token, &v);
         }
         Cmd::Template(c) => {
-            let v = match c {
+            let (view, v) = match c {
                 TemplateCmd::Build {
                     name,
                     from_dir,
                     from_image,
                     size,
-                } => upload_template(&h, &name, from_dir, from_image, size).await?,
-                TemplateCmd::List => h.call(M::GET, "/v1/templates", None).await?,
-                TemplateCmd::Show { name } => {
+                } => (
+                    View::Template,
+                    upload_template(&h, &name, from_dir, from_image, size).await?,
+                ),
+                TemplateCmd::List => (
+                    View::Templates,
+                    h.call(M::GET, "/v1/templates", None).await?,
+                ),
+                TemplateCmd::Show { name } => (
+                    View::Template,
                     h.call(M::GET, &format!("/v1/templates/{name}"), None)
-                        .await?
-                }
+                        .await?,
+                ),
                 TemplateCmd::Delete { name } => {
                     h.call(M::DELETE, &format!("/v1/templates/{name}"), None)
                         .await?;
-                    json!({"deleted": name})
+                    (View::Deleted("template"), json!({"deleted": name}))
                 }
             };
-            out(json_out, &v, |v| {
-                serde_json::to_string_pretty(v).unwrap_or_default()
-            });
+            print(json_out, view, &v);
         }
         Cmd::Gc { dry_run } => {
             let v = h
                 .call(M::POST, "/v1/gc", Some(json!({"dry_run": dry_run})))
                 .await?;
-            crate::print_gc(json_out, &v);
+            print(json_out, View::Gc, &v);
         }
         Cmd::Nodes => {
             let v = h.call(M::GET, "/v1/nodes", None).await?;
-            crate::print_nodes(json_out, &v);
+            print(json_out, View::Nodes, &v);
         }
         Cmd::Ws(c) => {
-            let v = match c {
+            let (view, v) = match c {
                 WsCmd::Create { ws, template, from, size, mode, ttl } => {
-                    h.call(M::POST, "/v1/workspaces", Some(json!({"name": ws, "template": template, "from": from, "size": size, "mode": mode, "ttl_secs": ttl.map(|d| d.as_secs())}))).await?
+                    (View::Workspace, h.call(M::POST, "/v1/workspaces", Some(json!({"name": ws, "template": template, "from": from, "size": size, "mode": mode, "ttl_secs": ttl.map(|d| d.as_secs())}))).await?)
                 }
-                WsCmd::List => h.call(M::GET, "/v1/workspaces", None).await?,
-                WsCmd::Show { ws } => h.call(M::GET, &ws_path(&ws, ""), None).await?,
-                WsCmd::Log { ws } => h.call(M::GET, &ws_path(&ws, "/log"), None).await?,
+                WsCmd::List => (View::Workspaces, h.call(M::GET, "/v1/workspaces", None).await?),
+                WsCmd::Show { ws } => (View::WorkspaceDetail, h.call(M::GET, &ws_path(&ws, ""), None).await?),
+                WsCmd::Log { ws } => (View::Log, h.call(M::GET, &ws_path(&ws, "/log"), None).await?),
                 WsCmd::Attach { ws, socket, tcp, vhost_user, read_only, queues } => {
                     if socket.is_some() || tcp.is_some() {
-                        anyhow::bail!("--socket and --tcp apply to a foreground attach without a daemon (unset STRATA_URL)");
+                        return usage("--socket and --tcp apply to a foreground attach without a daemon (unset STRATA_URL)");
                     }
                     let protocol = if vhost_user { "vhost-user" } else { "nbd" };
                     let body = json!({"protocol": protocol, "read_only": read_only, "queues": queues});
-                    let v = h.call(M::POST, &ws_path(&ws, "/attach"), Some(body)).await?;
-                    if !json_out {
-                        println!("{}", v["export"].as_str().unwrap_or(""));
-                        return Ok(());
-                    }
-                    v
+                    (View::Attached, h.call(M::POST, &ws_path(&ws, "/attach"), Some(body)).await?)
                 }
                 WsCmd::Detach { ws } => {
                     let ticker = poll_remote(&h, &ws);
                     let r = h.call(M::POST, &ws_path(&ws, "/detach"), Some(json!({}))).await;
                     crate::end_progress(ticker);
-                    r?
+                    (View::Detached, r?)
                 }
                 WsCmd::Checkpoint { ws, label, keep, no_freeze, wait } => {
                     let ticker = poll_remote(&h, &ws);
                     let r = h.call(M::POST, &ws_path(&ws, "/checkpoint"), Some(json!({"label": label, "keep_secs": keep.map(|k| k.as_secs()), "no_freeze": no_freeze, "wait": wait}))).await;
                     crate::end_progress(ticker);
-                    r?
+                    (View::Checkpoint, r?)
                 }
                 WsCmd::Fork { src, new } => {
                     let (s, v) = crate::split_at_version(&src)?;
-                    h.call(M::POST, &ws_path(&s, "/fork"), Some(json!({"name": new, "version": v}))).await?
+                    (View::Workspace, h.call(M::POST, &ws_path(&s, "/fork"), Some(json!({"name": new, "version": v}))).await?)
                 }
                 WsCmd::Rollback { ws, version, wait } => {
                     // Sent only when asked for: a daemon older than the field refuses it.
                     let body = if wait { json!({"version": version, "wait": true}) } else { json!({"version": version}) };
-                    h.call(M::POST, &ws_path(&ws, "/rollback"), Some(body)).await?
+                    (View::Rollback, h.call(M::POST, &ws_path(&ws, "/rollback"), Some(body)).await?)
                 }
-                WsCmd::Resize { ws, size } => h.call(M::POST, &ws_path(&ws, "/resize"), Some(json!({"size": size}))).await?,
-                WsCmd::Freeze { ws } => h.call(M::POST, &ws_path(&ws, "/freeze"), Some(json!({}))).await?,
-                WsCmd::Thaw { ws } => h.call(M::POST, &ws_path(&ws, "/thaw"), Some(json!({}))).await?,
+                WsCmd::Resize { ws, size } => (View::Resized, h.call(M::POST, &ws_path(&ws, "/resize"), Some(json!({"size": size}))).await?),
+                WsCmd::Freeze { ws } => (View::Frozen, h.call(M::POST, &ws_path(&ws, "/freeze"), Some(json!({}))).await?),
+                WsCmd::Thaw { ws } => (View::Thawed, h.call(M::POST, &ws_path(&ws, "/thaw"), Some(json!({}))).await?),
                 WsCmd::Mount { ws, dir, backend, mkfs, read_only } => {
                     let target = match dir {
                         Some(d) => Some(
@@ -317,7 +305,7 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                     let ticker = poll_mount(&h, &ws);
                     let r = h.call(M::POST, &ws_path(&ws, "/mount"), Some(body)).await;
                     crate::end_progress(ticker);
-                    r?
+                    (View::Mount, r?)
                 }
                 WsCmd::Umount { dir_or_ws } => {
                     // An argument with a slash is a directory: the mount whose target (or own
@@ -341,20 +329,18 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                     let ticker = poll_remote(&h, &ws);
                     let r = h.call(M::DELETE, &ws_path(&ws, "/mount"), None).await;
                     crate::end_progress(ticker);
-                    r?
+                    (View::Unmounted, r?)
                 }
-                WsCmd::Mounts => h.call(M::GET, "/v1/mounts", None).await?,
+                WsCmd::Mounts => (View::Mounts, h.call(M::GET, "/v1/mounts", None).await?),
                 WsCmd::Delete { ws } => {
                     h.call(M::DELETE, &ws_path(&ws, ""), None).await?;
-                    json!({"deleted": ws})
+                    (View::Deleted("workspace"), json!({"deleted": ws}))
                 }
                 WsCmd::Write { .. } | WsCmd::Export { .. } => {
-                    anyhow::bail!("`ws write` and `ws export` work on a local data directory: unset STRATA_URL, or attach and use an NBD client")
+                    return usage("`ws write` and `ws export` work on a local data directory: unset STRATA_URL, or attach and use an NBD client")
                 }
             };
-            out(json_out, &v, |v| {
-                serde_json::to_string_pretty(v).unwrap_or_default()
-            });
+            print(json_out, view, &v);
         }
         Cmd::Serve(_) | Cmd::Demo | Cmd::Csi(_) => unreachable!("handled locally"),
     }

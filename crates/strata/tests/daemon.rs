@@ -476,6 +476,52 @@ async fn the_cli_drives_the_daemon() {
     let (c, _, e) = cli(&token, &["ws", "show", "nope"]);
     assert_eq!(c, 2, "{e}");
     assert!(e.contains("not_found"), "{e}");
+    // One presentation and one exit code, whichever way a verb runs: the same verbs on a
+    // local data directory print the same forms (they printed a table here and JSON there,
+    // Rust debug output for `template show`, and exited 1 locally on a missing template).
+    let data = d.path().join("local");
+    let local = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .arg("--data")
+            .arg(&data)
+            .args(args)
+            .env_remove("STRATA_URL")
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (c, _, e) = local(&["ws", "create", "w", "--size", "4MiB", "--mode", "sync"]);
+    assert_eq!(c, 0, "{e}");
+    let (_, remote_list, _) = cli(&token, &["ws", "list"]);
+    let (_, local_list, _) = local(&["ws", "list"]);
+    assert_eq!(
+        remote_list.lines().next(),
+        Some("w\tsync\tv2\t4.0 MiB"),
+        "{remote_list}"
+    );
+    assert_eq!(local_list.trim(), "w\tsync\tv1\t4.0 MiB", "{local_list}");
+    for (c, out, e) in [
+        cli(&token, &["template", "show", "nope"]),
+        local(&["template", "show", "nope"]),
+    ] {
+        assert_eq!(c, 2, "{out}{e}");
+        assert!(e.contains("not_found"), "{e}");
+    }
+    for (c, out, e) in [
+        cli(&token, &["--json", "ws", "show", "nope"]),
+        local(&["--json", "ws", "show", "nope"]),
+    ] {
+        assert_eq!(c, 2, "{e}");
+        let v: Value = serde_json::from_str(&out).unwrap_or_else(|err| panic!("{err}: {out}"));
+        assert_eq!(v["error"]["kind"], "not_found", "{v}");
+        assert_eq!(v["error"]["retryable"], false, "{v}");
+    }
+    let (c, out, _) = local(&["--json", "ws", "create", "x"]);
+    assert_eq!(c, 2, "a usage error: {out}");
     let (c, _, e) = cli("wrong", &["ws", "list"]);
     assert_eq!(c, 2, "{e}");
     assert!(e.contains("token"), "{e}");
