@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use strata_format::Hash;
 
 /// A workspace's durability mode (see docs/DURABILITY.md).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     /// FLUSH returns at once; nothing is promised.
@@ -48,7 +48,7 @@ impl FromStr for Mode {
 }
 
 /// Why a head version exists.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum CheckpointKind {
     /// Version 1 of a workspace created from a template.
@@ -103,10 +103,12 @@ impl CheckpointKind {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Template {
     pub tenant: String,
     pub name: String,
+    /// The manifest's content hash (BLAKE3, 64 hex digits).
+    #[schema(value_type = String)]
     pub manifest: Hash,
     pub disk_size: u64,
     pub stored_bytes: u64,
@@ -126,14 +128,17 @@ pub struct NewWorkspace {
     pub ttl_ms: Option<u64>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Workspace {
     pub tenant: String,
     pub name: String,
     pub mode: Mode,
     pub disk_size: u64,
     pub head_version: u64,
+    /// The head's manifest (BLAKE3, 64 hex digits).
+    #[schema(value_type = String)]
     pub head_manifest: Hash,
+    /// Where it came from: `template:NAME`, `ws:NAME@VERSION` or `empty`.
     pub source: String,
     pub created_ms: u64,
     pub ttl_ms: Option<u64>,
@@ -158,10 +163,11 @@ pub struct NewCheckpoint {
     pub keep_until_ms: Option<u64>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Checkpoint {
     pub workspace: String,
     pub version: u64,
+    #[schema(value_type = String)]
     pub manifest: Hash,
     pub label: Option<String>,
     pub kind: CheckpointKind,
@@ -191,7 +197,7 @@ pub struct LeaseRenewal {
     pub lease: LeaseGrant,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Lease {
     pub holder: Option<String>,
     pub epoch: u64,

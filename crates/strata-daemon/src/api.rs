@@ -5,13 +5,13 @@ use serde::{Deserialize, Serialize};
 use strata_catalog::{Lease, Mode, Workspace};
 use strata_engine::VolumeStats;
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateTenant {
     pub name: String,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TenantToken {
     pub tenant: String,
     /// Shown once; strata stores only its hash.
@@ -20,7 +20,7 @@ pub struct TenantToken {
 
 /// `POST /v1/templates`: a template from the operator's import directory. Content a tenant has
 /// goes in a `PUT /v1/templates/{name}` body instead; host paths are never accepted.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BuildTemplate {
     pub name: String,
@@ -39,8 +39,9 @@ pub struct BuildTemplate {
 }
 
 /// `PUT /v1/templates/{name}?format=…`: what the body holds.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct UploadTemplate {
     /// `tar` (a directory tree, made into ext4), `raw` or `qcow2` (a disk image).
     pub format: String,
@@ -49,7 +50,7 @@ pub struct UploadTemplate {
     pub size: Option<u64>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateWorkspace {
     pub name: String,
@@ -68,7 +69,7 @@ pub struct CreateWorkspace {
     pub ttl_secs: Option<u64>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct WorkspaceView {
     pub workspace: Workspace,
     pub lease: Lease,
@@ -78,7 +79,7 @@ pub struct WorkspaceView {
     pub stats: Option<VolumeStats>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Attached {
     pub workspace: String,
     /// NBD: the export's URI (`nbd+unix:///WS?socket=…`). vhost-user: the socket path.
@@ -91,7 +92,7 @@ pub struct Attached {
 }
 
 /// How an attached workspace is served on this node: one front-end at a time.
-#[derive(Debug, Serialize, Deserialize, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Serialize, Deserialize, Default, Clone, Copy, PartialEq, Eq, utoipa::ToSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Protocol {
     /// NBD on a unix socket (qemu, nbd-client, libnbd; many connections).
@@ -111,7 +112,7 @@ impl std::fmt::Display for Protocol {
 }
 
 /// `POST /v1/workspaces/{name}/attach` (the body is optional: NBD, read-write).
-#[derive(Debug, Serialize, Deserialize, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Serialize, Deserialize, Default, Clone, Copy, PartialEq, Eq, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AttachRequest {
     #[serde(default)]
@@ -124,7 +125,7 @@ pub struct AttachRequest {
     pub queues: Option<u16>,
 }
 
-#[derive(Debug, Serialize, Deserialize, Default)]
+#[derive(Debug, Serialize, Deserialize, Default, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CheckpointRequest {
     #[serde(default)]
@@ -144,7 +145,7 @@ pub struct CheckpointRequest {
 }
 
 /// `POST /v1/gc`: one garbage-collection pass now.
-#[derive(Debug, Serialize, Deserialize, Default)]
+#[derive(Debug, Serialize, Deserialize, Default, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct GcRequest {
     /// Report what would be expired and deleted, change nothing.
@@ -152,7 +153,7 @@ pub struct GcRequest {
     pub dry_run: bool,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ForkRequest {
     /// The new workspace's name.
@@ -163,7 +164,7 @@ pub struct ForkRequest {
     pub mode: Option<Mode>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RollbackRequest {
     pub version: u64,
@@ -174,12 +175,12 @@ pub struct RollbackRequest {
     pub wait: bool,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ErrorBody {
     pub error: ErrorDetail,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ErrorDetail {
     /// Stable machine-readable kind: not_found, invalid, conflict, unauthorized, forbidden,
     /// too_large, unavailable, internal.
@@ -190,7 +191,7 @@ pub struct ErrorDetail {
 }
 
 /// `POST /v1/relay`: a new relay stream.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateStream {
     pub name: String,
@@ -200,7 +201,7 @@ pub struct CreateStream {
 }
 
 /// A token that can only add files to one relay stream (hand it to a sandbox).
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct StreamToken {
     pub stream: String,
     pub sync: bool,

@@ -19,6 +19,7 @@ mod exports;
 mod metrics;
 pub mod mount;
 mod observe;
+pub mod openapi;
 pub mod relay;
 mod relay_api;
 mod routes;

@@ -44,7 +44,7 @@ use crate::exports::{own_task, Key};
 use crate::Daemon;
 
 /// How a mounted workspace reaches the kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
     /// The native FUSE export under a loop device (no kernel module beyond fuse and loop).
@@ -55,7 +55,7 @@ pub enum Backend {
 }
 
 /// `POST /v1/workspaces/{name}/mount`.
-#[derive(Debug, Serialize, Deserialize, Default)]
+#[derive(Debug, Serialize, Deserialize, Default, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct MountRequest {
     #[serde(default)]
@@ -71,7 +71,7 @@ pub struct MountRequest {
 }
 
 /// A workspace mounted on this node (also its record on disk).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct MountInfo {
     pub tenant: String,
     pub workspace: String,

@@ -36,7 +36,7 @@ use crate::error::ApiError;
 use axum::http::StatusCode;
 
 /// What is known about one relayed file (also its on-disk and in-store meta format, version 1).
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct RelayFile {
     pub name: String,
     pub size: u64,

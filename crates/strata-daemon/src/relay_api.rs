@@ -64,6 +64,15 @@ fn check_stream_name(stream: &str) -> Result<(), ApiError> {
         .map_err(|e| ApiError::invalid(e.to_string()))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/relay",
+    summary = "Create a relay stream; returns a stream token that can only add files to it (shown once)",
+    request_body = CreateStream,
+    responses((status = 201, description = "Created", body = StreamToken)),
+    tag = "relay",
+    security(("bearer" = [])),
+)]
 pub(crate) async fn create_stream(
     Tenant(t): Tenant,
     State(d): D,
@@ -97,6 +106,15 @@ pub(crate) async fn create_stream(
 }
 
 /// Another token for an existing stream.
+#[utoipa::path(
+    post,
+    path = "/v1/relay/{stream}",
+    summary = "Another stream token for an existing stream",
+    params(("stream" = String, Path, description = "Stream name")),
+    responses((status = 201, description = "A new stream token", body = StreamToken)),
+    tag = "relay",
+    security(("bearer" = [])),
+)]
 pub(crate) async fn stream_token(
     Tenant(t): Tenant,
     State(d): D,
@@ -119,6 +137,14 @@ pub(crate) async fn stream_token(
     ))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/relay",
+    summary = "Relay streams of the caller's tenant with their upload backlog (pending_files, pending_bytes, lag_ms)",
+    responses((status = 200, description = "Streams", body = Object)),
+    tag = "relay",
+    security(("bearer" = [])),
+)]
 pub(crate) async fn list_streams(Tenant(t): Tenant, State(d): D) -> R<serde_json::Value> {
     let lag = d.relay.lag();
     let streams = d.engine.catalog().list_streams(&t).await?;
@@ -140,6 +166,15 @@ pub(crate) async fn list_streams(Tenant(t): Tenant, State(d): D) -> R<serde_json
     )))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/relay/{stream}",
+    summary = "Files of a stream (this node's and the object store's); tenant token only",
+    params(("stream" = String, Path, description = "Stream name")),
+    responses((status = 200, description = "Files", body = Vec<crate::relay::RelayFile>)),
+    tag = "relay",
+    security(("bearer" = [])),
+)]
 pub(crate) async fn list_relay_files(
     c: RelayCaller,
     State(d): D,
@@ -151,6 +186,16 @@ pub(crate) async fn list_relay_files(
     Ok(Json(d.relay.list(t, &stream).await?))
 }
 
+#[utoipa::path(
+    put,
+    path = "/v1/relay/{stream}/{name}",
+    summary = "Store a file durably: 201 once it is fsync'd (and, for a sync stream, in the object store); 200 for the same bytes again; 409 for other bytes (the original is kept); 413 over the size limit. Tenant or stream token",
+    params(("stream" = String, Path, description = "Stream name"), ("name" = String, Path, description = "File name")),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 201, description = "Stored", body = crate::relay::RelayFile), (status = 200, description = "The same bytes were already stored", body = crate::relay::RelayFile), (status = 413, description = "Over the size limit", body = crate::api::ErrorBody)),
+    tag = "relay",
+    security(("bearer" = [])),
+)]
 pub(crate) async fn put_relay_file(
     c: RelayCaller,
     State(d): D,
@@ -178,6 +223,15 @@ pub(crate) async fn put_relay_file(
     Ok((status, Json(f)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/relay/{stream}/{name}",
+    summary = "The file's bytes (from this node or the object store, hash-verified); headers x-strata-blake3 and ETag; HEAD for headers only. Tenant token only",
+    params(("stream" = String, Path, description = "Stream name"), ("name" = String, Path, description = "File name")),
+    responses((status = 200, description = "The bytes", body = Vec<u8>, content_type = "application/octet-stream"), (status = 502, description = "The object store's copy failed verification", body = crate::api::ErrorBody)),
+    tag = "relay",
+    security(("bearer" = [])),
+)]
 pub(crate) async fn get_relay_file(
     c: RelayCaller,
     State(d): D,

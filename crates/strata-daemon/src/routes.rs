@@ -22,15 +22,10 @@ use crate::{new_token, observe, relay_api, template_api, token_hash, Daemon};
 pub(crate) type D = State<Arc<Daemon>>;
 pub(crate) type R<T> = Result<Json<T>, ApiError>;
 
-pub const OPENAPI: &str = include_str!("../openapi.json");
-
 pub fn router(d: Arc<Daemon>) -> Router {
     Router::new()
         .route("/v1/health", get(health))
-        .route(
-            "/v1/openapi.json",
-            get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
-        )
+        .route("/v1/openapi.json", get(openapi_json))
         .route("/metrics", get(metrics))
         .route("/v1/nodes", get(list_nodes))
         .route("/v1/gc", post(run_gc))
@@ -184,7 +179,15 @@ pub(crate) fn body<T>(b: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> 
 
 /// Every node sharing this catalog: what it serves, its remote windows, and whether it is alive
 /// (heard from within three heartbeats). Admin only: it spans tenants.
-async fn list_nodes(_: Admin, State(d): D) -> R<serde_json::Value> {
+#[utoipa::path(
+    get,
+    path = "/v1/nodes",
+    summary = "Nodes sharing this catalog: attached workspaces, lease epochs, remote windows, liveness (admin token)",
+    responses((status = 200, description = "The nodes view", body = Object)),
+    tag = "node",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn list_nodes(_: Admin, State(d): D) -> R<serde_json::Value> {
     // This node's own row is reported fresh; the others are as of their last heartbeat.
     d.engine
         .catalog()
@@ -202,11 +205,41 @@ async fn list_nodes(_: Admin, State(d): D) -> R<serde_json::Value> {
     })))
 }
 
-async fn health(State(d): D) -> impl IntoResponse {
+#[utoipa::path(
+    get,
+    path = "/v1/openapi.json",
+    summary = "This document",
+    responses((status = 200, description = "OpenAPI 3.1, generated from the types", body = Object)),
+    tag = "node",
+)]
+pub(crate) async fn openapi_json() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        crate::openapi::document(),
+    )
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/health",
+    summary = "Liveness and node id",
+    responses((status = 200, description = "Alive", body = Object)),
+    tag = "node",
+)]
+pub(crate) async fn health(State(d): D) -> impl IntoResponse {
     Json(serde_json::json!({"status": "ok", "node": d.engine.node_id()}))
 }
 
-async fn create_tenant(
+#[utoipa::path(
+    post,
+    path = "/v1/tenants",
+    summary = "Create a tenant; returns its first token (shown once; admin token)",
+    request_body = CreateTenant,
+    responses((status = 201, description = "Created", body = TenantToken)),
+    tag = "tenants",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn create_tenant(
     _: Admin,
     State(d): D,
     b: Result<Json<CreateTenant>, JsonRejection>,
@@ -229,7 +262,16 @@ async fn create_tenant(
     ))
 }
 
-async fn create_token(
+#[utoipa::path(
+    post,
+    path = "/v1/tenants/{name}/tokens",
+    summary = "Issue another token for a tenant (admin token)",
+    params(("name" = String, Path, description = "Tenant name")),
+    responses((status = 201, description = "A new token", body = TenantToken)),
+    tag = "tenants",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn create_token(
     _: Admin,
     State(d): D,
     Path(name): Path<String>,
@@ -248,15 +290,45 @@ async fn create_token(
     ))
 }
 
-async fn list_templates(Tenant(t): Tenant, State(d): D) -> R<Vec<Template>> {
+#[utoipa::path(
+    get,
+    path = "/v1/templates",
+    summary = "List templates",
+    responses((status = 200, description = "Templates", body = Vec<Template>)),
+    tag = "templates",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn list_templates(Tenant(t): Tenant, State(d): D) -> R<Vec<Template>> {
     Ok(Json(d.engine.catalog().list_templates(&t).await?))
 }
 
-async fn show_template(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Template> {
+#[utoipa::path(
+    get,
+    path = "/v1/templates/{name}",
+    summary = "Show a template",
+    params(("name" = String, Path, description = "Template name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    responses((status = 200, description = "The template", body = Template)),
+    tag = "templates",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn show_template(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+) -> R<Template> {
     Ok(Json(d.engine.catalog().get_template(&t, &name).await?))
 }
 
-async fn delete_template(
+#[utoipa::path(
+    delete,
+    path = "/v1/templates/{name}",
+    summary = "Delete a template (refused while workspaces use it)",
+    params(("name" = String, Path, description = "Template name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    responses((status = 204, description = "Deleted")),
+    tag = "templates",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn delete_template(
     Tenant(t): Tenant,
     State(d): D,
     Path(name): Path<String>,
@@ -265,11 +337,28 @@ async fn delete_template(
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn list_workspaces(Tenant(t): Tenant, State(d): D) -> R<Vec<Workspace>> {
+#[utoipa::path(
+    get,
+    path = "/v1/workspaces",
+    summary = "List workspaces",
+    responses((status = 200, description = "Workspaces", body = Vec<Workspace>)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn list_workspaces(Tenant(t): Tenant, State(d): D) -> R<Vec<Workspace>> {
     Ok(Json(d.engine.list_workspaces(&t).await?))
 }
 
-async fn create_workspace(
+#[utoipa::path(
+    post,
+    path = "/v1/workspaces",
+    summary = "Create a workspace from a template, a checkpoint (from: WS@VERSION) or an empty disk",
+    request_body = CreateWorkspace,
+    responses((status = 201, description = "Created", body = Workspace)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn create_workspace(
     Tenant(t): Tenant,
     State(d): D,
     b: Result<Json<CreateWorkspace>, JsonRejection>,
@@ -319,7 +408,16 @@ async fn create_workspace(
     Ok((StatusCode::CREATED, Json(w)))
 }
 
-async fn show_workspace(
+#[utoipa::path(
+    get,
+    path = "/v1/workspaces/{name}",
+    summary = "Show a workspace: head, lease, export, remote window",
+    params(("name" = String, Path, description = "Workspace name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    responses((status = 200, description = "The workspace", body = WorkspaceView)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn show_workspace(
     Tenant(t): Tenant,
     State(d): D,
     Path(name): Path<String>,
@@ -337,7 +435,16 @@ async fn show_workspace(
     }))
 }
 
-async fn delete_workspace(
+#[utoipa::path(
+    delete,
+    path = "/v1/workspaces/{name}",
+    summary = "Delete a workspace and its history",
+    params(("name" = String, Path, description = "Workspace name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    responses((status = 204, description = "Deleted")),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn delete_workspace(
     Tenant(t): Tenant,
     State(d): D,
     Path(name): Path<String>,
@@ -347,7 +454,17 @@ async fn delete_workspace(
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn attach(
+#[utoipa::path(
+    post,
+    path = "/v1/workspaces/{name}/attach",
+    summary = "Attach on this node and serve over NBD (default) or vhost-user-blk (idempotent; another protocol or read-only setting than the live export is 409)",
+    params(("name" = String, Path, description = "Workspace name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    request_body = Option<AttachRequest>,
+    responses((status = 200, description = "Attached", body = Attached)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn attach(
     Tenant(t): Tenant,
     State(d): D,
     Path(name): Path<String>,
@@ -358,12 +475,35 @@ async fn attach(
     Ok(Json(d.attach_and_export(&t, &name, b).await?))
 }
 
-async fn detach(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Option<Published>> {
+#[utoipa::path(
+    post,
+    path = "/v1/workspaces/{name}/detach",
+    summary = "Publish what is unpublished, stop the export, release the lease",
+    params(("name" = String, Path, description = "Workspace name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    responses((status = 200, description = "Detached: the final publish, if there was one", body = Option<Published>)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn detach(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+) -> R<Option<Published>> {
     d.engine.workspace(&t, &name).await?;
     Ok(Json(d.detach_workspace(&t, &name).await?))
 }
 
-async fn checkpoint(
+#[utoipa::path(
+    post,
+    path = "/v1/workspaces/{name}/checkpoint",
+    summary = "Checkpoint everything acknowledged so far",
+    params(("name" = String, Path, description = "Workspace name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    request_body = Option<CheckpointRequest>,
+    responses((status = 200, description = "The checkpoint (local, or published with wait)", body = Published)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn checkpoint(
     Tenant(t): Tenant,
     State(d): D,
     Path(name): Path<String>,
@@ -388,7 +528,17 @@ async fn checkpoint(
     Ok(Json(r?))
 }
 
-async fn fork(
+#[utoipa::path(
+    post,
+    path = "/v1/workspaces/{name}/fork",
+    summary = "Fork into a new workspace without copying data",
+    params(("name" = String, Path, description = "Workspace name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    request_body = ForkRequest,
+    responses((status = 201, description = "The fork", body = Workspace)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn fork(
     Tenant(t): Tenant,
     State(d): D,
     Path(name): Path<String>,
@@ -418,7 +568,17 @@ async fn fork(
     Ok((StatusCode::CREATED, Json(w)))
 }
 
-async fn rollback(
+#[utoipa::path(
+    post,
+    path = "/v1/workspaces/{name}/rollback",
+    summary = "Make an older version the head, as a new version",
+    params(("name" = String, Path, description = "Workspace name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    request_body = RollbackRequest,
+    responses((status = 200, description = "The new head version", body = Published)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn rollback(
     Tenant(t): Tenant,
     State(d): D,
     Path(name): Path<String>,
@@ -437,7 +597,17 @@ async fn rollback(
     Ok(Json(r?))
 }
 
-async fn mount(
+#[utoipa::path(
+    post,
+    path = "/v1/workspaces/{name}/mount",
+    summary = "Mount the workspace's filesystem on this host (attach, mkfs on a blank volume if asked, mount, bind onto the target); remounted after a daemon restart. Needs the node's --mount-root (403 without)",
+    params(("name" = String, Path, description = "Workspace name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    request_body = Option<crate::mount::MountRequest>,
+    responses((status = 200, description = "Mounted", body = crate::mount::MountInfo), (status = 501, description = "Not supported on this host", body = ErrorBody), (status = 503, description = "Busy or stopping", body = ErrorBody)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn mount(
     Tenant(t): Tenant,
     State(d): D,
     Path(name): Path<String>,
@@ -448,7 +618,17 @@ async fn mount(
     Ok(Json(d.mount_workspace(&t, &name, b).await?))
 }
 
-async fn resize(
+#[utoipa::path(
+    post,
+    path = "/v1/workspaces/{name}/resize",
+    summary = "Grow the disk (never shrinks); mounted here, its device and ext4 filesystem too",
+    params(("name" = String, Path, description = "Workspace name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    request_body = crate::mount::resize::ResizeRequest,
+    responses((status = 200, description = "Sizes now", body = crate::mount::resize::Resized), (status = 503, description = "Busy", body = ErrorBody)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn resize(
     Tenant(t): Tenant,
     State(d): D,
     Path(name): Path<String>,
@@ -459,23 +639,66 @@ async fn resize(
     Ok(Json(d.resize_workspace(&t, &name, b.size).await?))
 }
 
-async fn umount(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Option<Published>> {
+#[utoipa::path(
+    delete,
+    path = "/v1/workspaces/{name}/mount",
+    summary = "Unmount (target, filesystem, loop device, FUSE export) and detach: the final publish",
+    params(("name" = String, Path, description = "Workspace name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    responses((status = 200, description = "Unmounted and detached", body = Option<Published>)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn umount(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+) -> R<Option<Published>> {
     d.engine.workspace(&t, &name).await?;
     Ok(Json(d.umount_workspace(&t, &name).await?))
 }
 
-async fn list_mounts(Tenant(t): Tenant, State(d): D) -> R<Vec<crate::mount::MountInfo>> {
+#[utoipa::path(
+    get,
+    path = "/v1/mounts",
+    summary = "The caller's workspaces mounted on this node",
+    responses((status = 200, description = "Mounts", body = Vec<crate::mount::MountInfo>)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn list_mounts(Tenant(t): Tenant, State(d): D) -> R<Vec<crate::mount::MountInfo>> {
     Ok(Json(d.mounts_of(&t)))
 }
 
-async fn log(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<Vec<Checkpoint>> {
+#[utoipa::path(
+    get,
+    path = "/v1/workspaces/{name}/log",
+    summary = "Checkpoint history",
+    params(("name" = String, Path, description = "Workspace name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    responses((status = 200, description = "Checkpoints, oldest first", body = Vec<Checkpoint>)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn log(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+) -> R<Vec<Checkpoint>> {
     Ok(Json(d.engine.log(&t, &name).await?))
 }
 
 /// Ends a checkpoint's retention now (a deleted snapshot): it leaves the log at once; its
 /// data is collected by the GC passes after the grace period (an operation that read it just
 /// before still completes). The head is refused: it is the workspace's current state.
-async fn expire_checkpoint(
+#[utoipa::path(
+    delete,
+    path = "/v1/workspaces/{name}/checkpoints/{version}",
+    summary = "Expire a checkpoint now (a deleted snapshot); the head is refused (409)",
+    params(("name" = String, Path, description = "Workspace name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"), ("version" = u64, Path, description = "Checkpoint version")),
+    responses((status = 204, description = "Expired")),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn expire_checkpoint(
     Tenant(t): Tenant,
     State(d): D,
     Path((name, version)): Path<(String, u64)>,
@@ -525,7 +748,20 @@ async fn attached_volume(
     })
 }
 
-async fn freeze(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<serde_json::Value> {
+#[utoipa::path(
+    post,
+    path = "/v1/workspaces/{name}/freeze",
+    summary = "Stop acknowledging writes after draining in-flight ones (pair with a VM memory snapshot)",
+    params(("name" = String, Path, description = "Workspace name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    responses((status = 200, description = "Frozen", body = Object)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn freeze(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+) -> R<serde_json::Value> {
     let v = attached_volume(&d, &t, &name).await?;
     // A mounted filesystem is frozen by its checkpoint (FIFREEZE); a block-level freeze left
     // on would stall its writeback, and with it the node's stop.
@@ -534,7 +770,20 @@ async fn freeze(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<s
     Ok(Json(serde_json::json!({"workspace": name, "frozen": true})))
 }
 
-async fn thaw(Tenant(t): Tenant, State(d): D, Path(name): Path<String>) -> R<serde_json::Value> {
+#[utoipa::path(
+    post,
+    path = "/v1/workspaces/{name}/thaw",
+    summary = "Resume acknowledging writes",
+    params(("name" = String, Path, description = "Workspace name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")),
+    responses((status = 200, description = "Thawed", body = Object)),
+    tag = "workspaces",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn thaw(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(name): Path<String>,
+) -> R<serde_json::Value> {
     let v = attached_volume(&d, &t, &name).await?;
     v.thaw().await;
     Ok(Json(
@@ -561,7 +810,15 @@ impl FromRequestParts<Arc<Daemon>> for Scraper {
 }
 
 /// Prometheus text exposition (it spans tenants: admin or scrape token only).
-async fn metrics(_: Scraper, State(d): D) -> impl IntoResponse {
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    summary = "Prometheus metrics (text exposition); the admin token or the scrape token (metrics_token)",
+    responses((status = 200, description = "Prometheus text format 0.0.4", body = String, content_type = "text/plain")),
+    tag = "node",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn metrics(_: Scraper, State(d): D) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
         d.metrics.render(),
@@ -571,7 +828,16 @@ async fn metrics(_: Scraper, State(d): D) -> impl IntoResponse {
 use strata_format::now_ms;
 
 /// One GC pass now (admin: it spans tenants). A dry run reports and changes nothing.
-async fn run_gc(
+#[utoipa::path(
+    post,
+    path = "/v1/gc",
+    summary = "One garbage-collection pass now (admin token): retention expires checkpoints, unreferenced keys older than the grace period are condemned, keys condemned for at least the grace period are deleted",
+    request_body = Option<GcRequest>,
+    responses((status = 200, description = "The report", body = strata_engine::GcReport)),
+    tag = "node",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn run_gc(
     _: Admin,
     State(d): D,
     b: Result<Json<GcRequest>, JsonRejection>,

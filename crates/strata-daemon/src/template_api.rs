@@ -74,6 +74,16 @@ async fn check_new(d: &Daemon, t: &str, name: &str) -> Result<(), ApiError> {
     }
 }
 
+#[utoipa::path(
+    put,
+    path = "/v1/templates/{name}",
+    summary = "Build a template from content sent in the body: a tar archive of a directory tree (made into ext4) or a raw or qcow2 image (opened as that format only; a qcow2 naming a backing or data file is refused)",
+    params(("name" = String, Path, description = "Template name", pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"), UploadTemplate),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 201, description = "Built", body = Template), (status = 413, description = "Over the upload limit", body = crate::api::ErrorBody)),
+    tag = "templates",
+    security(("bearer" = [])),
+)]
 pub(crate) async fn upload_template(
     Tenant(t): Tenant,
     State(d): D,
@@ -157,6 +167,15 @@ async fn spool(d: &Daemon, content: Body, file: &FsPath, max: u64) -> Result<(),
     Ok(())
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/templates",
+    summary = "Build a template from a directory or image in the operator's import directory (IMPORT/{tenant}/); host paths are refused",
+    request_body = BuildTemplate,
+    responses((status = 201, description = "Built", body = Template)),
+    tag = "templates",
+    security(("bearer" = [])),
+)]
 pub(crate) async fn import_template(
     Tenant(t): Tenant,
     State(d): D,

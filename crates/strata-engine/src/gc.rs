@@ -87,7 +87,7 @@ impl GcOptions {
 }
 
 /// What one pass found and did.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct GcReport {
     pub dry_run: bool,
     pub tenants: u64,

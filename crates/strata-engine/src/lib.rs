@@ -27,7 +27,7 @@ pub use engine::{tempdir_in, Engine, Source};
 pub use error::{is_no_space, Error, Result};
 pub use gc::{GcOptions, GcReport};
 pub use local::LocalState;
-pub use volume::{CheckpointState, Published, Volume, VolumeOptions, VolumeStats};
+pub use volume::{CheckpointState, DurationSchema, Published, Volume, VolumeOptions, VolumeStats};
 
 pub use strata_catalog::{Checkpoint, CheckpointKind, Mode, Template, Workspace};
 

@@ -74,22 +74,34 @@ pub struct VolumeOptions {
 
 /// The receipt of a version: `local` (its cut durable on this node, publication pending) or
 /// `published`.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct Published {
     pub version: u64,
     /// The version's manifest, once published.
+    #[schema(value_type = Option<String>)]
     pub manifest: Option<Hash>,
     pub cut_seq: u64,
     pub bytes_uploaded: u64,
     /// How long writes were held for the cut.
+    #[schema(value_type = DurationSchema)]
     pub stall: Duration,
+    #[schema(value_type = DurationSchema)]
     pub total: Duration,
     #[serde(default)]
     pub state: CheckpointState,
 }
 
+/// A duration as serde writes it (`{"secs", "nanos"}`), for the API's schema.
+#[derive(utoipa::ToSchema)]
+#[schema(as = Duration)]
+#[allow(dead_code)]
+pub struct DurationSchema {
+    pub secs: u64,
+    pub nanos: u32,
+}
+
 /// Counters and gauges of one volume.
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct VolumeStats {
     pub bytes_written: u64,
     pub bytes_read: u64,

@@ -25,7 +25,7 @@
 use super::*;
 
 /// `POST /v1/workspaces/{name}/resize`.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ResizeRequest {
     /// The disk's new size in bytes (rounded up to 4 KiB); at least its current size.
@@ -33,7 +33,7 @@ pub struct ResizeRequest {
 }
 
 /// What a resize left.
-#[derive(Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct Resized {
     /// The disk's size now.
     pub disk_size: u64,

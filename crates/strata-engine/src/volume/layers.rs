@@ -44,7 +44,7 @@ use super::*;
 pub(crate) const MAX_PENDING: usize = 64;
 
 /// Whether a receipt's version is only on this node or in the object store.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum CheckpointState {
     /// Durable on this node (survives a crash of it); only this node can serve it until it

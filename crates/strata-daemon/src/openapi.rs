@@ -1,0 +1,154 @@
+//! The API's OpenAPI document, generated from the handlers' `#[utoipa::path]` attributes and
+//! the request and response types (`utoipa::ToSchema`), served at `/v1/openapi.json` and
+//! committed as `crates/strata-daemon/openapi.json` (a test fails when the two differ;
+//! `STRATA_UPDATE_OPENAPI=1 cargo test -p strata-daemon openapi` rewrites the file).
+//!
+//! Every operation with a security requirement also answers the API's error body for the
+//! usual refusals (400, 401, 403, 404, 409, 500), added here rather than on each handler.
+
+use std::sync::OnceLock;
+
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::{ContentBuilder, RefOr, Response, ResponseBuilder};
+use utoipa::{Modify, OpenApi};
+
+use crate::api::*;
+use crate::{relay_api, routes, template_api};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "strata",
+        version = "1",
+        description = "Durable, forkable, object-storage-backed disks for agent sandboxes. Every \
+                       tenant route needs `Authorization: Bearer TOKEN`; another tenant's data \
+                       answers 404. Errors are `ErrorBody`; every response carries `x-request-id`."
+    ),
+    paths(
+        routes::health,
+        routes::openapi_json,
+        routes::metrics,
+        routes::list_nodes,
+        routes::run_gc,
+        routes::create_tenant,
+        routes::create_token,
+        routes::list_templates,
+        routes::show_template,
+        routes::delete_template,
+        template_api::upload_template,
+        template_api::import_template,
+        routes::list_workspaces,
+        routes::create_workspace,
+        routes::show_workspace,
+        routes::delete_workspace,
+        routes::attach,
+        routes::detach,
+        routes::checkpoint,
+        routes::fork,
+        routes::rollback,
+        routes::resize,
+        routes::log,
+        routes::expire_checkpoint,
+        routes::freeze,
+        routes::thaw,
+        routes::mount,
+        routes::umount,
+        routes::list_mounts,
+        relay_api::list_streams,
+        relay_api::create_stream,
+        relay_api::list_relay_files,
+        relay_api::stream_token,
+        relay_api::put_relay_file,
+        relay_api::get_relay_file,
+    ),
+    components(schemas(ErrorBody, ErrorDetail, strata_engine::DurationSchema)),
+    modifiers(&Common)
+)]
+pub struct ApiDoc;
+
+struct Common;
+
+impl Modify for Common {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        let components = doc.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+        let error: Response = ResponseBuilder::new()
+            .description("The API's error body: a stable kind, a message, whether a retry may help")
+            .content(
+                "application/json",
+                ContentBuilder::new()
+                    .schema(Some(utoipa::openapi::Ref::from_schema_name("ErrorBody")))
+                    .build(),
+            )
+            .build();
+        components.responses.insert("Error".into(), RefOr::T(error));
+        for item in doc.paths.paths.values_mut() {
+            for op in [
+                &mut item.get,
+                &mut item.put,
+                &mut item.post,
+                &mut item.delete,
+            ]
+            .into_iter()
+            .flatten()
+            {
+                if op.security.is_none() {
+                    continue;
+                }
+                for code in ["400", "401", "403", "404", "409", "500"] {
+                    op.responses
+                        .responses
+                        .entry(code.into())
+                        .or_insert_with(|| {
+                            RefOr::Ref(utoipa::openapi::Ref::from_response_name("Error"))
+                        });
+                }
+            }
+        }
+    }
+}
+
+/// The document as served (generated once).
+pub fn document() -> &'static str {
+    static DOC: OnceLock<String> = OnceLock::new();
+    DOC.get_or_init(|| ApiDoc::openapi().to_pretty_json().unwrap_or_default() + "\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The committed document is the generated one (regenerate it with
+    /// `STRATA_UPDATE_OPENAPI=1 cargo test -p strata-daemon openapi`).
+    #[test]
+    fn openapi_committed_document_is_the_generated_one() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/openapi.json");
+        if std::env::var("STRATA_UPDATE_OPENAPI").as_deref() == Ok("1") {
+            std::fs::write(path, document()).unwrap();
+        }
+        let committed = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            committed == document(),
+            "{path} is not what the types generate: run STRATA_UPDATE_OPENAPI=1 cargo test -p strata-daemon openapi"
+        );
+    }
+
+    /// Every schema a document refers to is in it, and every operation names its responses.
+    #[test]
+    fn openapi_references_resolve() {
+        let doc: serde_json::Value = serde_json::from_str(document()).unwrap();
+        let text = document();
+        for r in text.split("\"$ref\": \"").skip(1) {
+            let r = &r[..r.find('"').unwrap()];
+            let mut at = &doc;
+            for part in r.trim_start_matches("#/").split('/') {
+                at = &at[part];
+            }
+            assert!(!at.is_null(), "{r} does not resolve");
+        }
+        assert!(doc["paths"].as_object().unwrap().len() >= 26);
+    }
+}
