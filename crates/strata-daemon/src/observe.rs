@@ -1,5 +1,5 @@
 //! Request observability: every HTTP request gets a request id (`x-request-id`, the client's
-//! if it sent a short one, else `req-N`), runs in an `http` span carrying its method, path,
+//! if it sent a short plain one, else `req-N`), runs in an `http` span carrying its method, path,
 //! request id and, once resolved, the caller's `tenant` and the `workspace` it names (so every
 //! event logged while serving it says whose it was), and is counted in
 //! `strata_http_request_seconds{method,route,status}` by its route template (`/v1/workspaces/{name}`,
@@ -52,12 +52,22 @@ impl MakeRequestId for Ids {
     }
 }
 
-/// Drops a client's request id that is too long to log (the layer then makes one).
+/// Whether a client's request id is kept: at most 64 characters of `[A-Za-z0-9._:-]` (nothing
+/// that could pose as another log field or line).
+fn acceptable_id(v: &HeaderValue) -> bool {
+    !v.is_empty()
+        && v.len() <= MAX_CLIENT_ID
+        && v.as_bytes()
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+}
+
+/// Drops a client's request id that is not [`acceptable_id`] (the layer then makes one).
 pub(crate) async fn bound_client_id(mut req: Request, next: Next) -> Response {
     if req
         .headers()
         .get(REQUEST_ID)
-        .is_some_and(|v| v.len() > MAX_CLIENT_ID || v.to_str().is_err())
+        .is_some_and(|v| !acceptable_id(v))
     {
         req.headers_mut().remove(REQUEST_ID);
     }
@@ -79,7 +89,9 @@ pub(crate) fn span(req: &axum::http::Request<axum::body::Body>) -> tracing::Span
         .and_then(|r| r.split('/').next())
         .filter(|w| !w.is_empty() && w.len() <= 128)
         .unwrap_or("");
-    tracing::info_span!(
+    // Warn level: enabled under the default filter, so a warning or error logged while
+    // serving the request names it.
+    tracing::warn_span!(
         "http",
         method = %req.method(),
         path = %path,
@@ -118,4 +130,17 @@ pub(crate) async fn time_route(State(d): State<Arc<Daemon>>, req: Request, next:
         .get_or_create(&labels)
         .observe(started.elapsed().as_secs_f64());
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_ids_that_could_pose_as_log_fields_are_replaced() {
+        let ok = |s: &str| acceptable_id(&HeaderValue::from_str(s).unwrap());
+        assert!(ok("job-42") && ok("a.b_c:d-1"));
+        assert!(!ok("x tenant=other") && !ok("a=b") && !ok("{}") && !ok(""));
+        assert!(!ok(&"x".repeat(65)));
+    }
 }

@@ -176,8 +176,10 @@ impl Engine {
     fn spawn_background(self: &Arc<Self>, vol: &Arc<Volume>) -> JoinHandle<()> {
         self.renewer
             .get_or_init(|| tokio::spawn(renew_leases(Arc::downgrade(self), self.cfg.lease_ttl)));
-        // Everything the volume's background work logs carries its tenant and workspace.
-        let span = tracing::info_span!("volume", tenant = %vol.tenant(), workspace = %vol.name());
+        // Everything the volume's background work logs carries its tenant and workspace (a
+        // warn-level span: enabled under the default filter, where the warnings are). A root
+        // span: a caller's request span must not follow the volume's work for its lifetime.
+        let span = tracing::warn_span!(parent: None, "volume", tenant = %vol.tenant(), workspace = %vol.name());
         tokio::spawn(tracing::Instrument::instrument(
             work(
                 Arc::downgrade(vol),

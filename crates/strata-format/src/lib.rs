@@ -23,27 +23,31 @@ pub fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// Whether an I/O error may pass on a retry (a peer or a disk busy or gone for a moment), as
-/// opposed to one that recurs (a missing file or directory, no permission, a read-only or
-/// full file system). Shared by the store, the catalog and the engine so that "retryable"
-/// means the same everywhere.
+/// Whether an I/O error may pass on a retry: anything but the kinds that recur for the same
+/// call (a missing or misplaced file or directory, no permission, bad input, a read-only file
+/// system, an unsupported operation). Unknown kinds (a resolver's temporary failure, too many
+/// open files, a TLS read error) may pass. A full disk counts as retryable: space can be
+/// freed. Shared by the store, the catalog and the engine so that "retryable" means the same
+/// everywhere.
 pub fn io_retryable(e: &std::io::Error) -> bool {
     use std::io::ErrorKind as K;
-    matches!(
+    !matches!(
         e.kind(),
-        K::Interrupted
-            | K::WouldBlock
-            | K::TimedOut
-            | K::ConnectionRefused
-            | K::ConnectionReset
-            | K::ConnectionAborted
-            | K::NotConnected
-            | K::BrokenPipe
-            | K::UnexpectedEof
-            | K::HostUnreachable
-            | K::NetworkUnreachable
-            | K::NetworkDown
-            | K::ResourceBusy
+        K::NotFound
+            | K::PermissionDenied
+            | K::AlreadyExists
+            | K::InvalidInput
+            | K::InvalidData
+            | K::NotADirectory
+            | K::IsADirectory
+            | K::DirectoryNotEmpty
+            | K::ReadOnlyFilesystem
+            | K::FileTooLarge
+            | K::InvalidFilename
+            | K::Unsupported
+            | K::CrossesDevices
+            | K::TooManyLinks
+            | K::ArgumentListTooLong
     )
 }
 

@@ -1,15 +1,16 @@
 //! Request latency, errors and bytes per NBD command, shared by every connection of a server (or
 //! of a daemon), exposed through `prometheus-client` as
 //! `strata_nbd_request_seconds{command}` (histogram), `strata_nbd_request_errors_total{command}`
-//! and `strata_nbd_bytes_total{command}`. Recording is lock-free (atomic counters).
+//! and `strata_nbd_bytes_total{command}`.
 
 use std::time::Duration;
 
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
-use prometheus_client::metrics::counter::{ConstCounter, Counter};
-use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::metrics::TypedMetric;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Unit;
 
 use crate::proto::*;
@@ -19,38 +20,56 @@ pub const BUCKETS_SECONDS: [f64; 12] = [
     50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 0.1, 1.0, 10.0,
 ];
 
-/// One command's latency histogram, error count and payload bytes.
-#[derive(Debug)]
+/// One command's latency histogram, error count and payload bytes. Recording is a few
+/// relaxed atomic adds (the request path of every connection shares it; a histogram behind a
+/// lock would serialise them).
+#[derive(Debug, Default)]
 pub struct CommandStats {
-    seconds: Histogram,
-    errors: Counter,
-    bytes: Counter,
-}
-
-impl Default for CommandStats {
-    fn default() -> Self {
-        CommandStats {
-            seconds: Histogram::new(BUCKETS_SECONDS),
-            errors: Counter::default(),
-            bytes: Counter::default(),
-        }
-    }
+    buckets: [AtomicU64; BUCKETS_SECONDS.len()],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+    errors: AtomicU64,
+    bytes: AtomicU64,
 }
 
 impl CommandStats {
     pub fn record(&self, d: Duration, bytes: u64, ok: bool) {
-        self.seconds.observe(d.as_secs_f64());
-        self.bytes.inc_by(bytes);
+        let secs = d.as_secs_f64();
+        if let Some(i) = BUCKETS_SECONDS.iter().position(|&b| secs <= b) {
+            self.buckets[i].fetch_add(1, Relaxed);
+        }
+        self.count.fetch_add(1, Relaxed);
+        self.sum_ns
+            .fetch_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX), Relaxed);
+        self.bytes.fetch_add(bytes, Relaxed);
         if !ok {
-            self.errors.inc();
+            self.errors.fetch_add(1, Relaxed);
         }
     }
 
+    pub fn count(&self) -> u64 {
+        self.count.load(Relaxed)
+    }
     pub fn errors(&self) -> u64 {
-        self.errors.get()
+        self.errors.load(Relaxed)
     }
     pub fn bytes(&self) -> u64 {
-        self.bytes.get()
+        self.bytes.load(Relaxed)
+    }
+
+    fn encode_histogram(&self, m: &mut MetricEncoder) -> Result<(), std::fmt::Error> {
+        // Per-bucket counts: the encoder accumulates them and adds `+Inf` (the count).
+        let buckets: Vec<(f64, u64)> = BUCKETS_SECONDS
+            .iter()
+            .zip(&self.buckets)
+            .map(|(&b, n)| (b, n.load(Relaxed)))
+            .collect();
+        m.encode_histogram::<NoLabelSet>(
+            self.sum_ns.load(Relaxed) as f64 / 1e9,
+            self.count(),
+            &buckets,
+            None,
+        )
     }
 }
 
@@ -98,10 +117,10 @@ impl Collector for NbdMetrics {
                 "strata_nbd_request",
                 "Time from an NBD request's arrival to its reply, by command",
                 Some(&Unit::Seconds),
-                Histogram::TYPE,
+                MetricType::Histogram,
             )?;
             for (cmd, s) in self.all() {
-                s.seconds.encode(m.encode_family(&[("command", cmd)])?)?;
+                s.encode_histogram(&mut m.encode_family(&[("command", cmd)])?)?;
             }
         }
         {
@@ -109,7 +128,7 @@ impl Collector for NbdMetrics {
                 "strata_nbd_request_errors",
                 "NBD requests answered with an error, by command",
                 None,
-                Counter::<u64>::TYPE,
+                MetricType::Counter,
             )?;
             for (cmd, s) in self.all() {
                 ConstCounter::new(s.errors()).encode(m.encode_family(&[("command", cmd)])?)?;
@@ -119,7 +138,7 @@ impl Collector for NbdMetrics {
             "strata_nbd",
             "Payload bytes of NBD reads and writes",
             Some(&Unit::Bytes),
-            Counter::<u64>::TYPE,
+            MetricType::Counter,
         )?;
         for (cmd, s) in [("read", &self.read), ("write", &self.write)] {
             ConstCounter::new(s.bytes()).encode(m.encode_family(&[("command", cmd)])?)?;

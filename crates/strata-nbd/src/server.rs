@@ -300,7 +300,7 @@ impl Server {
                 meta: false,
                 alive,
             };
-            let span = tracing::info_span!("nbd", export = %neg.name);
+            let span = tracing::warn_span!("nbd", export = %neg.name);
             if let Err(e) = tracing::Instrument::instrument(me.transmit(rd, wr, neg), span).await {
                 tracing::debug!(error = %e, "nbd connection closed");
             }
@@ -350,7 +350,7 @@ impl Server {
                 return;
             }
         };
-        let span = tracing::info_span!("nbd", export = %neg.name);
+        let span = tracing::warn_span!("nbd", export = %neg.name);
         if let Err(e) = tracing::Instrument::instrument(self.transmit(rd, wr, neg), span).await {
             tracing::debug!(error = %e, "nbd connection closed");
         }

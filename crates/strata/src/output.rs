@@ -325,17 +325,16 @@ impl Failure {
         }
     }
 
-    /// 2: the request must change; 1: anything else.
+    /// 2: the request must change; 1: anything else (a retry may help).
     pub fn exit_code(&self) -> u8 {
-        if (400..500).contains(&self.status) {
+        if matches!(self.status, 400 | 401 | 403 | 404 | 413) {
             2
         } else {
             1
         }
     }
 
-    /// Reports the error: the API's error body on stdout with `--json`, a line on stderr
-    /// otherwise.
+    /// Reports the error on stderr: the API's error body with `--json`, a line otherwise.
     pub fn report(&self, json: bool) {
         if json {
             let body = serde_json::json!({"error": {
@@ -343,7 +342,7 @@ impl Failure {
                 "message": self.message,
                 "retryable": self.retryable,
             }});
-            println!(
+            eprintln!(
                 "{}",
                 serde_json::to_string_pretty(&body).unwrap_or_default()
             );
@@ -389,6 +388,15 @@ mod tests {
             strata_catalog::CatalogError::unavailable("down"),
         )));
         assert_eq!((f.exit_code(), f.retryable), (1, true));
+        // A lease held by another node clears: a retry may help.
+        let f = Failure::of(&anyhow::Error::new(strata_engine::Error::Catalog(
+            strata_catalog::CatalogError::LeaseHeld {
+                holder: "n".into(),
+                epoch: 1,
+                expires_in_ms: 10,
+            },
+        )));
+        assert_eq!((f.kind.as_str(), f.exit_code()), ("conflict", 1));
         let f = Failure::of(&usage::<()>("give --size").unwrap_err());
         assert_eq!((f.kind.as_str(), f.exit_code()), ("invalid", 2));
     }

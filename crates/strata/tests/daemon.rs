@@ -620,8 +620,8 @@ async fn the_cli_drives_the_daemon() {
         cli(&token, &["--json", "ws", "show", "nope"]),
         local(&["--json", "ws", "show", "nope"]),
     ] {
-        assert_eq!(c, 2, "{e}");
-        let v: Value = serde_json::from_str(&out).unwrap_or_else(|err| panic!("{err}: {out}"));
+        assert_eq!((c, out.as_str()), (2, ""), "{e}");
+        let v: Value = serde_json::from_str(&e).unwrap_or_else(|err| panic!("{err}: {e}"));
         assert_eq!(v["error"]["kind"], "not_found", "{v}");
         assert_eq!(v["error"]["retryable"], false, "{v}");
     }

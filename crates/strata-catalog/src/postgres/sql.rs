@@ -77,8 +77,9 @@ pub(super) fn be(e: tokio_postgres::Error) -> CatalogError {
 
 /// Whether a PostgreSQL error may pass on a retry, by SQLSTATE class: connection exceptions
 /// (08), transaction rollbacks such as serialization failures and deadlocks (40),
-/// insufficient resources (53), operator intervention such as a shutdown (57P01–57P03) and
-/// a lock not available (55P03). Syntax errors (42), data exceptions (22), constraint
+/// insufficient resources (53), operator intervention such as a shutdown (57P01–57P03), a
+/// lock not available (55P03) and the timeouts this catalog sets itself: a statement timeout
+/// (57014) and an idle-in-transaction timeout (25P03). Syntax errors (42), data exceptions (22), constraint
 /// violations (23) and the rest are the same every time. An error without a SQLSTATE is the
 /// connection's (closed, I/O, timeout): retryable.
 pub fn pg_retryable(e: &tokio_postgres::Error) -> bool {
@@ -89,7 +90,7 @@ pub fn pg_retryable(e: &tokio_postgres::Error) -> bool {
     c.starts_with("08")
         || c.starts_with("40")
         || c.starts_with("53")
-        || matches!(c, "57P01" | "57P02" | "57P03" | "55P03")
+        || matches!(c, "57P01" | "57P02" | "57P03" | "55P03" | "57014" | "25P03")
 }
 
 pub(super) fn pool_err(e: deadpool_postgres::PoolError) -> CatalogError {
