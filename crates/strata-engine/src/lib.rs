@@ -6,6 +6,7 @@
 //! background upload, sync flush) turns the journal into immutable objects and a new manifest
 //! and moves the head by compare-and-set. See docs/ARCHITECTURE.md for the map.
 
+mod block;
 mod config;
 mod engine;
 mod error;

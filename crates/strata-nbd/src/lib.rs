@@ -3,15 +3,15 @@
 //!
 //! - [`proto`]: wire constants and parsers of untrusted bytes.
 //! - [`server`]: negotiation and concurrent transmission over unix sockets and TCP.
-//! - [`device`]: what is served: engine volumes or an in-memory disk.
+//! - what is served is a [`BlockDevice`] (`strata-block`: engine volumes, an in-memory disk);
+//!   this crate knows nothing of the engine.
 //! - [`client`]: a minimal fixed-newstyle client with structured replies and block status.
 
 pub mod client;
-pub mod device;
 pub mod metrics;
 pub mod proto;
 pub mod server;
 
-pub use device::{BlockDevice, DevError, MemDevice, ReadOnly};
 pub use metrics::NbdMetrics;
 pub use server::{Alive, Conn, Export, Exports, Server, ServerConfig};
+pub use strata_block::{BlockDevice, DevError, DevResult, MemDevice, ReadOnly};

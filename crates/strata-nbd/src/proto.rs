@@ -80,14 +80,7 @@ pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
 pub const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
 
 // Errors.
-pub const EPERM: u32 = 1;
-pub const EIO: u32 = 5;
-pub const ENOMEM: u32 = 12;
-pub const EINVAL: u32 = 22;
-pub const ENOSPC: u32 = 28;
-pub const EOVERFLOW: u32 = 75;
-pub const ENOTSUP: u32 = 95;
-pub const ESHUTDOWN: u32 = 108;
+pub use strata_block::errno::*;
 
 // base:allocation states.
 pub const STATE_HOLE: u32 = 1 << 0;

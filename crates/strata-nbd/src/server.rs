@@ -36,7 +36,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::task::JoinSet;
 
-use crate::device::{BlockDevice, DevError};
+use strata_block::{BlockDevice, DevError};
 
 mod conn;
 mod negotiate;

@@ -11,8 +11,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use common::*;
 use strata_nbd::client::Client;
-use strata_nbd::device::DevResult;
 use strata_nbd::proto::*;
+use strata_nbd::DevResult;
 use strata_nbd::{BlockDevice, Export, Exports, MemDevice, Server, ServerConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

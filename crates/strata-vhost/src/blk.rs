@@ -13,7 +13,7 @@
 
 use std::io::{Read, Write};
 
-use strata_nbd::BlockDevice;
+use strata_block::BlockDevice;
 use virtio_bindings::bindings::virtio_blk::*;
 use virtio_queue::{DescriptorChain, Reader, Writer};
 use vm_memory::GuestMemoryMmap;

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use frontend::*;
-use strata_nbd::{BlockDevice, MemDevice};
+use strata_block::{BlockDevice, MemDevice};
 use strata_vhost::{blk, serve, Features, Served};
 use vhost::vhost_user::message::VhostUserConfigFlags;
 use vhost::vhost_user::VhostUserFrontend;
@@ -55,7 +55,7 @@ fn setup(read_only: bool) -> Setup {
     let path = dir.path().join("vhost.sock");
     let dev = MemDevice::new(DISK);
     let d: Arc<dyn BlockDevice> = if read_only {
-        Arc::new(strata_nbd::ReadOnly(dev.clone()))
+        Arc::new(strata_block::ReadOnly(dev.clone()))
     } else {
         dev.clone()
     };
@@ -289,27 +289,27 @@ impl BlockDevice for Counting {
     fn size(&self) -> u64 {
         self.dev.size()
     }
-    async fn read(&self, o: u64, l: u32) -> strata_nbd::device::DevResult<Vec<u8>> {
+    async fn read(&self, o: u64, l: u32) -> strata_block::DevResult<Vec<u8>> {
         self.dev.read(o, l).await
     }
-    async fn write(&self, o: u64, d: &[u8], fua: bool) -> strata_nbd::device::DevResult<()> {
+    async fn write(&self, o: u64, d: &[u8], fua: bool) -> strata_block::DevResult<()> {
         if fua {
             self.fua.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         self.dev.write(o, d, fua).await
     }
-    async fn flush(&self) -> strata_nbd::device::DevResult<()> {
+    async fn flush(&self) -> strata_block::DevResult<()> {
         self.flushes
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.dev.flush().await
     }
-    async fn trim(&self, o: u64, l: u32, fua: bool) -> strata_nbd::device::DevResult<()> {
+    async fn trim(&self, o: u64, l: u32, fua: bool) -> strata_block::DevResult<()> {
         self.dev.trim(o, l, fua).await
     }
-    async fn write_zeroes(&self, o: u64, l: u32, fua: bool) -> strata_nbd::device::DevResult<()> {
+    async fn write_zeroes(&self, o: u64, l: u32, fua: bool) -> strata_block::DevResult<()> {
         self.dev.write_zeroes(o, l, fua).await
     }
-    async fn allocation(&self, o: u64, l: u32) -> strata_nbd::device::DevResult<Vec<(u64, bool)>> {
+    async fn allocation(&self, o: u64, l: u32) -> strata_block::DevResult<Vec<(u64, bool)>> {
         self.dev.allocation(o, l).await
     }
 }

@@ -1,13 +1,27 @@
-//! What the server serves: a [`BlockDevice`]. Implemented for engine volumes and, for protocol
-//! tests and tools, an in-memory disk.
+//! What strata's front-ends serve (NBD, vhost-user-blk, the FUSE export, kernel NBD): a
+//! [`BlockDevice`]. The engine implements it for its volumes; [`MemDevice`] is an in-memory
+//! disk for protocol tests, benchmarks and fuzzing; [`ReadOnly`] refuses every change before it
+//! reaches the device. Errors carry a Linux errno ([`errno`]), which NBD sends as it is and
+//! vhost-user maps to a virtio status. Dependencies point one way: formats ← block ← engine,
+//! and block ← each front-end, so no protocol crate needs the engine.
 
 use std::sync::{Arc, RwLock};
 
 use async_trait::async_trait;
-#[cfg(feature = "engine")]
-use strata_engine::{Error, Volume};
 
-use crate::proto;
+/// The error numbers a device reports (Linux values, as the NBD protocol carries them).
+pub mod errno {
+    pub const EPERM: u32 = 1;
+    pub const EIO: u32 = 5;
+    pub const ENOMEM: u32 = 12;
+    pub const EINVAL: u32 = 22;
+    pub const ENOSPC: u32 = 28;
+    pub const EOVERFLOW: u32 = 75;
+    pub const ENOTSUP: u32 = 95;
+    pub const ESHUTDOWN: u32 = 108;
+}
+
+use errno as proto;
 
 /// A failed device operation: the NBD error number to send and a message for logs and
 /// structured error replies.
@@ -42,58 +56,6 @@ pub trait BlockDevice: Send + Sync + 'static {
     async fn write_zeroes(&self, offset: u64, len: u32, fua: bool) -> DevResult<()>;
     /// Runs of (bytes, reads-as-zeros) covering exactly the range.
     async fn allocation(&self, offset: u64, len: u32) -> DevResult<Vec<(u64, bool)>>;
-}
-
-#[cfg(feature = "engine")]
-fn map(e: Error, write: bool) -> DevError {
-    let errno = match &e {
-        Error::OutOfRange { .. } if write => proto::ENOSPC,
-        Error::OutOfRange { .. } | Error::Invalid(_) => proto::EINVAL,
-        // A full node disk: this request failed, the device did not (retry later).
-        Error::NoSpace(_) => proto::ENOSPC,
-        Error::Io { source, .. } if strata_engine::is_no_space(source) => proto::ENOSPC,
-        Error::Unavailable(..) => proto::ESHUTDOWN,
-        _ => proto::EIO,
-    };
-    DevError::new(errno, e.to_string())
-}
-
-#[cfg(feature = "engine")]
-#[async_trait]
-impl BlockDevice for Volume {
-    fn size(&self) -> u64 {
-        Volume::size(self)
-    }
-    async fn read(&self, offset: u64, len: u32) -> DevResult<Vec<u8>> {
-        Volume::read(self, offset, len as u64)
-            .await
-            .map_err(|e| map(e, false))
-    }
-    async fn write(&self, offset: u64, data: &[u8], fua: bool) -> DevResult<()> {
-        Volume::write(self, offset, data, fua)
-            .await
-            .map_err(|e| map(e, true))
-    }
-    async fn flush(&self) -> DevResult<()> {
-        Volume::flush(self).await.map_err(|e| map(e, true))
-    }
-    async fn trim(&self, offset: u64, len: u32, fua: bool) -> DevResult<()> {
-        Volume::trim(self, offset, len as u64)
-            .await
-            .map_err(|e| map(e, true))?;
-        if fua {
-            Volume::flush(self).await.map_err(|e| map(e, true))?;
-        }
-        Ok(())
-    }
-    async fn write_zeroes(&self, offset: u64, len: u32, fua: bool) -> DevResult<()> {
-        Volume::write_zeroes(self, offset, len as u64, fua)
-            .await
-            .map_err(|e| map(e, true))
-    }
-    async fn allocation(&self, offset: u64, len: u32) -> DevResult<Vec<(u64, bool)>> {
-        Volume::allocation(self, offset, len as u64).map_err(|e| map(e, false))
-    }
 }
 
 /// Another device offered read-only: the server refuses every change to it with EPERM before
