@@ -33,8 +33,10 @@ pub struct BuildTemplate {
     pub size: Option<u64>,
     /// No longer accepted (a host path chosen by a tenant); kept to say so clearly.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(ignore)]
     pub from_dir: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(ignore)]
     pub from_image: Option<serde_json::Value>,
 }
 
@@ -183,7 +185,7 @@ pub struct ErrorBody {
 #[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ErrorDetail {
     /// Stable machine-readable kind: not_found, invalid, conflict, unauthorized, forbidden,
-    /// too_large, unavailable, internal.
+    /// too_large, busy, unavailable, no_space, not_implemented, internal.
     pub kind: String,
     pub message: String,
     /// Whether retrying the same request may succeed.

@@ -527,7 +527,8 @@ fn name_hash(tenant: &str, ws: &str) -> String {
 pub(crate) async fn own_task<T: Send + 'static>(
     f: impl std::future::Future<Output = Result<T, ApiError>> + Send + 'static,
 ) -> Result<T, ApiError> {
-    tokio::spawn(f)
+    // The request's span goes with the work: what it logs names the request and its tenant.
+    tokio::spawn(tracing::Instrument::in_current_span(f))
         .await
         .map_err(|e| ApiError::internal(format!("operation task failed: {e}")))?
 }

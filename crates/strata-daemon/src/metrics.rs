@@ -439,6 +439,15 @@ mod tests {
             "{out}"
         );
         assert!(
+            out.contains("strata_nbd_request_seconds_bucket{command=\"write\",le=\"+Inf\"} 1"),
+            "{out}"
+        );
+        assert_eq!(
+            out.matches("le=\"+Inf\"").count(),
+            6 + 2,
+            "one +Inf per command, checkpoint and fork: {out}"
+        );
+        assert!(
             out.contains("strata_nbd_bytes_total{command=\"write\"} 4096"),
             "{out}"
         );

@@ -8,6 +8,7 @@
 
 use std::sync::OnceLock;
 
+use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, Schema, SchemaFormat, SchemaType, Type};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{ContentBuilder, RefOr, Response, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
@@ -95,10 +96,54 @@ impl Modify for Common {
             .into_iter()
             .flatten()
             {
+                // An optional JSON body is left out (no Content-Type), never sent as `null`.
+                if let Some(RefOr::T(body)) = op.request_body.as_mut() {
+                    for c in body.content.values_mut() {
+                        let RefOr::T(c) = c else { continue };
+                        if let Some(RefOr::T(Schema::OneOf(one))) = &c.schema {
+                            let real: Vec<_> = one
+                                .items
+                                .iter()
+                                .filter(|s| !matches!(s, RefOr::T(Schema::Object(o)) if o.schema_type == SchemaType::Type(Type::Null)))
+                                .cloned()
+                                .collect();
+                            if real.len() == 1 && one.items.len() == 2 {
+                                c.schema = real.into_iter().next();
+                                body.required = Some(utoipa::openapi::Required::False);
+                            }
+                        }
+                    }
+                }
+                // Bytes travel as bytes: a binary string, not an array of integers.
+                let binary = || {
+                    Some(RefOr::T(Schema::Object(
+                        ObjectBuilder::new()
+                            .schema_type(Type::String)
+                            .format(Some(SchemaFormat::KnownFormat(KnownFormat::Binary)))
+                            .build(),
+                    )))
+                };
+                if let Some(RefOr::T(body)) = op.request_body.as_mut() {
+                    if let Some(RefOr::T(c)) = body.content.get_mut("application/octet-stream") {
+                        c.schema = binary();
+                    }
+                }
+                for r in op.responses.responses.values_mut() {
+                    if let RefOr::T(r) = r {
+                        if let Some(RefOr::T(c)) = r.content.get_mut("application/octet-stream") {
+                            c.schema = binary();
+                        }
+                    }
+                }
                 if op.security.is_none() {
                     continue;
                 }
-                for code in ["400", "401", "403", "404", "409", "500"] {
+                // Any request may be refused as invalid, unauthorised, forbidden, naming nothing
+                // of the caller's, conflicting, too large (64 KiB for JSON), or while a store or
+                // the node's disk is unavailable or full.
+                for code in [
+                    "400", "401", "403", "404", "409", "413", "500", "503", "507",
+                ] {
                     op.responses
                         .responses
                         .entry(code.into())

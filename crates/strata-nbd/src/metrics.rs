@@ -58,15 +58,24 @@ impl CommandStats {
     }
 
     fn encode_histogram(&self, m: &mut MetricEncoder) -> Result<(), std::fmt::Error> {
-        // Per-bucket counts: the encoder accumulates them and adds `+Inf` (the count).
-        let buckets: Vec<(f64, u64)> = BUCKETS_SECONDS
+        // Per-bucket counts (the encoder accumulates them), then what no finite bucket holds
+        // (over 10 s) in `+Inf`. The count is read first: buckets recorded since only make
+        // `+Inf` smaller, never the cumulative counts larger than `_count`.
+        let count = self.count();
+        let mut buckets: Vec<(f64, u64)> = BUCKETS_SECONDS
             .iter()
             .zip(&self.buckets)
             .map(|(&b, n)| (b, n.load(Relaxed)))
             .collect();
+        let mut seen = 0u64;
+        for (_, n) in &mut buckets {
+            *n = (*n).min(count - seen);
+            seen += *n;
+        }
+        buckets.push((f64::INFINITY, count - seen));
         m.encode_histogram::<NoLabelSet>(
             self.sum_ns.load(Relaxed) as f64 / 1e9,
-            self.count(),
+            count,
             &buckets,
             None,
         )

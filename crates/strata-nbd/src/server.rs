@@ -300,9 +300,9 @@ impl Server {
                 meta: false,
                 alive,
             };
-            let span = tracing::warn_span!("nbd", export = %neg.name);
-            if let Err(e) = tracing::Instrument::instrument(me.transmit(rd, wr, neg), span).await {
-                tracing::debug!(error = %e, "nbd connection closed");
+            let name = neg.name.clone();
+            if let Err(e) = me.transmit(rd, wr, neg).await {
+                tracing::debug!(export = %name, error = %e, "nbd connection closed");
             }
         })
     }
@@ -350,9 +350,9 @@ impl Server {
                 return;
             }
         };
-        let span = tracing::warn_span!("nbd", export = %neg.name);
-        if let Err(e) = tracing::Instrument::instrument(self.transmit(rd, wr, neg), span).await {
-            tracing::debug!(error = %e, "nbd connection closed");
+        let name = neg.name.clone();
+        if let Err(e) = self.transmit(rd, wr, neg).await {
+            tracing::debug!(export = %name, error = %e, "nbd connection closed");
         }
     }
 
@@ -369,6 +369,9 @@ impl Server {
         let budget = Arc::new(Semaphore::new(self.cfg.max_inflight_bytes as usize));
         let mut tasks = JoinSet::new();
         let dev = neg.export.device.clone();
+        // Named in every error the connection logs (no span on the request path: entering one
+        // per poll costs every connection a shared lock).
+        let export: Arc<str> = neg.name.as_str().into();
         let ro = dev.read_only();
         let structured = neg.structured;
         let mut stop = self.stopped();
@@ -470,18 +473,18 @@ impl Server {
                 let _ = tx.send(r).await;
                 continue;
             }
-            let (dev, tx) = (dev.clone(), tx.clone());
+            let (dev, tx, export) = (dev.clone(), tx.clone(), export.clone());
             let metrics = self.cfg.metrics.clone();
             let max_span = self.cfg.max_request;
             let alive = neg.alive.clone();
-            tasks.spawn(tracing::Instrument::in_current_span(async move {
+            tasks.spawn(async move {
                 let changes = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
                 if changes && alive.is_some_and(|a| !a()) {
                     // Never answered: the client resends it on a live connection.
                     return;
                 }
                 let started = std::time::Instant::now();
-                let mut reply = execute(&*dev, &req, payload, structured, max_span).await;
+                let mut reply = execute(&*dev, &export, &req, payload, structured, max_span).await;
                 if let Some(h) = metrics.as_ref().and_then(|m| m.for_command(req.kind)) {
                     let ok = reply_ok(&reply.head);
                     let bytes = if matches!(req.kind, CMD_READ | CMD_WRITE) && ok {
@@ -493,7 +496,7 @@ impl Server {
                 }
                 reply.permit = Some(permit);
                 let _ = tx.send(reply).await;
-            }));
+            });
         };
         // Finish what was accepted, then close: acknowledged work is never abandoned.
         while tasks.join_next().await.is_some() {}
@@ -581,6 +584,7 @@ fn error_reply(structured: bool, req: &Request, errno: u32, msg: &str) -> Vec<u8
 
 async fn execute(
     dev: &dyn BlockDevice,
+    export: &str,
     req: &Request,
     payload: Vec<u8>,
     structured: bool,
@@ -590,7 +594,7 @@ async fn execute(
     let done = |r: Result<(), DevError>| match r {
         Ok(()) => simple_reply(0, req.cookie, &[]),
         Err(e) => {
-            tracing::warn!(errno = e.errno, error = %e.msg, "nbd request failed");
+            tracing::warn!(export, errno = e.errno, error = %e.msg, "nbd request failed");
             error_reply(structured, req, e.errno, &e.msg)
         }
     };
@@ -618,7 +622,7 @@ async fn execute(
                 }
             }
             Err(e) => {
-                tracing::warn!(errno = e.errno, error = %e.msg, "nbd read failed");
+                tracing::warn!(export, errno = e.errno, error = %e.msg, "nbd read failed");
                 // A simple error reply for a read carries no data.
                 error_reply(structured, req, e.errno, &e.msg)
             }

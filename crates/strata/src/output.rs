@@ -342,10 +342,8 @@ impl Failure {
                 "message": self.message,
                 "retryable": self.retryable,
             }});
-            eprintln!(
-                "{}",
-                serde_json::to_string_pretty(&body).unwrap_or_default()
-            );
+            // One line, so that it can be told from log lines on the same stream.
+            eprintln!("{body}");
         } else {
             eprintln!("strata: {} ({})", self.message, self.kind);
         }
