@@ -18,7 +18,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetri
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::Daemon;
@@ -102,20 +102,18 @@ impl std::fmt::Debug for Scrape {
 }
 
 /// One metric family: a descriptor, then one sample per label set.
-fn family<L: EncodeLabelSet, M: EncodeMetric>(
+fn family<L: EncodeLabelSet, M: EncodeMetric + TypedMetric>(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
     unit: Option<Unit>,
     samples: impl IntoIterator<Item = (L, M)>,
 ) -> Result<(), std::fmt::Error> {
-    let samples: Vec<(L, M)> = samples.into_iter().collect();
-    let Some(ty) = samples.first().map(|(_, m)| m.metric_type()) else {
-        return Ok(());
-    };
-    let mut m = enc.encode_descriptor(name, help, unit.as_ref(), ty)?;
-    for (labels, v) in &samples {
-        v.encode(m.encode_family(labels)?)?;
+    // The descriptor is written even without samples (no volume attached, no relay backlog):
+    // a scraper and a reader of `/metrics` see every family the daemon has.
+    let mut m = enc.encode_descriptor(name, help, unit.as_ref(), M::TYPE)?;
+    for (labels, v) in samples {
+        v.encode(m.encode_family(&labels)?)?;
     }
     Ok(())
 }
@@ -413,8 +411,8 @@ impl Collector for Scrape {
 mod tests {
     use super::*;
 
-    /// Every family has HELP and TYPE lines, names end in a base unit or `_total`, and
-    /// labelled families with no samples are left out (no dangling TYPE line).
+    /// Every family has HELP and TYPE lines (also a labelled family without samples, such as
+    /// the relay's lag with nothing pending), and names end in a base unit or `_total`.
     #[test]
     fn families_have_help_type_and_units() {
         let nbd = Arc::new(strata_nbd::NbdMetrics::default());
