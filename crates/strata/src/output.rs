@@ -325,9 +325,10 @@ impl Failure {
         }
     }
 
-    /// 2: the request must change; 1: anything else (a retry may help).
+    /// 2: the request was refused (any 4xx: fix it, or wait for the state it conflicts with);
+    /// 1: anything else (something failed; a retry may help).
     pub fn exit_code(&self) -> u8 {
-        if matches!(self.status, 400 | 401 | 403 | 404 | 413) {
+        if (400..500).contains(&self.status) {
             2
         } else {
             1
@@ -386,7 +387,7 @@ mod tests {
             strata_catalog::CatalogError::unavailable("down"),
         )));
         assert_eq!((f.exit_code(), f.retryable), (1, true));
-        // A lease held by another node clears: a retry may help.
+        // A conflict is a refusal (a lease held elsewhere, another front-end serving it).
         let f = Failure::of(&anyhow::Error::new(strata_engine::Error::Catalog(
             strata_catalog::CatalogError::LeaseHeld {
                 holder: "n".into(),
@@ -394,7 +395,7 @@ mod tests {
                 expires_in_ms: 10,
             },
         )));
-        assert_eq!((f.kind.as_str(), f.exit_code()), ("conflict", 1));
+        assert_eq!((f.kind.as_str(), f.exit_code()), ("conflict", 2));
         let f = Failure::of(&usage::<()>("give --size").unwrap_err());
         assert_eq!((f.kind.as_str(), f.exit_code()), ("invalid", 2));
     }
