@@ -1,10 +1,11 @@
 //! What the CLI prints, whichever way a verb ran (through a daemon, `remote.rs`, or on a local
 //! data directory, `main.rs`): one human format per kind of result, read from the same JSON
 //! the API returns (`--json` prints that JSON as it is), and one mapping from an error's kind
-//! to the exit code: 2 when the request must change (invalid, not found, conflict, no
-//! permission: the API's 4xx), 1 when something failed and a retry may help. With `--json`
-//! an error is printed on stdout as the API's error body: `{"error": {"kind", "message",
-//! "retryable"}}`.
+//! to the exit code: 2 when the request was refused (the API's 4xx: invalid, not found, no
+//! permission, too large, or in conflict with the workspace's state, such as a lease held by
+//! another node), 1 when something failed (an unavailable store, an internal error). Results
+//! go to stdout; errors to stderr, with `--json` as the API's error body on one line:
+//! `{"error": {"kind", "message", "retryable"}}`.
 
 use serde_json::Value;
 
