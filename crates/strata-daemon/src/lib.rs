@@ -14,6 +14,7 @@
 //!   paths, unless their lease was lost (then they are not served).
 
 mod api;
+mod auth;
 mod error;
 mod exports;
 mod metrics;

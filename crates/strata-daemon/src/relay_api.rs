@@ -12,8 +12,9 @@ use axum::Json;
 use strata_catalog::RelayStream;
 
 use crate::api::*;
+use crate::auth::{bearer, body, Tenant};
 use crate::error::ApiError;
-use crate::routes::{bearer, body, Tenant, D, R};
+use crate::routes::{D, R};
 use crate::{new_token, token_hash, Daemon};
 
 /// A relay caller: a tenant token (any stream of the tenant) or a stream token (only PUT to

@@ -5,8 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, FromRequestParts, Path, State};
-use axum::http::request::Parts;
+use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
@@ -15,6 +14,7 @@ use strata_catalog::{Checkpoint, Mode, Template, Workspace};
 use strata_engine::{Published, Source};
 
 use crate::api::*;
+use crate::auth::{body, optional_body, Admin, Scraper, Tenant};
 use crate::error::ApiError;
 use crate::exports::own_task;
 use crate::{new_token, observe, relay_api, template_api, token_hash, Daemon};
@@ -97,84 +97,6 @@ pub fn router(d: Arc<Daemon>) -> Router {
         ))
         .layer(axum::middleware::from_fn(observe::bound_client_id))
         .with_state(d)
-}
-
-/// The caller's tenant, from `Authorization: Bearer TOKEN`.
-pub struct Tenant(pub String);
-/// The caller holds the admin token.
-pub struct Admin;
-
-pub(crate) fn bearer(parts: &Parts) -> Option<&str> {
-    parts
-        .headers
-        .get(header::AUTHORIZATION)?
-        .to_str()
-        .ok()?
-        .strip_prefix("Bearer ")
-}
-
-impl FromRequestParts<Arc<Daemon>> for Tenant {
-    type Rejection = ApiError;
-    async fn from_request_parts(parts: &mut Parts, d: &Arc<Daemon>) -> Result<Self, ApiError> {
-        let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
-        match d
-            .engine
-            .catalog()
-            .tenant_for_token(&token_hash(token))
-            .await?
-        {
-            Some(t) => {
-                observe::record_tenant(&t);
-                Ok(Tenant(t))
-            }
-            None if d.admin_hash.as_deref() == Some(&token_hash(token)) => {
-                Err(ApiError::forbidden(
-                    "the admin token manages tenants; use a tenant's token for its data",
-                ))
-            }
-            None => Err(ApiError::unauthorized()),
-        }
-    }
-}
-
-impl FromRequestParts<Arc<Daemon>> for Admin {
-    type Rejection = ApiError;
-    async fn from_request_parts(parts: &mut Parts, d: &Arc<Daemon>) -> Result<Self, ApiError> {
-        let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
-        match &d.admin_hash {
-            Some(h) if *h == token_hash(token) => Ok(Admin),
-            Some(_) => Err(ApiError::forbidden("this needs the admin token")),
-            None => Err(ApiError::forbidden(
-                "no admin token is configured (STRATA_ADMIN_TOKEN)",
-            )),
-        }
-    }
-}
-
-/// A body that may be left out (no JSON content type): the request's defaults then.
-pub(crate) fn optional_body<T: Default>(b: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
-    match b {
-        Err(JsonRejection::MissingJsonContentType(_)) => Ok(T::default()),
-        b => body(b),
-    }
-}
-
-pub(crate) fn body<T>(b: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
-    match b {
-        Ok(Json(v)) => Ok(v),
-        Err(JsonRejection::MissingJsonContentType(_)) => Err(ApiError::invalid(
-            "send a JSON body with Content-Type: application/json",
-        )),
-        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "too_large",
-            "request body over 64 KiB",
-        )),
-        Err(e) => Err(ApiError::invalid(format!(
-            "bad request body: {}",
-            e.body_text()
-        ))),
-    }
 }
 
 /// Every node sharing this catalog: what it serves, its remote windows, and whether it is alive
@@ -789,24 +711,6 @@ pub(crate) async fn thaw(
     Ok(Json(
         serde_json::json!({"workspace": name, "frozen": false}),
     ))
-}
-
-/// The caller may read `/metrics`: the admin token or the configured scrape token.
-pub struct Scraper;
-
-impl FromRequestParts<Arc<Daemon>> for Scraper {
-    type Rejection = ApiError;
-    async fn from_request_parts(parts: &mut Parts, d: &Arc<Daemon>) -> Result<Self, ApiError> {
-        let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
-        let h = token_hash(token);
-        if d.admin_hash.as_deref() == Some(&h) || d.metrics_hash.as_deref() == Some(&h) {
-            Ok(Scraper)
-        } else {
-            Err(ApiError::forbidden(
-                "/metrics needs the admin token or the scrape token (metrics_token)",
-            ))
-        }
-    }
 }
 
 /// Prometheus text exposition (it spans tenants: admin or scrape token only).

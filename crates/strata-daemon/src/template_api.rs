@@ -26,9 +26,10 @@ use strata_engine::template::{ImageFormat, ImportLimits};
 use tokio::io::AsyncWriteExt;
 
 use crate::api::{BuildTemplate, UploadTemplate};
+use crate::auth::{body, Tenant};
 use crate::error::ApiError;
 use crate::exports::own_task;
-use crate::routes::{body, Tenant, D};
+use crate::routes::D;
 use crate::Daemon;
 
 /// Largest disk a tenant's template may describe (ext4 size, an image's virtual size).
