@@ -10,68 +10,11 @@ use strata_nbd::client::Client;
 
 mod common;
 use common::*;
-
-/// `v` has every property `schema` (a component of the OpenAPI document) requires and none
-/// it does not list, recursively through references and nullable/one-of wrappers.
-fn conforms(schemas: &Value, name: &str, v: &Value) {
-    let s = &schemas[name];
-    assert!(!s.is_null(), "no schema {name}");
-    check(schemas, s, v, name);
-}
-
-fn check(schemas: &Value, s: &Value, v: &Value, at: &str) {
-    if let Some(r) = s["$ref"].as_str() {
-        let name = r.rsplit('/').next().unwrap();
-        return check(schemas, &schemas[name], v, at);
-    }
-    if let Some(alts) = s["oneOf"].as_array() {
-        if v.is_null() && alts.iter().any(|a| a["type"] == "null") {
-            return;
-        }
-        let a = alts.iter().find(|a| a["type"] != "null").unwrap();
-        return check(schemas, a, v, at);
-    }
-    let types: Vec<&str> = match &s["type"] {
-        Value::String(t) => vec![t.as_str()],
-        Value::Array(ts) => ts.iter().filter_map(|t| t.as_str()).collect(),
-        _ => vec![],
-    };
-    if v.is_null() {
-        assert!(types.contains(&"null"), "{at}: null where {s} is expected");
-        return;
-    }
-    if types.contains(&"object") {
-        let o = v
-            .as_object()
-            .unwrap_or_else(|| panic!("{at}: not an object: {v}"));
-        let props = s["properties"].as_object();
-        for req in s["required"].as_array().into_iter().flatten() {
-            let k = req.as_str().unwrap();
-            assert!(o.contains_key(k), "{at}: missing {k}: {v}");
-        }
-        if let Some(props) = props {
-            for (k, val) in o {
-                let p = props
-                    .get(k)
-                    .unwrap_or_else(|| panic!("{at}: {k} is not in the schema"));
-                check(schemas, p, val, &format!("{at}.{k}"));
-            }
-        }
-    } else if types.contains(&"integer") {
-        assert!(v.is_u64() || v.is_i64(), "{at}: not an integer: {v}");
-    } else if types.contains(&"string") {
-        assert!(v.is_string(), "{at}: not a string: {v}");
-        if let Some(e) = s["enum"].as_array() {
-            assert!(e.contains(v), "{at}: {v} not one of {e:?}");
-        }
-    } else if types.contains(&"boolean") {
-        assert!(v.is_boolean(), "{at}: not a boolean: {v}");
-    } else if types.contains(&"array") {
-        for x in v.as_array().unwrap() {
-            check(schemas, &s["items"], x, at);
-        }
-    }
-}
+#[path = "daemon/observe.rs"]
+mod observe;
+#[path = "daemon/schema.rs"]
+mod schema;
+use schema::conforms;
 
 /// Another node: its own data directory, sharing node A's catalog and object store.
 fn second_node(data_a: &Path, data_b: &Path, token: &str) -> (Daemon, Api) {
@@ -818,60 +761,4 @@ async fn gc_through_the_daemon_reclaims_deleted_history_and_keeps_the_rest() {
             .contains("strata_gc_reclaimed_bytes_total"),
         "{m}"
     );
-}
-
-/// Every request has an id (the client's if short, else the daemon's), runs in a span that
-/// names its tenant and workspace (in the JSON log), and is timed by route template: a
-/// tenant's names never become metric labels.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requests_carry_ids_spans_and_route_metrics() {
-    let d = tempfile::tempdir().unwrap();
-    let log = d.path().join("daemon.log");
-    let daemon = serve_logged(
-        &d.path().join("a"),
-        &[
-            ("STRATA_LOG", "tower_http=debug,strata_daemon=info"),
-            ("STRATA_LOG_FORMAT", "json"),
-        ],
-        &log,
-    );
-    let a = tenant(&daemon.url, "alpha").await;
-    let call = |id: Option<String>| {
-        let mut r = a
-            .http
-            .get(format!("{}/v1/workspaces/nope-7", daemon.url))
-            .bearer_auth(&a.token);
-        if let Some(id) = id {
-            r = r.header("x-request-id", id);
-        }
-        async move {
-            let resp = r.send().await.unwrap();
-            assert_eq!(resp.status(), StatusCode::NOT_FOUND);
-            resp.headers()["x-request-id"].to_str().unwrap().to_string()
-        }
-    };
-    assert_eq!(call(Some("job-42".into())).await, "job-42");
-    let made = call(Some("x".repeat(500))).await;
-    assert!(made.starts_with("req-"), "{made}");
-    let other = call(None).await;
-    assert!(other.starts_with("req-") && other != made, "{other}");
-
-    let (_, m) = Api::new(&daemon.url, ADMIN).get("/metrics").await;
-    let m = m.as_str().unwrap();
-    assert!(
-        m.contains(
-            "strata_http_request_seconds_count{method=\"GET\",route=\"/v1/workspaces/{name}\",status=\"404\"} 3"
-        ),
-        "{m}"
-    );
-    assert!(!m.contains("nope-7"), "a path's name became a label: {m}");
-
-    drop(daemon);
-    let text = std::fs::read_to_string(&log).unwrap();
-    let line = text
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|v| v["span"]["request_id"] == "job-42" && v["span"]["tenant"] == "alpha")
-        .unwrap_or_else(|| panic!("no JSON log line of request job-42 naming its tenant:\n{text}"));
-    assert_eq!(line["span"]["workspace"], "nope-7", "{line}");
 }
