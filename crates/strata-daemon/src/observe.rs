@@ -94,7 +94,8 @@ pub(crate) fn span(req: &axum::http::Request<axum::body::Body>) -> tracing::Span
     tracing::warn_span!(
         "http",
         method = %req.method(),
-        path = %path,
+        // A tenant chooses the path (percent-encoded ASCII): logged up to 256 bytes.
+        path = %path.get(..path.len().min(256)).unwrap_or(path),
         request_id = %id,
         tenant = tracing::field::Empty,
         workspace = %workspace,
