@@ -1,6 +1,10 @@
 //! What a request carries before its handler runs: who the caller is (a tenant's token, the
 //! admin token, the scrape token; every token is compared by its BLAKE3 hash) and its JSON
 //! body, with refusals in the API's error body.
+//!
+//! The `strata` CLI without a daemon runs the same router in its own process and names its
+//! caller with a [`LocalCaller`] request extension instead of a token. Extensions exist only
+//! in memory: nothing a network client sends can set one.
 
 use std::sync::Arc;
 
@@ -18,6 +22,26 @@ pub struct Tenant(pub String);
 /// The caller holds the admin token.
 pub struct Admin;
 
+/// The caller of a request made in this process (the CLI on its own data directory): acts
+/// as `tenant` on tenant routes and as the admin on admin routes, as the owner of the data
+/// directory may. Only code linked into the process can attach it to a request.
+#[derive(Clone, Debug)]
+pub struct LocalCaller {
+    tenant: String,
+}
+
+impl LocalCaller {
+    pub fn new(tenant: impl Into<String>) -> LocalCaller {
+        LocalCaller {
+            tenant: tenant.into(),
+        }
+    }
+}
+
+fn local(parts: &Parts) -> Option<&LocalCaller> {
+    parts.extensions.get::<LocalCaller>()
+}
+
 pub(crate) fn bearer(parts: &Parts) -> Option<&str> {
     parts
         .headers
@@ -30,6 +54,10 @@ pub(crate) fn bearer(parts: &Parts) -> Option<&str> {
 impl FromRequestParts<Arc<Daemon>> for Tenant {
     type Rejection = ApiError;
     async fn from_request_parts(parts: &mut Parts, d: &Arc<Daemon>) -> Result<Self, ApiError> {
+        if let Some(l) = local(parts) {
+            observe::record_tenant(&l.tenant);
+            return Ok(Tenant(l.tenant.clone()));
+        }
         let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
         match d
             .engine
@@ -54,6 +82,9 @@ impl FromRequestParts<Arc<Daemon>> for Tenant {
 impl FromRequestParts<Arc<Daemon>> for Admin {
     type Rejection = ApiError;
     async fn from_request_parts(parts: &mut Parts, d: &Arc<Daemon>) -> Result<Self, ApiError> {
+        if local(parts).is_some() {
+            return Ok(Admin);
+        }
         let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
         match &d.admin_hash {
             Some(h) if *h == token_hash(token) => Ok(Admin),
@@ -97,6 +128,9 @@ pub struct Scraper;
 impl FromRequestParts<Arc<Daemon>> for Scraper {
     type Rejection = ApiError;
     async fn from_request_parts(parts: &mut Parts, d: &Arc<Daemon>) -> Result<Self, ApiError> {
+        if local(parts).is_some() {
+            return Ok(Scraper);
+        }
         let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
         let h = token_hash(token);
         if d.admin_hash.as_deref() == Some(&h) || d.metrics_hash.as_deref() == Some(&h) {

@@ -414,6 +414,12 @@ impl Daemon {
             d.refuse_if_mounted(&t, &ws, "detaching it")?;
             let exported = d.lock_exports().get(&k).map(|h| h.req);
             d.stop_export(&t, &ws).await;
+            if d.engine.volume(&t, &ws).is_none() && d.engine.has_local_state(&t, &ws) {
+                // Not attached, but a process that stopped without detaching left its journal
+                // here (a killed `strata ws attach`, a resume refused): attaching replays it
+                // under the lease checks of any attach, and the detach below publishes it.
+                d.engine.attach(&t, &ws).await?;
+            }
             match d.engine.detach(&t, &ws).await {
                 Ok(p) => Ok(p),
                 Err(e) => {

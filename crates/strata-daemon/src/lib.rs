@@ -27,6 +27,7 @@ mod routes;
 mod template_api;
 
 pub use api::*;
+pub use auth::LocalCaller;
 pub use error::classify;
 
 use std::collections::HashMap;

@@ -47,6 +47,10 @@ struct Attached {
     /// Calls running on it that attached it for themselves (see `engine/hold.rs`): it is
     /// detached when the last ends, unless a user claimed it meanwhile.
     holds: u32,
+    /// This process's hold on the workspace's lock file (`DATA/locks/TENANT/WS`): another
+    /// process on the same data directory shares this node's id, so the lease cannot tell
+    /// the two apart; the lock keeps the second from opening the same journal.
+    _owner: crate::fs::FileLock,
 }
 
 type Key = (String, String);
@@ -394,6 +398,7 @@ impl Engine {
             }
             self.set_live(&key, None);
         }
+        let owner = self.lock_workspace(tenant, ws)?;
         self.settle_fork_marker(tenant, ws).await?;
         let ttl = self.cfg.lease_ttl.as_millis() as u64;
         // Whether a failed open may let go of the lease (below): not over a journal of ours,
@@ -444,6 +449,7 @@ impl Engine {
             task,
             claimed: claim,
             holds: 0,
+            _owner: owner,
         });
         self.set_live(&key, Some(vol.clone()));
         if let Some(src) = vol.adopt_source().and_then(|s| self.volume(tenant, &s)) {
@@ -466,6 +472,35 @@ impl Engine {
     pub fn volume(&self, tenant: &str, ws: &str) -> Option<Arc<Volume>> {
         let m = self.live.read().unwrap_or_else(|p| p.into_inner());
         m.get(&key(tenant, ws)).cloned()
+    }
+
+    /// Takes the workspace's lock file for this process (see [`Attached`]), or says which
+    /// process on this data directory has it attached.
+    fn lock_workspace(&self, tenant: &str, ws: &str) -> Result<crate::fs::FileLock> {
+        let path = self.cfg.data_dir.join("locks").join(tenant).join(ws);
+        match self.fs.lock_exclusive(&path) {
+            Ok(Ok(l)) => Ok(l),
+            Ok(Err(who)) => Err(Error::Catalog(CatalogError::InUse(format!(
+                "workspace {ws:?} is attached by another process on this data directory ({}): \
+                 stop it, or run one daemon (`strata serve`) and send it every request",
+                if who.is_empty() {
+                    "pid unknown"
+                } else {
+                    who.as_str()
+                }
+            )))),
+            Err(e) => Err(Error::io("locking the workspace")(e)),
+        }
+    }
+
+    /// Whether this node keeps local state (a journal, perhaps unpublished writes) for a
+    /// workspace, attached or not: left by a process that stopped without detaching it.
+    pub fn has_local_state(&self, tenant: &str, ws: &str) -> bool {
+        name::validate("workspace name", ws).is_ok()
+            && name::validate("tenant name", tenant).is_ok()
+            && self
+                .fs
+                .exists(&self.volume_dir(tenant, ws).join("state.json"))
     }
 
     /// Checkpoints everything acknowledged so far, with an optional label, and waits until it

@@ -54,6 +54,15 @@ pub trait Fs: Send + Sync {
         true
     }
 
+    /// Holds the file at `path` (created, with its directory, if missing) for this process,
+    /// exclusively among processes, until the returned guard is dropped: the kernel lets go
+    /// when the process ends in any way. `Ok(Err(text))` when another process holds it, with
+    /// what that process wrote into the file (its pid). A layer inside one process (a
+    /// simulated file system) has no other process to exclude.
+    fn lock_exclusive(&self, _path: &Path) -> io::Result<Result<FileLock, String>> {
+        Ok(Ok(FileLock(None)))
+    }
+
     /// Reads a whole file.
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
         let f = self.open(path, false)?;
@@ -75,6 +84,9 @@ pub trait Fs: Send + Sync {
         self.sync_dir(dir)
     }
 }
+
+/// A lock held by [`Fs::lock_exclusive`]; dropping it lets go.
+pub struct FileLock(#[allow(dead_code)] Option<std::fs::File>);
 
 /// The real file system.
 pub struct RealFs;
@@ -142,6 +154,33 @@ impl Fs for RealFs {
     }
     fn hard_link(&self, from: &Path, to: &Path) -> io::Result<()> {
         std::fs::hard_link(from, to)
+    }
+    fn lock_exclusive(&self, path: &Path) -> io::Result<Result<FileLock, String>> {
+        use std::io::{Read, Write};
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)?;
+        match f.try_lock() {
+            Ok(()) => {
+                // Who holds it, for the message another process gets (not needed for safety:
+                // the lock is the kernel's).
+                f.set_len(0)?;
+                f.write_all(format!("pid {}", std::process::id()).as_bytes())?;
+                Ok(Ok(FileLock(Some(f))))
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut who = String::new();
+                let _ = f.take(64).read_to_string(&mut who);
+                Ok(Err(who))
+            }
+            Err(std::fs::TryLockError::Error(e)) => Err(e),
+        }
     }
     fn available(&self, dir: &Path) -> io::Result<Option<u64>> {
         let st = rustix::fs::statvfs(dir)?;

@@ -1,9 +1,10 @@
 //! The `strata` command.
 //!
-//! With `STRATA_URL` set, every verb goes to that daemon's HTTP API (`remote.rs`); `serve`,
-//! `csi` and `demo` run here. Without it, the CLI drives the engine directly on a local data
-//! directory (the embedded default: SQLite catalog, local object directory, node cache and
-//! the volumes' journals).
+//! Every API verb is one request to the daemon's router (`client.rs`): with `STRATA_URL` set,
+//! over HTTP to that daemon; without it, to the same router run in this process on a local
+//! data directory (the embedded default: SQLite catalog, local object directory, node cache
+//! and the volumes' journals). `serve`, `csi` and `demo` run here, and a foreground
+//! `ws attach`, `ws write` and `ws export` work on a local data directory only.
 
 mod units;
 
@@ -11,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
-use strata_engine::{Engine, EngineConfig, Mode, Source};
+use strata_engine::{Engine, EngineConfig, Mode};
 
 #[derive(Parser)]
 #[command(
@@ -303,231 +304,89 @@ pub(crate) fn split_at_version(s: &str) -> anyhow::Result<(String, Option<u64>)>
     }
 }
 
+/// The engine on the local data directory, for a verb without an API; refused while a daemon
+/// owns the directory (the lock is held until the process ends).
 async fn open(g: &Global) -> anyhow::Result<Arc<Engine>> {
+    std::mem::forget(datadir::local(&g.data)?);
     let e = Engine::open_embedded(EngineConfig::new(&g.data)).await?;
     e.ensure_tenant(&g.tenant).await?;
     Ok(e)
 }
 
-fn progress() -> impl Fn(u64, u64) + Send + Sync {
-    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    move |done, total| {
-        if tty && total > 0 {
-            eprint!(
-                "\r{:>5.1}% of {}",
-                done as f64 * 100.0 / total as f64,
-                units::fmt_size(total)
-            );
-            if done >= total {
-                eprintln!();
-            }
-        }
-    }
-}
-
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let g = &cli.global;
     let t = g.tenant.as_str();
-    if let Some(url) = std::env::var("STRATA_URL").ok().filter(|u| !u.is_empty()) {
-        if !matches!(cli.cmd, Cmd::Serve(_) | Cmd::Demo | Cmd::Csi(_)) {
-            return remote::run(&url, g.json, cli.cmd).await;
-        }
-    }
+    let url = std::env::var("STRATA_URL").ok().filter(|u| !u.is_empty());
     match cli.cmd {
-        Cmd::Tenant(_) => return usage("tenants are managed through the daemon: set STRATA_URL (and STRATA_TOKEN to the admin token)"),
-        Cmd::Demo => demo::run(g.json).await?,
-        Cmd::Gc { dry_run } => {
+        Cmd::Demo => demo::run(g.json).await,
+        Cmd::Serve(a) => serve::serve(g, a).await,
+        Cmd::Csi(a) => csi::run(a).await,
+        // The verbs that work on a local data directory and have no API: a foreground
+        // attach (the process is the server), raw writes into the disk, and raw exports.
+        Cmd::Ws(WsCmd::Attach {
+            ws,
+            socket,
+            tcp,
+            vhost_user,
+            read_only,
+            queues,
+        }) if url.is_none() => {
             let e = open(g).await?;
-            let cfg = e.config();
-            let r = e
-                .gc(&strata_engine::GcOptions::from_config(cfg, dry_run))
-                .await?;
-            print_as(g.json, View::Gc, &r)?;
+            let front = serve::Front {
+                vhost_user,
+                read_only,
+                queues,
+            };
+            serve::attach(&e, g, &ws, socket, tcp, front).await
         }
-        Cmd::Nodes => {
+        Cmd::Ws(WsCmd::Write { ws, file, offset }) if url.is_none() => {
             let e = open(g).await?;
-            let nodes = e.catalog().list_nodes().await?;
-            let v = serde_json::json!({ "this": e.node_id(), "nodes": nodes });
-            print(g.json, View::Nodes, &v);
+            let data = std::fs::read(&file)?;
+            let v = e.attach(t, &ws).await?;
+            v.write(offset, &data, false).await?;
+            v.flush().await?;
+            let p = e.detach(t, &ws).await?;
+            let head = match p {
+                Some(p) => p.version,
+                None => e.workspace(t, &ws).await?.head_version,
+            };
+            let v =
+                serde_json::json!({"bytes": data.len(), "offset": offset, "head_version": head});
+            print(g.json, View::Written, &v);
+            Ok(())
         }
-        Cmd::Serve(a) => serve::serve(g, a).await?,
-        Cmd::Csi(a) => csi::run(a).await?,
-        Cmd::Template(c) => {
+        Cmd::Ws(WsCmd::Export { ws, out }) if url.is_none() => {
             let e = open(g).await?;
-            match c {
-                TemplateCmd::Build {
-                    name,
-                    from_dir,
-                    from_image,
-                    size,
-                } => {
-                    let p = progress();
-                    let tpl = match (from_dir, from_image) {
-                        (Some(d), _) => e.build_template_from_dir(t, &name, &d, size, &p).await?,
-                        (None, Some(i)) => e.build_template_from_image(t, &name, &i, &p).await?,
-                        _ => return usage("give --from-dir DIR or --from-image FILE"),
-                    };
-                    print_as(g.json, View::Template, &tpl)?;
-                }
-                TemplateCmd::List => {
-                    let l = e.catalog().list_templates(t).await?;
-                    print_as(g.json, View::Templates, &l)?;
-                }
-                TemplateCmd::Show { name } => {
-                    let tpl = e.catalog().get_template(t, &name).await?;
-                    print_as(g.json, View::Template, &tpl)?;
-                }
-                TemplateCmd::Delete { name } => {
-                    e.catalog().delete_template(t, &name).await?;
-                    print(
-                        g.json,
-                        View::Deleted("template"),
-                        &serde_json::json!({"deleted": name}),
-                    );
-                }
-            }
+            let (w, v) = split_at_version(&ws)?;
+            let n = e.export(t, &w, v, &out).await?;
+            print(
+                g.json,
+                View::Exported,
+                &serde_json::json!({"bytes": n, "out": out}),
+            );
+            Ok(())
         }
-        Cmd::Ws(c) => {
-            let e = open(g).await?;
-            match c {
-                WsCmd::Create {
-                    ws,
-                    template,
-                    from,
-                    size,
-                    mode,
-                    ttl,
-                } => {
-                    let source = match (template, from, size) {
-                        (Some(tpl), _, _) => Source::Template(tpl),
-                        (_, Some(f), _) => {
-                            let (w, v) = split_at_version(&f)?;
-                            Source::Checkpoint {
-                                workspace: w,
-                                version: v,
-                            }
-                        }
-                        (_, _, Some(s)) => Source::Empty { size: s },
-                        _ => return usage("give --template NAME, --from WS[@VERSION] or --size SIZE"),
-                    };
-                    let w = e.create_workspace(t, &ws, source, mode, ttl).await?;
-                    print_as(g.json, View::Workspace, &w)?;
-                }
-                WsCmd::List => {
-                    let l = e.list_workspaces(t).await?;
-                    print_as(g.json, View::Workspaces, &l)?;
-                }
-                WsCmd::Show { ws } => {
-                    // The daemon's view; nothing stays attached between local commands.
-                    let v = strata_daemon::WorkspaceView {
-                        workspace: e.workspace(t, &ws).await?,
-                        lease: e.catalog().get_lease(t, &ws).await?,
-                        attached: false,
-                        export: None,
-                        stats: None,
-                    };
-                    print_as(g.json, View::WorkspaceDetail, &v)?;
-                }
-                WsCmd::Log { ws } => {
-                    let l = e.log(t, &ws).await?;
-                    print_as(g.json, View::Log, &l)?;
-                }
-                WsCmd::Checkpoint { ws, label, keep, .. } => {
-                    let ticker = {
-                        let (e, t, ws) = (e.clone(), t.to_string(), ws.clone());
-                        upload_progress(move || {
-                            let (e, t, ws) = (e.clone(), t.clone(), ws.clone());
-                            async move {
-                                let s = e.volume(&t, &ws)?.stats();
-                                Some((s.publish_done_bytes, s.publish_total_bytes))
-                            }
-                        })
-                    };
-                    let keep_until = keep.map(|k| {
-                        strata_format::now_ms()
-                            .saturating_add(u64::try_from(k.as_millis()).unwrap_or(u64::MAX))
-                    });
-                    // The workspace is attached for the call: the checkpoint is published before the
-                    // volume is detached again.
-                    let p = e.checkpoint_with(t, &ws, label, keep_until, true).await;
-                    end_progress(ticker);
-                    print_as(g.json, View::Checkpoint, &p?)?;
-                }
-                WsCmd::Fork { src, new } => {
-                    let (s, v) = split_at_version(&src)?;
-                    let w = e.fork(t, &s, v, &new, None).await?;
-                    print_as(g.json, View::Workspace, &w)?;
-                }
-                WsCmd::Rollback { ws, version, wait } => {
-                    // Attached for the call, the workspace is published when it is let go.
-                    let p = e.rollback_with(t, &ws, version, wait).await?;
-                    print_as(g.json, View::Rollback, &p)?;
-                }
-                WsCmd::Resize { ws, size } => {
-                    let n = e.grow(t, &ws, size).await?;
-                    print(g.json, View::Resized, &serde_json::json!({"disk_size": n}));
-                }
-                WsCmd::Delete { ws } => {
-                    e.delete_workspace(t, &ws).await?;
-                    print(
-                        g.json,
-                        View::Deleted("workspace"),
-                        &serde_json::json!({"deleted": ws}),
-                    );
-                }
-                WsCmd::Write { ws, file, offset } => {
-                    let data = std::fs::read(&file)?;
-                    let v = e.attach(t, &ws).await?;
-                    v.write(offset, &data, false).await?;
-                    v.flush().await?;
-                    let p = e.detach(t, &ws).await?;
-                    let head = match p {
-                        Some(p) => p.version,
-                        None => e.workspace(t, &ws).await?.head_version,
-                    };
-                    let v = serde_json::json!({"bytes": data.len(), "offset": offset, "head_version": head});
-                    print(g.json, View::Written, &v);
-                }
-                WsCmd::Attach { ws, socket, tcp, vhost_user, read_only, queues } => {
-                    let front = serve::Front { vhost_user, read_only, queues };
-                    serve::attach(&e, g, &ws, socket, tcp, front).await?
-                }
-                WsCmd::Detach { ws } => {
-                    // Without a daemon nothing stays attached between commands: attaching
-                    // replays any journal a crashed `ws attach` left, then detach publishes it.
-                    let vol = e.attach(t, &ws).await?;
-                    let ticker = upload_progress(move || {
-                        let s = vol.stats();
-                        async move { Some((s.publish_done_bytes, s.publish_total_bytes)) }
-                    });
-                    let p = e.detach(t, &ws).await;
-                    end_progress(ticker);
-                    print_as(g.json, View::Detached, &p?)?;
-                }
-                WsCmd::Freeze { .. } | WsCmd::Thaw { .. } => {
-                    return usage("freeze and thaw act on a workspace attached in a daemon: set STRATA_URL")
-                }
-                WsCmd::Mount { .. } | WsCmd::Umount { .. } | WsCmd::Mounts => {
-                    return usage("mounts are held by a daemon (`strata serve`, as root): set STRATA_URL")
-                }
-                WsCmd::Export { ws, out } => {
-                    let (w, v) = split_at_version(&ws)?;
-                    let n = e.export(t, &w, v, &out).await?;
-                    print(g.json, View::Exported, &serde_json::json!({"bytes": n, "out": out}));
-                }
-            }
+        // Every other verb is a request to the API: to a daemon, or to the same router here.
+        cmd => {
+            let c = match &url {
+                Some(u) => client::Client::http(u),
+                None => client::Client::in_process(g).await?,
+            };
+            let r = client::run(&c, g.json, cmd).await;
+            c.close().await;
+            r
         }
     }
-    Ok(())
 }
 
+mod client;
 mod csi;
+mod datadir;
 mod demo;
 mod output;
-mod remote;
 mod serve;
 
-use output::{print, print_as, usage, View};
+use output::{print, View};
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();

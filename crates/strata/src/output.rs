@@ -196,12 +196,6 @@ pub fn print(json: bool, view: View, v: &Value) {
     }
 }
 
-/// [`print`] of any serialisable result.
-pub fn print_as<T: serde::Serialize>(json: bool, view: View, v: &T) -> anyhow::Result<()> {
-    print(json, view, &serde_json::to_value(v)?);
-    Ok(())
-}
-
 fn gc(v: &Value) -> String {
     let b = |k: &str| fmt_size(n(v, k));
     format!(
@@ -267,6 +261,19 @@ impl std::fmt::Display for Usage {
 
 impl std::error::Error for Usage {}
 
+/// A request the state of things refuses (another process owns the data directory): exit 2,
+/// reported as the API reports a conflict.
+#[derive(Debug)]
+pub struct Conflict(pub String);
+
+impl std::fmt::Display for Conflict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Conflict {}
+
 /// Fails with a [`Usage`] error.
 pub fn usage<T>(m: impl Into<String>) -> anyhow::Result<T> {
     Err(Usage(m.into()).into())
@@ -282,12 +289,20 @@ pub struct Failure {
 
 impl Failure {
     pub fn of(e: &anyhow::Error) -> Failure {
-        if let Some(r) = e.downcast_ref::<crate::remote::RemoteError>() {
+        if let Some(r) = e.downcast_ref::<crate::client::ApiFailure>() {
             return Failure {
                 kind: r.kind.clone(),
                 status: r.status,
                 message: r.msg.clone(),
                 retryable: r.retryable,
+            };
+        }
+        if let Some(c) = e.downcast_ref::<Conflict>() {
+            return Failure {
+                kind: "conflict".into(),
+                status: 409,
+                message: c.0.clone(),
+                retryable: false,
             };
         }
         if let Some(u) = e.downcast_ref::<Usage>() {

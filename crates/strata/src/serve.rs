@@ -410,6 +410,7 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
             session_token: file.s3_session_token.clone(),
         },
     )?;
+    let mut owner = crate::datadir::DataDirLock::daemon(&g.data)?;
     let engine = Engine::open_with(cfg, catalog, store, Arc::new(strata_engine::fs::RealFs))?;
     if admin.is_none() {
         tracing::warn!("no admin token (STRATA_ADMIN_TOKEN or admin_token in the config): tenants cannot be created over the API");
@@ -441,6 +442,7 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("binding {listen}"))?;
     let addr = listener.local_addr()?;
     daemon.set_url(&format!("http://{addr}"));
+    owner.say(&format!("pid {}, http://{addr}", std::process::id()))?;
     let _background = daemon.spawn_background();
     if g.json {
         println!(

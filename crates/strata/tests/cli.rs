@@ -65,3 +65,80 @@ fn lifecycle_through_the_cli() {
     assert_eq!(c, 2, "{e}");
     assert!(e.contains("not found"), "{e}");
 }
+
+/// Without a daemon, a verb is the same request to the same router, run in the CLI's process:
+/// a `ws detach` after a foreground `ws attach` was killed (-9) with acknowledged, flushed
+/// writes in its journal replays that journal and publishes it (the daemon's detach does the
+/// same for a workspace it holds local state for but does not serve).
+#[test]
+fn a_local_detach_publishes_what_a_killed_attach_left() {
+    use std::io::BufRead;
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("data");
+    let (c, _, e) = strata(&data, &["ws", "create", "w", "--size", "1MiB"]);
+    assert_eq!(c, 0, "{e}");
+    // Nothing attached, no local state: refused as a daemon refuses it.
+    let (c, _, e) = strata(&data, &["ws", "detach", "w"]);
+    assert_eq!(c, 2, "{e}");
+    assert!(e.contains("not attached"), "{e}");
+    let sock = d.path().join("w.sock");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .arg("--data")
+        .arg(&data)
+        .args(["ws", "attach", "w", "--socket"])
+        .arg(&sock)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("nbd+unix:///w?socket="), "{line}");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = strata_nbd::client::Client::connect_unix(&sock, "w")
+            .await
+            .unwrap();
+        c.write(65536, &[0x5a; 4096], false).await.unwrap();
+        c.flush().await.unwrap();
+    });
+    // Another CLI process on the same data directory shares this node's id, so the lease
+    // cannot keep it off the attached workspace: its lock does. Such a checkpoint used to
+    // attach the same journal, detach it, remove it, and fail the running export's next
+    // FLUSH with EIO.
+    let (c, _, e) = strata(&data, &["ws", "checkpoint", "w"]);
+    assert_eq!(c, 2, "{e}");
+    assert!(e.contains("attached by another process"), "{e}");
+    rt.block_on(async {
+        let mut c = strata_nbd::client::Client::connect_unix(&sock, "w")
+            .await
+            .unwrap();
+        c.write(65536, &[0x5a; 4096], false).await.unwrap();
+        c.flush().await.unwrap();
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let (c, out, e) = strata(&data, &["--json", "ws", "detach", "w"]);
+    assert_eq!(c, 0, "{e}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["state"], "published", "{out}");
+    // Published: the object store's copy (not the journal) has the write.
+    let img = d.path().join("w.raw");
+    let (c, _, e) = strata(&data, &["ws", "export", "w", img.to_str().unwrap()]);
+    assert_eq!(c, 0, "{e}");
+    let img = std::fs::read(&img).unwrap();
+    assert!(img[65536..69632].iter().all(|&b| b == 0x5a));
+    // Verbs that need a long-lived daemon say so (exit 2), instead of holding a mount or a
+    // freeze for the length of one command.
+    for args in [
+        &["ws", "freeze", "w"][..],
+        &["ws", "mount", "w"],
+        &["ws", "mounts"],
+    ] {
+        let (c, _, e) = strata(&data, args);
+        assert_eq!(c, 2, "{args:?}: {e}");
+        assert!(e.contains("STRATA_URL"), "{e}");
+    }
+}

@@ -544,6 +544,20 @@ async fn the_cli_drives_the_daemon() {
     };
     let (c, _, e) = local(&["ws", "create", "w", "--size", "4MiB", "--mode", "sync"]);
     assert_eq!(c, 0, "{e}");
+    // The daemon's own data directory is its alone: a CLI process there is sent to it.
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .arg("--data")
+        .arg(d.path().join("a"))
+        .args(["ws", "list"])
+        .env_remove("STRATA_URL")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("a daemon serves") && e.contains(&daemon.url),
+        "{e}"
+    );
     let (_, remote_list, _) = cli(&token, &["ws", "list"]);
     let (_, local_list, _) = local(&["ws", "list"]);
     assert_eq!(

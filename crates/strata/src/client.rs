@@ -1,67 +1,151 @@
-//! The CLI talking to a daemon (`STRATA_URL`, `STRATA_TOKEN`).
+//! Every API verb of the CLI, in one implementation: as requests to the daemon's router,
+//! either over HTTP to a daemon (`STRATA_URL`, `STRATA_TOKEN`) or to the same router run in
+//! this process on a local data directory (the embedded default). Both ways print the same
+//! forms and exit with the same codes, because they are the same requests and responses.
+//!
+//! The in-process router acts for the `--tenant` given (and as the admin: whoever runs the
+//! CLI on a data directory owns it) through a `LocalCaller` request extension, not a token.
+//! When the verb is done the in-process daemon is stopped the way `strata serve` stops.
 
+use std::sync::Arc;
+
+use axum::http::Method;
 use serde_json::{json, Value};
 
 use crate::output::{print, usage, View};
 use crate::{Cmd, TemplateCmd, TenantCmd, WsCmd};
 
-struct Http {
-    c: reqwest::Client,
-    url: String,
-    token: String,
+/// Where the requests go.
+#[derive(Clone)]
+pub enum Client {
+    Http {
+        c: reqwest::Client,
+        url: String,
+        token: String,
+    },
+    InProcess {
+        router: axum::Router,
+        daemon: Arc<strata_daemon::Daemon>,
+        caller: strata_daemon::LocalCaller,
+    },
 }
 
-impl Http {
-    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        let r = self
-            .c
-            .request(method, format!("{}{path}", self.url.trim_end_matches('/')));
-        if self.token.is_empty() {
-            r
-        } else {
-            r.bearer_auth(&self.token)
+/// A request body.
+enum Body {
+    None,
+    Json(Value),
+    /// A local file, streamed (template uploads).
+    File(std::path::PathBuf),
+}
+
+impl Client {
+    pub fn http(url: &str) -> Client {
+        Client::Http {
+            c: reqwest::Client::new(),
+            url: url.trim_end_matches('/').to_string(),
+            token: std::env::var("STRATA_TOKEN").unwrap_or_default(),
         }
     }
 
-    async fn call(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> anyhow::Result<Value> {
-        let mut r = self.request(method, path);
-        if let Some(b) = body {
-            r = r.json(&b);
+    /// The daemon's router over the engine of a local data directory, acting as `tenant`.
+    pub async fn in_process(g: &crate::Global) -> anyhow::Result<Client> {
+        // Held until the process ends: no daemon may start on the directory meanwhile.
+        std::mem::forget(crate::datadir::local(&g.data)?);
+        let e =
+            strata_engine::Engine::open_embedded(strata_engine::EngineConfig::new(&g.data)).await?;
+        e.ensure_tenant(&g.tenant).await?;
+        let daemon = strata_daemon::Daemon::new(
+            e,
+            strata_daemon::DaemonConfig {
+                // The owner of the data directory builds templates of any size it can hold.
+                template_max_bytes: Some(u64::MAX),
+                ..Default::default()
+            },
+        )?;
+        Ok(Client::InProcess {
+            router: daemon.router(),
+            daemon,
+            caller: strata_daemon::LocalCaller::new(g.tenant.clone()),
+        })
+    }
+
+    /// After the verb: an in-process daemon stops as `strata serve` does (what is still
+    /// attached, only for a call whose final publish failed, is flushed and kept on disk for
+    /// the next process, never thrown away).
+    pub async fn close(&self) {
+        if let Client::InProcess { daemon, .. } = self {
+            daemon.shutdown().await;
         }
-        self.send(r).await
     }
 
-    /// Streams a local file as the request body.
-    async fn upload(&self, path: &str, file: &std::path::Path) -> anyhow::Result<Value> {
-        let f = tokio::fs::File::open(file).await?;
-        let len = f.metadata().await?.len();
-        let r = self
-            .request(reqwest::Method::PUT, path)
-            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-            .header(reqwest::header::CONTENT_LENGTH, len)
-            .body(reqwest::Body::from(f));
-        self.send(r).await
-    }
-
-    async fn send(&self, r: reqwest::RequestBuilder) -> anyhow::Result<Value> {
-        let resp = r
-            .send()
+    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+        self.send(method, path, body.map_or(Body::None, Body::Json))
             .await
-            .map_err(|e| anyhow::anyhow!("cannot reach the daemon at {}: {e}", self.url))?;
-        let status = resp.status();
-        let text = resp.text().await?;
+    }
+
+    async fn upload(&self, path: &str, file: &std::path::Path) -> anyhow::Result<Value> {
+        self.send(Method::PUT, path, Body::File(file.to_path_buf()))
+            .await
+    }
+
+    async fn send(&self, method: Method, path: &str, body: Body) -> anyhow::Result<Value> {
+        let (status, text) = match self {
+            Client::Http { c, url, token } => {
+                let mut r = c.request(method, format!("{url}{path}"));
+                if !token.is_empty() {
+                    r = r.bearer_auth(token);
+                }
+                r = match body {
+                    Body::None => r,
+                    Body::Json(v) => r.json(&v),
+                    Body::File(p) => {
+                        let f = tokio::fs::File::open(&p).await?;
+                        let len = f.metadata().await?.len();
+                        r.header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+                            .header(reqwest::header::CONTENT_LENGTH, len)
+                            .body(reqwest::Body::from(f))
+                    }
+                };
+                let resp = r
+                    .send()
+                    .await
+                    .map_err(|e| anyhow::anyhow!("cannot reach the daemon at {url}: {e}"))?;
+                (resp.status().as_u16(), resp.text().await?)
+            }
+            Client::InProcess { router, caller, .. } => {
+                use axum::http::header;
+                use tower::ServiceExt;
+                let b = axum::http::Request::builder().method(method).uri(path);
+                let req = match body {
+                    Body::None => b.body(axum::body::Body::empty()),
+                    Body::Json(v) => b
+                        .header(header::CONTENT_TYPE, "application/json")
+                        .body(axum::body::Body::from(serde_json::to_vec(&v)?)),
+                    Body::File(p) => {
+                        let f = tokio::fs::File::open(&p).await?;
+                        let len = f.metadata().await?.len();
+                        b.header(header::CONTENT_TYPE, "application/octet-stream")
+                            .header(header::CONTENT_LENGTH, len)
+                            .body(axum::body::Body::from_stream(
+                                tokio_util::io::ReaderStream::new(f),
+                            ))
+                    }
+                };
+                let mut req = req?;
+                req.extensions_mut().insert(caller.clone());
+                let resp = router.clone().oneshot(req).await?;
+                let status = resp.status().as_u16();
+                let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX).await?;
+                (status, String::from_utf8_lossy(&bytes).into_owned())
+            }
+        };
         let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-        if !status.is_success() {
+        if !(200..300).contains(&status) {
             let msg = v["error"]["message"].as_str().unwrap_or(&text).to_string();
             let kind = v["error"]["kind"].as_str().unwrap_or("error").to_string();
             let retryable = v["error"]["retryable"].as_bool().unwrap_or(false);
-            return Err(RemoteError {
-                status: status.as_u16(),
+            return Err(ApiFailure {
+                status,
                 kind,
                 msg,
                 retryable,
@@ -70,38 +154,37 @@ impl Http {
         }
         Ok(v)
     }
+
+    fn is_local(&self) -> bool {
+        matches!(self, Client::InProcess { .. })
+    }
 }
 
-/// An error reported by the daemon; exit code 2 for client errors.
+/// An error the API returned (over HTTP or in process); exit code 2 for client errors.
 #[derive(Debug)]
-pub struct RemoteError {
+pub struct ApiFailure {
     pub status: u16,
     pub kind: String,
     pub msg: String,
     pub retryable: bool,
 }
 
-impl std::fmt::Display for RemoteError {
+impl std::fmt::Display for ApiFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} ({}, HTTP {})", self.msg, self.kind, self.status)
     }
 }
 
-impl std::error::Error for RemoteError {}
+impl std::error::Error for ApiFailure {}
 
-/// Polls the daemon's view of a workspace for upload progress while a publish runs.
-fn poll_remote(h: &Http, ws: &str) -> Option<tokio::task::JoinHandle<()>> {
-    let (c, url, token, ws) = (h.c.clone(), h.url.clone(), h.token.clone(), ws.to_string());
+/// Polls the API's view of a workspace for upload progress while a publish runs.
+fn poll_publish(h: &Client, ws: &str) -> Option<tokio::task::JoinHandle<()>> {
+    let (h, ws) = (h.clone(), ws.to_string());
     crate::upload_progress(move || {
-        let (c, url, token, ws) = (c.clone(), url.clone(), token.clone(), ws.clone());
+        let (h, ws) = (h.clone(), ws.clone());
         async move {
-            let v: Value = c
-                .get(format!("{}/v1/workspaces/{ws}", url.trim_end_matches('/')))
-                .bearer_auth(token)
-                .send()
-                .await
-                .ok()?
-                .json()
+            let v = h
+                .call(Method::GET, &format!("/v1/workspaces/{ws}"), None)
                 .await
                 .ok()?;
             Some((
@@ -115,26 +198,19 @@ fn poll_remote(h: &Http, ws: &str) -> Option<tokio::task::JoinHandle<()>> {
 /// On a terminal, shows how much of the disk a mount has read so far (a cold template's
 /// blocks come from the object store on first read: mkfs, journal replay and the mount itself
 /// wait on them).
-fn poll_mount(h: &Http, ws: &str) -> Option<tokio::task::JoinHandle<()>> {
+fn poll_mount(h: &Client, ws: &str) -> Option<tokio::task::JoinHandle<()>> {
     if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         return None;
     }
-    let (c, url, token, ws) = (h.c.clone(), h.url.clone(), h.token.clone(), ws.to_string());
+    let (h, ws) = (h.clone(), ws.to_string());
     let started = std::time::Instant::now();
     Some(tokio::spawn(async move {
         loop {
             tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-            let v: Option<Value> = async {
-                c.get(format!("{}/v1/workspaces/{ws}", url.trim_end_matches('/')))
-                    .bearer_auth(&token)
-                    .send()
-                    .await
-                    .ok()?
-                    .json()
-                    .await
-                    .ok()
-            }
-            .await;
+            let v = h
+                .call(Method::GET, &format!("/v1/workspaces/{ws}"), None)
+                .await
+                .ok();
             if let Some(read) = v.as_ref().and_then(|v| v["stats"]["bytes_read"].as_u64()) {
                 eprint!(
                     "\r\x1b[Kmounting {ws}: {} read, {:.1} s",
@@ -146,10 +222,10 @@ fn poll_mount(h: &Http, ws: &str) -> Option<tokio::task::JoinHandle<()>> {
     }))
 }
 
-/// `template build` through a daemon: the CLI sends the content (a tar archive of the
+/// `template build`: the CLI sends the content (a tar archive of the
 /// directory, or the image with its format stated), never a path on the daemon's host.
 async fn upload_template(
-    h: &Http,
+    h: &Client,
     name: &str,
     from_dir: Option<std::path::PathBuf>,
     from_image: Option<std::path::PathBuf>,
@@ -192,13 +268,24 @@ async fn upload_template(
     h.upload(&format!("/v1/templates/{name}?{q}"), &file).await
 }
 
-pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
-    use reqwest::Method as M;
-    let h = Http {
-        c: reqwest::Client::new(),
-        url: url.into(),
-        token: std::env::var("STRATA_TOKEN").unwrap_or_default(),
-    };
+/// Runs one API verb through `h`.
+pub async fn run(h: &Client, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
+    use Method as M;
+    if h.is_local() {
+        match &cmd {
+            Cmd::Ws(WsCmd::Freeze { .. } | WsCmd::Thaw { .. }) => {
+                return usage(
+                    "freeze and thaw act on a workspace attached in a daemon: set STRATA_URL",
+                )
+            }
+            Cmd::Ws(WsCmd::Mount { .. } | WsCmd::Umount { .. } | WsCmd::Mounts) => {
+                return usage(
+                    "mounts are held by a daemon (`strata serve`, as root): set STRATA_URL",
+                )
+            }
+            _ => {}
+        }
+    }
     let ws_path = |ws: &str, tail: &str| format!("/v1/workspaces/{ws}{tail}");
     match cmd {
         Cmd::Tenant(TenantCmd::Create { name }) => {
@@ -222,7 +309,7 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                     size,
                 } => (
                     View::Template,
-                    upload_template(&h, &name, from_dir, from_image, size).await?,
+                    upload_template(h, &name, from_dir, from_image, size).await?,
                 ),
                 TemplateCmd::List => (
                     View::Templates,
@@ -268,13 +355,13 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                     (View::Attached, h.call(M::POST, &ws_path(&ws, "/attach"), Some(body)).await?)
                 }
                 WsCmd::Detach { ws } => {
-                    let ticker = poll_remote(&h, &ws);
+                    let ticker = poll_publish(h, &ws);
                     let r = h.call(M::POST, &ws_path(&ws, "/detach"), Some(json!({}))).await;
                     crate::end_progress(ticker);
                     (View::Detached, r?)
                 }
                 WsCmd::Checkpoint { ws, label, keep, no_freeze, wait } => {
-                    let ticker = poll_remote(&h, &ws);
+                    let ticker = poll_publish(h, &ws);
                     let r = h.call(M::POST, &ws_path(&ws, "/checkpoint"), Some(json!({"label": label, "keep_secs": keep.map(|k| k.as_secs()), "no_freeze": no_freeze, "wait": wait}))).await;
                     crate::end_progress(ticker);
                     (View::Checkpoint, r?)
@@ -302,7 +389,7 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                         None => None,
                     };
                     let body = json!({"backend": backend, "mkfs": mkfs, "target": target, "read_only": read_only});
-                    let ticker = poll_mount(&h, &ws);
+                    let ticker = poll_mount(h, &ws);
                     let r = h.call(M::POST, &ws_path(&ws, "/mount"), Some(body)).await;
                     crate::end_progress(ticker);
                     (View::Mount, r?)
@@ -326,7 +413,7 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                     } else {
                         dir_or_ws
                     };
-                    let ticker = poll_remote(&h, &ws);
+                    let ticker = poll_publish(h, &ws);
                     let r = h.call(M::DELETE, &ws_path(&ws, "/mount"), None).await;
                     crate::end_progress(ticker);
                     (View::Unmounted, r?)
@@ -342,7 +429,7 @@ pub async fn run(url: &str, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
             };
             print(json_out, view, &v);
         }
-        Cmd::Serve(_) | Cmd::Demo | Cmd::Csi(_) => unreachable!("handled locally"),
+        Cmd::Serve(_) | Cmd::Demo | Cmd::Csi(_) => unreachable!("not API verbs"),
     }
     Ok(())
 }
