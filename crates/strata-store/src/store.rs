@@ -38,8 +38,10 @@ impl Store {
     /// Opens a store by URL:
     /// - `file:DIR`: a local directory, every put fsync'd (the embedded default);
     /// - `s3://BUCKET[/PREFIX][?endpoint=URL&region=R&allow_http=true]`: any S3-compatible store
-    ///   (AWS, MinIO, R2, Ceph RGW, GCS's S3 interoperability); credentials from the usual
-    ///   `AWS_*` environment variables; path-style requests unless `virtual_hosted=true`;
+    ///   (AWS, MinIO, R2, Ceph RGW, GCS's S3 interoperability); options are object_store's S3
+    ///   configuration keys, plus `retries` and `timeout_ms`; credentials from [`Credentials`]
+    ///   or the usual `AWS_*` environment variables, never from the URL; path-style requests
+    ///   unless `virtual_hosted_style_request=true`;
     /// - `memory:`: in memory (tests).
     pub fn open(url: &str) -> Result<Store> {
         Store::open_with(url, &Credentials::default())
@@ -215,9 +217,10 @@ pub struct Credentials {
 }
 
 fn open_s3(url: &str, rest: &str, creds: &Credentials) -> Result<Arc<dyn ObjectStore>> {
-    use object_store::aws::AmazonS3Builder;
+    use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey as AmazonConfigKey};
     use object_store::prefix::PrefixStore;
-    use object_store::{BackoffConfig, ClientOptions, RetryConfig};
+    use object_store::{BackoffConfig, ClientConfigKey, ClientOptions, RetryConfig};
+    use std::str::FromStr;
     let bad = |why: &str| StoreError::BadUrl(url.into(), why.into());
     let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
     let (bucket, prefix) = path.split_once('/').unwrap_or((path, ""));
@@ -246,40 +249,65 @@ fn open_s3(url: &str, rest: &str, creds: &Credentials) -> Result<Arc<dyn ObjectS
             base: 2.0,
         },
     };
-    let mut opts = ClientOptions::new()
-        .with_connect_timeout(std::time::Duration::from_secs(5))
-        .with_timeout(std::time::Duration::from_secs(120));
+    // Our defaults first: the URL's options below override them key by key.
+    b = b.with_client_options(
+        ClientOptions::new()
+            .with_connect_timeout(std::time::Duration::from_secs(5))
+            .with_timeout(std::time::Duration::from_secs(120)),
+    );
+    // Options are object_store's own S3 configuration keys (`endpoint`, `region`,
+    // `allow_http`, `virtual_hosted_style_request`, `checksum_algorithm`, `timeout`, …, with
+    // or without `aws_`), checked and parsed by object_store; plus `retries`, `timeout_ms`
+    // and `virtual_hosted`, kept from before. Secrets never ride in a URL (it is logged and
+    // shown in the nodes view): they come from the config file or the `AWS_*` environment.
     for kv in query.split('&').filter(|s| !s.is_empty()) {
         let (k, v) = kv
             .split_once('=')
             .ok_or_else(|| bad("query parameters must be key=value"))?;
-        b = match k {
-            "endpoint" => b.with_endpoint(v),
-            "region" => b.with_region(v),
-            "allow_http" => b.with_allow_http(v == "true"),
-            "virtual_hosted" => b.with_virtual_hosted_style_request(v == "true"),
-            "timeout_ms" => {
-                let ms: u64 = v.parse().map_err(|_| bad("timeout_ms must be a number"))?;
-                opts = opts.with_timeout(std::time::Duration::from_millis(ms.max(1)));
-                b
-            }
+        match k {
             "retries" => {
                 retry.max_retries = v.parse().map_err(|_| bad("retries must be a number"))?;
-                b
+                continue;
             }
-            _ => {
+            "timeout_ms" => {
+                let ms: u64 = v.parse().map_err(|_| bad("timeout_ms must be a number"))?;
+                b = b.with_config(
+                    AmazonConfigKey::Client(ClientConfigKey::Timeout),
+                    format!("{}ms", ms.max(1)),
+                );
+                continue;
+            }
+            _ => {}
+        }
+        let key = match k {
+            "virtual_hosted" => AmazonConfigKey::VirtualHostedStyleRequest,
+            k => AmazonConfigKey::from_str(k).map_err(|_| {
+                bad(&format!(
+                    "unknown parameter {k:?}: use object_store's S3 configuration keys (endpoint, region, allow_http, virtual_hosted_style_request, …), retries or timeout_ms"
+                ))
+            })?,
+        };
+        match key {
+            AmazonConfigKey::AccessKeyId
+            | AmazonConfigKey::SecretAccessKey
+            | AmazonConfigKey::Token => {
                 return Err(bad(&format!(
-                    "unknown parameter {k:?} (endpoint, region, allow_http, virtual_hosted, timeout_ms, retries)"
+                    "{k:?} is a secret: put it in the config file (s3_*) or the AWS_* environment, not in the store URL"
                 )))
             }
-        };
-    }
-    if query.contains("allow_http=true") {
-        opts = opts.with_allow_http(true);
+            AmazonConfigKey::Encryption(_) if key.as_ref() == "aws_sse_customer_key_base64" => {
+                return Err(bad(&format!(
+                    "{k:?} is a secret: put it in the AWS_* environment, not in the store URL"
+                )))
+            }
+            AmazonConfigKey::Bucket => {
+                return Err(bad("the bucket is the URL's host: s3://BUCKET[/PREFIX]"))
+            }
+            key => b = b.with_config(key, v),
+        }
     }
     let s3 = b
         .with_retry(retry)
-        .with_client_options(opts)
         .build()
         .map_err(|e| StoreError::BadUrl(url.into(), e.to_string()))?;
     let prefix = prefix.trim_matches('/');
@@ -288,4 +316,47 @@ fn open_s3(url: &str, rest: &str, creds: &Credentials) -> Result<Arc<dyn ObjectS
     } else {
         Arc::new(PrefixStore::new(s3, prefix))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn why(url: &str) -> String {
+        match Store::open(url) {
+            Err(StoreError::BadUrl(_, why)) => why,
+            Err(e) => panic!("{url}: {e}"),
+            Ok(_) => panic!("{url}: accepted"),
+        }
+    }
+
+    /// S3 options are object_store's own configuration keys, parsed by object_store: any of
+    /// them works (with or without `aws_`), a bad value or an unknown key is refused, and
+    /// secrets are refused in a URL.
+    #[test]
+    fn s3_urls_take_object_stores_keys_and_no_secrets() {
+        for ok in [
+            "s3://b?endpoint=http://127.0.0.1:9&region=us-east-1&allow_http=true",
+            "s3://b/p?aws_endpoint=http://127.0.0.1:9&aws_region=eu-west-1&aws_allow_http=true",
+            "s3://b?region=us-east-1&checksum_algorithm=sha256&virtual_hosted_style_request=false",
+            "s3://b?region=us-east-1&timeout=30s&connect_timeout=2s&retries=3&timeout_ms=500",
+            "s3://b?region=us-east-1&virtual_hosted=true",
+        ] {
+            Store::open(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        assert!(why("s3://b?regoin=x").contains("unknown parameter"));
+        assert!(why("s3://b?region=x&checksum_algorithm=md5").contains("md5"));
+        assert!(why("s3://b?region=x&timeout=soon").contains("soon"));
+        for secret in [
+            "secret_access_key",
+            "aws_access_key_id",
+            "token",
+            "sse_customer_key_base64",
+        ] {
+            let w = why(&format!("s3://b?region=x&{secret}=abc"));
+            assert!(w.contains("secret"), "{secret}: {w}");
+        }
+        assert!(why("s3://b?bucket=other").contains("bucket"));
+        assert!(why("s3://?region=x").contains("bucket"));
+    }
 }
