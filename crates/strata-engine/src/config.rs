@@ -34,7 +34,8 @@ pub struct EngineConfig {
     pub segment_max_bytes: u64,
     /// Target size of packed objects.
     pub object_target_bytes: u64,
-    /// `STRATA_VOLUME_CACHE_UNSAFE=1`: durable flushes are not honoured.
+    /// Durable flushes are not honoured (a control for power-loss tests; the `strata` binary
+    /// sets it from `STRATA_VOLUME_CACHE_UNSAFE=1`). Off by default.
     pub cache_unsafe: bool,
     /// Garbage collection: objects and manifests are deleted only after staying unreferenced
     /// this long (two GC passes at least this far apart); publishes slower than half of it
@@ -68,7 +69,9 @@ impl EngineConfig {
             readahead_units: strata_store::DEFAULT_READAHEAD_UNITS,
             segment_max_bytes: 64 << 20,
             object_target_bytes: 8 << 20,
-            cache_unsafe: cache_unsafe_from_env(),
+            // The process decides (the `strata` binary reads [`UNSAFE_ENV`]): a library
+            // constructor does not read the environment.
+            cache_unsafe: false,
             gc_grace: Duration::from_secs(3600),
             keep_checkpoints: 16,
             keep_checkpoint_age: Duration::from_secs(7 * 24 * 3600),

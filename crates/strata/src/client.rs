@@ -51,8 +51,7 @@ impl Client {
     pub async fn in_process(g: &crate::Global) -> anyhow::Result<Client> {
         // Held until the process ends: no daemon may start on the directory meanwhile.
         std::mem::forget(crate::datadir::local(&g.data)?);
-        let e =
-            strata_engine::Engine::open_embedded(strata_engine::EngineConfig::new(&g.data)).await?;
+        let e = strata_engine::Engine::open_embedded(crate::engine_config(&g.data)).await?;
         e.ensure_tenant(&g.tenant).await?;
         let daemon = strata_daemon::Daemon::new(
             e,

@@ -304,11 +304,19 @@ pub(crate) fn split_at_version(s: &str) -> anyhow::Result<(String, Option<u64>)>
     }
 }
 
+/// The engine settings of this process for a data directory: the defaults, and the one
+/// environment opt-out (`STRATA_VOLUME_CACHE_UNSAFE=1`, a power-loss test's control).
+pub(crate) fn engine_config(data: &std::path::Path) -> EngineConfig {
+    let mut c = EngineConfig::new(data);
+    c.cache_unsafe = strata_engine::cache_unsafe_from_env();
+    c
+}
+
 /// The engine on the local data directory, for a verb without an API; refused while a daemon
 /// owns the directory (the lock is held until the process ends).
 async fn open(g: &Global) -> anyhow::Result<Arc<Engine>> {
     std::mem::forget(datadir::local(&g.data)?);
-    let e = Engine::open_embedded(EngineConfig::new(&g.data)).await?;
+    let e = Engine::open_embedded(engine_config(&g.data)).await?;
     e.ensure_tenant(&g.tenant).await?;
     Ok(e)
 }

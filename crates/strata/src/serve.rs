@@ -2,6 +2,8 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+
+use crate::units::{Dur, Every, Size};
 use std::sync::Arc;
 
 use strata_engine::Engine;
@@ -182,21 +184,28 @@ async fn finish(
     Ok(())
 }
 
-/// `strata serve` flags. Each also reads a `STRATA_*` variable; a `--config` TOML file fills
-/// what neither gives: defaults < TOML file < environment < flags.
+/// `strata serve`: `--config FILE` and the settings.
 #[derive(clap::Args)]
 pub struct ServeArgs {
+    /// TOML config file: any setting below by its flag's name with `_` for `-` (sizes and
+    /// durations as strings or integers of bytes and seconds), plus the secrets that have no
+    /// flag: admin_token, metrics_token, s3_access_key_id, s3_secret_access_key,
+    /// s3_session_token. Unknown keys are refused.
+    #[arg(long, env = "STRATA_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(flatten)]
+    set: Settings,
+}
+
+/// The daemon's settings, declared once: each is a flag, a `STRATA_*` variable and a key of the
+/// `--config` file, parsed by the same type whichever it came from. Precedence: defaults <
+/// TOML file < environment < flags ([`Settings::over`]).
+#[derive(clap::Args, serde::Deserialize, serde::Serialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
     /// HTTP listen address.
     #[arg(long, env = "STRATA_LISTEN")]
     listen: Option<String>,
-    /// TOML config file (keys: listen, admin_token, catalog, catalog_pool, node_id, store,
-    /// s3_access_key_id, s3_secret_access_key, s3_session_token, upload_interval,
-    /// upload_max_bytes, lease_ttl, cache_capacity, relay_max_bytes, gc_interval,
-    /// gc_grace, keep_checkpoints, keep_checkpoint_age, compact_below, segment_size,
-    /// readahead_units, metrics_token, min_free, run_dir, import_dir, mount_root,
-    /// nbd_timeout, nbd_dead_timeout, template_max_bytes).
-    #[arg(long, env = "STRATA_CONFIG")]
-    config: Option<PathBuf>,
     /// Catalog: sqlite:PATH (default DATA/catalog.db) or postgres://user@host:port/db (shared
     /// by several nodes).
     #[arg(long, env = "STRATA_CATALOG")]
@@ -210,21 +219,21 @@ pub struct ServeArgs {
     /// Object store: file:DIR (default DATA/objects) or s3://bucket/prefix?endpoint=….
     #[arg(long, env = "STRATA_STORE")]
     store: Option<String>,
-    #[arg(long, env = "STRATA_UPLOAD_INTERVAL", value_parser = crate::units::parse_duration)]
-    upload_interval: Option<std::time::Duration>,
-    #[arg(long, env = "STRATA_UPLOAD_MAX_BYTES", value_parser = crate::units::parse_size)]
-    upload_max_bytes: Option<u64>,
-    #[arg(long, env = "STRATA_LEASE_TTL", value_parser = crate::units::parse_duration)]
-    lease_ttl: Option<std::time::Duration>,
-    #[arg(long, env = "STRATA_CACHE_CAPACITY", value_parser = crate::units::parse_size)]
-    cache_capacity: Option<u64>,
+    #[arg(long, env = "STRATA_UPLOAD_INTERVAL")]
+    upload_interval: Option<Dur>,
+    #[arg(long, env = "STRATA_UPLOAD_MAX_BYTES")]
+    upload_max_bytes: Option<Size>,
+    #[arg(long, env = "STRATA_LEASE_TTL")]
+    lease_ttl: Option<Dur>,
+    #[arg(long, env = "STRATA_CACHE_CAPACITY")]
+    cache_capacity: Option<Size>,
     /// How often garbage collection runs (default 1h; "off" disables).
     #[arg(long, env = "STRATA_GC_INTERVAL")]
-    gc_interval: Option<String>,
+    gc_interval: Option<Every>,
     /// GC grace period: unreferenced data is deleted only after this long (default 1h; every
     /// node sharing a store must use the same or a larger value).
-    #[arg(long, env = "STRATA_GC_GRACE", value_parser = crate::units::parse_duration)]
-    gc_grace: Option<std::time::Duration>,
+    #[arg(long, env = "STRATA_GC_GRACE")]
+    gc_grace: Option<Dur>,
     /// Units (256 KiB) fetched ahead of a sequential cold reader of an object (default 8; 0: off).
     #[arg(long, env = "STRATA_READAHEAD_UNITS")]
     readahead_units: Option<u64>,
@@ -232,19 +241,19 @@ pub struct ServeArgs {
     #[arg(long, env = "STRATA_KEEP_CHECKPOINTS")]
     keep_checkpoints: Option<usize>,
     /// … and for how long at most (default 7d).
-    #[arg(long, env = "STRATA_KEEP_CHECKPOINT_AGE", value_parser = crate::units::parse_duration)]
-    keep_checkpoint_age: Option<std::time::Duration>,
+    #[arg(long, env = "STRATA_KEEP_CHECKPOINT_AGE")]
+    keep_checkpoint_age: Option<Dur>,
     /// Journal segment size per volume (default 64MiB); each attached volume keeps up to two
     /// spare segments ready, so local spare space is about 2x this per workspace (1MiB to
     /// 64GiB).
-    #[arg(long, env = "STRATA_SEGMENT_SIZE", value_parser = crate::units::parse_size)]
-    segment_size: Option<u64>,
+    #[arg(long, env = "STRATA_SEGMENT_SIZE")]
+    segment_size: Option<Size>,
     /// GC compacts attached workspaces whose objects are less live than this (default 0.5).
     #[arg(long, env = "STRATA_COMPACT_BELOW")]
     compact_below: Option<f64>,
     /// Largest file one relay PUT may store (default 256MiB).
-    #[arg(long, env = "STRATA_RELAY_MAX_BYTES", value_parser = crate::units::parse_size)]
-    relay_max_bytes: Option<u64>,
+    #[arg(long, env = "STRATA_RELAY_MAX_BYTES")]
+    relay_max_bytes: Option<Size>,
     /// Where export sockets live (default DATA/run): short enough for unix socket paths
     /// (about 70 bytes at most), and free to be off the data disk.
     #[arg(long, env = "STRATA_RUN_DIR")]
@@ -259,155 +268,143 @@ pub struct ServeArgs {
     mount_root: Option<PathBuf>,
     /// Kernel NBD mounts: a request unanswered this long is retried on another connection
     /// (or after a reconnect), never failed (default 60s).
-    #[arg(long, env = "STRATA_NBD_TIMEOUT", value_parser = crate::units::parse_duration)]
-    nbd_timeout: Option<std::time::Duration>,
+    #[arg(long, env = "STRATA_NBD_TIMEOUT")]
+    nbd_timeout: Option<Dur>,
     /// Kernel NBD mounts: how long the kernel holds a mounted filesystem's requests while the
     /// daemon is down (a restart) before failing them with EIO (default 10m).
-    #[arg(long, env = "STRATA_NBD_DEAD_TIMEOUT", value_parser = crate::units::parse_duration)]
-    nbd_dead_timeout: Option<std::time::Duration>,
+    #[arg(long, env = "STRATA_NBD_DEAD_TIMEOUT")]
+    nbd_dead_timeout: Option<Dur>,
     /// Guest writes get ENOSPC while the data disk has less than this free, so the node's own
     /// metadata (catalog, leases, local state) always has room (default 64MiB; 0: no floor).
-    #[arg(long, env = "STRATA_MIN_FREE", value_parser = crate::units::parse_size)]
-    min_free: Option<u64>,
+    #[arg(long, env = "STRATA_MIN_FREE")]
+    min_free: Option<Size>,
     /// Largest template upload (default 16GiB).
-    #[arg(long, env = "STRATA_TEMPLATE_MAX_BYTES", value_parser = crate::units::parse_size)]
-    template_max_bytes: Option<u64>,
+    #[arg(long, env = "STRATA_TEMPLATE_MAX_BYTES")]
+    template_max_bytes: Option<Size>,
+    /// Secrets have no flag (argv is visible to every user of the host): the file, or
+    /// `STRATA_ADMIN_TOKEN`.
+    #[arg(skip)]
+    admin_token: Option<String>,
+    /// May read /metrics only: the file, or `STRATA_METRICS_TOKEN`.
+    #[arg(skip)]
+    metrics_token: Option<String>,
+    /// S3 credentials: the file, or the `AWS_*` environment.
+    #[arg(skip)]
+    s3_access_key_id: Option<String>,
+    #[arg(skip)]
+    s3_secret_access_key: Option<String>,
+    #[arg(skip)]
+    s3_session_token: Option<String>,
 }
 
-#[derive(serde::Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct FileConfig {
-    listen: Option<String>,
-    admin_token: Option<String>,
-    catalog: Option<String>,
-    catalog_pool: Option<usize>,
-    node_id: Option<String>,
-    store: Option<String>,
-    /// S3 credentials (otherwise from the AWS_* environment).
-    s3_access_key_id: Option<String>,
-    s3_secret_access_key: Option<String>,
-    s3_session_token: Option<String>,
-    upload_interval: Option<String>,
-    upload_max_bytes: Option<String>,
-    lease_ttl: Option<String>,
-    cache_capacity: Option<String>,
-    relay_max_bytes: Option<String>,
-    gc_interval: Option<String>,
-    gc_grace: Option<String>,
-    keep_checkpoints: Option<usize>,
-    readahead_units: Option<u64>,
-    keep_checkpoint_age: Option<String>,
-    compact_below: Option<f64>,
-    segment_size: Option<String>,
-    /// A token that may read /metrics only (also STRATA_METRICS_TOKEN).
-    metrics_token: Option<String>,
-    min_free: Option<String>,
-    run_dir: Option<PathBuf>,
-    import_dir: Option<PathBuf>,
-    mount_root: Option<PathBuf>,
-    nbd_timeout: Option<String>,
-    nbd_dead_timeout: Option<String>,
-    template_max_bytes: Option<String>,
+impl Settings {
+    /// These settings (flags and environment) over `file`'s: what one leaves unset, the
+    /// other's.
+    fn over(self, file: Settings) -> anyhow::Result<Settings> {
+        let mut merged = serde_json::to_value(file)?;
+        if let (Some(m), serde_json::Value::Object(mine)) =
+            (merged.as_object_mut(), serde_json::to_value(self)?)
+        {
+            m.extend(mine.into_iter().filter(|(_, v)| !v.is_null()));
+        }
+        Ok(serde_json::from_value(merged)?)
+    }
+
+    /// Reads `--config`, refusing unknown keys and bad values (with the key named).
+    fn file(path: &std::path::Path) -> anyhow::Result<Settings> {
+        use anyhow::Context;
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    }
 }
 
 pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
     use anyhow::Context;
-    let file: FileConfig = match &a.config {
-        Some(p) => toml::from_str(
-            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
-        )
-        .with_context(|| format!("parsing {}", p.display()))?,
-        None => FileConfig::default(),
+    let file = match &a.config {
+        Some(p) => Settings::file(p)?,
+        None => Settings::default(),
     };
-    let dur = |flag: Option<std::time::Duration>,
-               f: &Option<String>|
-     -> anyhow::Result<Option<std::time::Duration>> {
-        Ok(match (flag, f) {
-            (Some(d), _) => Some(d),
-            (None, Some(s)) => Some(crate::units::parse_duration(s).map_err(anyhow::Error::msg)?),
-            _ => None,
-        })
+    let mut s = a.set.over(file)?;
+    if let Ok(t) = std::env::var("STRATA_ADMIN_TOKEN") {
+        s.admin_token = Some(t);
+    }
+    if let Ok(t) = std::env::var("STRATA_METRICS_TOKEN") {
+        s.metrics_token = Some(t);
+    }
+    let nonzero = |what: &str, v: Option<Size>| -> anyhow::Result<Option<u64>> {
+        match v {
+            Some(Size(0)) => anyhow::bail!("{what} must not be 0"),
+            v => Ok(v.map(|v| v.0)),
+        }
     };
-    let size = |flag: Option<u64>, f: &Option<String>| -> anyhow::Result<Option<u64>> {
-        Ok(match (flag, f) {
-            (Some(d), _) => Some(d),
-            (None, Some(s)) => Some(crate::units::parse_size(s).map_err(anyhow::Error::msg)?),
-            _ => None,
-        })
-    };
-    let mut cfg = strata_engine::EngineConfig::new(&g.data);
-    if let Some(d) = dur(a.upload_interval, &file.upload_interval)? {
+    let mut cfg = crate::engine_config(&g.data);
+    if let Some(Dur(d)) = s.upload_interval {
         cfg.upload_interval = d;
     }
-    if let Some(n) = size(a.upload_max_bytes, &file.upload_max_bytes)? {
+    if let Some(n) = nonzero("--upload-max-bytes", s.upload_max_bytes)? {
         cfg.upload_max_bytes = n;
     }
-    if let Some(d) = dur(a.lease_ttl, &file.lease_ttl)? {
+    if let Some(Dur(d)) = s.lease_ttl {
         cfg.lease_ttl = d;
     }
-    if let Some(n) = size(a.cache_capacity, &file.cache_capacity)? {
+    if let Some(n) = nonzero("--cache-capacity", s.cache_capacity)? {
         cfg.cache_capacity = n;
     }
-    cfg.node_id = a.node_id.or(file.node_id);
-    if let Some(d) = dur(a.gc_grace, &file.gc_grace)? {
+    cfg.node_id = s.node_id.clone();
+    if let Some(Dur(d)) = s.gc_grace {
         cfg.gc_grace = d;
     }
-    if let Some(n) = a.readahead_units.or(file.readahead_units) {
+    if let Some(n) = s.readahead_units {
         cfg.readahead_units = n;
     }
-    if let Some(n) = a.keep_checkpoints.or(file.keep_checkpoints) {
+    if let Some(n) = s.keep_checkpoints {
         cfg.keep_checkpoints = n;
     }
-    if let Some(d) = dur(a.keep_checkpoint_age, &file.keep_checkpoint_age)? {
+    if let Some(Dur(d)) = s.keep_checkpoint_age {
         cfg.keep_checkpoint_age = d;
     }
-    if let Some(n) = size(a.min_free, &file.min_free)? {
+    if let Some(Size(n)) = s.min_free {
         cfg.min_free_bytes = n;
     }
-    if let Some(n) = size(a.segment_size, &file.segment_size)? {
+    if let Some(Size(n)) = s.segment_size {
         anyhow::ensure!(
             (1 << 20..=strata_engine::MAX_SEGMENT_BYTES).contains(&n),
             "--segment-size must be between 1MiB and 64GiB"
         );
         cfg.segment_max_bytes = n;
     }
-    if let Some(t) = a.compact_below.or(file.compact_below) {
+    if let Some(t) = s.compact_below {
         anyhow::ensure!(
             (0.0..=1.0).contains(&t),
             "--compact-below must be between 0 and 1"
         );
         cfg.compact_below = t;
     }
-    let gc_interval = match a.gc_interval.or(file.gc_interval.clone()).as_deref() {
+    let gc_interval = match s.gc_interval {
         None => Some(std::time::Duration::from_secs(3600)),
-        Some("off") | Some("0") => None,
-        Some(s) => Some(crate::units::parse_duration(s).map_err(anyhow::Error::msg)?),
+        Some(Every(e)) => e,
     };
-    let listen = a
-        .listen
-        .or(file.listen)
-        .unwrap_or_else(|| "127.0.0.1:7420".into());
-    let admin = std::env::var("STRATA_ADMIN_TOKEN")
-        .ok()
-        .or(file.admin_token);
-    let catalog_url = a
+    let listen = s.listen.clone().unwrap_or_else(|| "127.0.0.1:7420".into());
+    let admin = s.admin_token.clone();
+    let catalog_url = s
         .catalog
-        .or(file.catalog)
+        .clone()
         .unwrap_or_else(|| format!("sqlite:{}", g.data.join("catalog.db").display()));
-    let store_url = a
+    let store_url = s
         .store
-        .or(file.store)
+        .clone()
         .unwrap_or_else(|| format!("file:{}", g.data.join("objects").display()));
-    let pool = a.catalog_pool.or(file.catalog_pool).unwrap_or(16);
+    let pool = s.catalog_pool.unwrap_or(16);
     let catalog = strata_catalog::open_url(&catalog_url, pool)
         .await
         .with_context(|| format!("opening catalog {}", redact(&catalog_url)))?;
     let store = strata_store::Store::open_with(
         &store_url,
         &strata_store::Credentials {
-            access_key_id: file.s3_access_key_id.clone(),
-            secret_access_key: file.s3_secret_access_key.clone(),
-            session_token: file.s3_session_token.clone(),
+            access_key_id: s.s3_access_key_id.clone(),
+            secret_access_key: s.s3_secret_access_key.clone(),
+            session_token: s.s3_session_token.clone(),
         },
     )?;
     let mut owner = crate::datadir::DataDirLock::daemon(&g.data)?;
@@ -415,24 +412,22 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
     if admin.is_none() {
         tracing::warn!("no admin token (STRATA_ADMIN_TOKEN or admin_token in the config): tenants cannot be created over the API");
     }
-    let metrics_token = std::env::var("STRATA_METRICS_TOKEN")
-        .ok()
-        .or(file.metrics_token.clone());
+    let metrics_token = s.metrics_token.clone();
     let daemon = strata_daemon::Daemon::new(
         engine,
         strata_daemon::DaemonConfig {
             admin_token: admin.clone(),
             metrics_token,
-            run_dir: a.run_dir.or(file.run_dir.clone()),
-            import_dir: a.import_dir.or(file.import_dir.clone()),
-            mount_root: a.mount_root.or(file.mount_root.clone()),
-            nbd_timeout: dur(a.nbd_timeout, &file.nbd_timeout)?,
-            nbd_dead_timeout: dur(a.nbd_dead_timeout, &file.nbd_dead_timeout)?,
-            template_max_bytes: size(a.template_max_bytes, &file.template_max_bytes)?,
+            run_dir: s.run_dir.clone(),
+            import_dir: s.import_dir.clone(),
+            mount_root: s.mount_root.clone(),
+            nbd_timeout: s.nbd_timeout.map(|d| d.0),
+            nbd_dead_timeout: s.nbd_dead_timeout.map(|d| d.0),
+            template_max_bytes: nonzero("--template-max-bytes", s.template_max_bytes)?,
         },
     )
     .context("starting the daemon")?;
-    if let Some(n) = size(a.relay_max_bytes, &file.relay_max_bytes)? {
+    if let Some(n) = nonzero("--relay-max-bytes", s.relay_max_bytes)? {
         daemon.set_relay_max_bytes(n);
     }
     daemon.set_gc_interval(gc_interval);
@@ -492,4 +487,53 @@ fn redact(url: &str) -> String {
 
 fn daemon_node(d: &strata_daemon::Daemon) -> String {
     d.node_id().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct T {
+        #[command(flatten)]
+        a: ServeArgs,
+    }
+
+    fn file(text: &str) -> anyhow::Result<Settings> {
+        Ok(toml::from_str(text)?)
+    }
+
+    /// One declaration per setting: a flag beats the file, the file fills what flags leave
+    /// unset, values parse the same from both, and the file refuses unknown keys and bad
+    /// values by name.
+    #[test]
+    fn settings_layer_flags_over_the_file() {
+        let f = file(
+            "lease_ttl = \"5s\"\nupload_interval = 2\nsegment_size = \"8MiB\"\nmin_free = 0\n\
+             gc_interval = \"off\"\nlisten = \"127.0.0.1:1\"\nadmin_token = \"secret\"\n",
+        )
+        .unwrap();
+        let t = T::try_parse_from(["t", "--lease-ttl", "1m", "--segment-size", "2097152"]).unwrap();
+        let s = t.a.set.over(f).unwrap();
+        assert_eq!(s.lease_ttl, Some(Dur(std::time::Duration::from_secs(60))));
+        assert_eq!(
+            s.upload_interval,
+            Some(Dur(std::time::Duration::from_secs(2)))
+        );
+        assert_eq!(s.segment_size, Some(Size(2 << 20)));
+        assert_eq!(s.min_free, Some(Size(0)));
+        assert_eq!(s.gc_interval, Some(Every(None)));
+        assert_eq!(s.listen.as_deref(), Some("127.0.0.1:1"));
+        assert_eq!(s.admin_token.as_deref(), Some("secret"));
+        let e = file("lease_tll = \"5s\"").err().unwrap().to_string();
+        assert!(e.contains("lease_tll"), "{e}");
+        let e = file("lease_ttl = \"soon\"").err().unwrap().to_string();
+        assert!(e.contains("soon"), "{e}");
+        let e = file("cache_capacity = \"4XB\"").err().unwrap().to_string();
+        assert!(e.contains("XB"), "{e}");
+        // Secrets are never flags.
+        assert!(T::try_parse_from(["t", "--admin-token", "x"]).is_err());
+        assert!(T::try_parse_from(["t", "--min-free", "0"]).is_ok());
+    }
 }

@@ -40,6 +40,105 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         .map_err(|e| format!("bad duration {s:?} ({e}): expected e.g. 60s, 10m, 2h, 30d"))
 }
 
+/// A size in a setting: a flag or variable (`4GiB`, `512MiB`, `1048576`, `0`) or a TOML value
+/// (the same string, or an integer of bytes).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Size(pub u64);
+
+impl std::str::FromStr for Size {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Size, String> {
+        if s.trim() == "0" {
+            return Ok(Size(0));
+        }
+        parse_size(s).map(Size)
+    }
+}
+
+/// A duration in a setting: [`parse_duration`]'s syntax, or a TOML integer of seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Dur(pub Duration);
+
+impl std::str::FromStr for Dur {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Dur, String> {
+        parse_duration(s).map(Dur)
+    }
+}
+
+/// How often something runs: a duration, or `off` (also `0`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Every(pub Option<Duration>);
+
+impl std::str::FromStr for Every {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Every, String> {
+        match s.trim() {
+            "off" | "0" => Ok(Every(None)),
+            s => parse_duration(s).map(|d| Every(Some(d))),
+        }
+    }
+}
+
+/// A setting read from a string, or from a TOML integer (bytes, or seconds).
+fn de_str_or_int<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: std::str::FromStr<Err = String>,
+{
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Int(u64),
+        Str(String),
+    }
+    let s = match <Raw as serde::Deserialize>::deserialize(d)? {
+        Raw::Int(n) => n.to_string(),
+        Raw::Str(s) => s,
+    };
+    s.parse().map_err(serde::de::Error::custom)
+}
+
+impl<'de> serde::Deserialize<'de> for Size {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        de_str_or_int(d)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Dur {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        de_str_or_int(d)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Every {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        de_str_or_int(d)
+    }
+}
+
+// Serialized only to layer settings (flags over the file): back to what parses again.
+impl serde::Serialize for Size {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(self.0)
+    }
+}
+
+impl serde::Serialize for Dur {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(self.0).to_string())
+    }
+}
+
+impl serde::Serialize for Every {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.0 {
+            None => s.serialize_str("off"),
+            Some(d) => s.serialize_str(&humantime::format_duration(d).to_string()),
+        }
+    }
+}
+
 pub fn fmt_size(n: u64) -> String {
     const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = n as f64;
