@@ -142,3 +142,45 @@ impl FromRequestParts<Arc<Daemon>> for Scraper {
         }
     }
 }
+
+/// `axum::extract::Path` whose refusals are the API's error body (axum's own are plain text).
+pub struct Path<T>(pub T);
+
+impl<S, T> FromRequestParts<S> for Path<T>
+where
+    T: serde::de::DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, s: &S) -> Result<Self, ApiError> {
+        match axum::extract::Path::<T>::from_request_parts(parts, s).await {
+            Ok(axum::extract::Path(v)) => Ok(Path(v)),
+            Err(e) => Err(refusal(e.status(), format!("bad path: {}", e.body_text()))),
+        }
+    }
+}
+
+/// `axum::extract::Query` whose refusals are the API's error body.
+pub struct Query<T>(pub T);
+
+impl<S, T> FromRequestParts<S> for Query<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, s: &S) -> Result<Self, ApiError> {
+        match axum::extract::Query::<T>::from_request_parts(parts, s).await {
+            Ok(axum::extract::Query(v)) => Ok(Query(v)),
+            Err(e) => Err(refusal(e.status(), format!("bad query: {}", e.body_text()))),
+        }
+    }
+}
+
+fn refusal(status: StatusCode, message: String) -> ApiError {
+    if status.is_client_error() {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid", message)
+    } else {
+        ApiError::internal(message)
+    }
+}

@@ -4,8 +4,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::auth::Path;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};

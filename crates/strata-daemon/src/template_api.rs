@@ -15,9 +15,10 @@
 use std::path::{Component, Path as FsPath, PathBuf};
 use std::sync::Arc;
 
+use crate::auth::{Path, Query};
 use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 use futures::StreamExt;

@@ -216,6 +216,18 @@ async fn lifecycle_isolation_and_bad_input() {
     );
     assert_eq!(admin.get("/v1/workspaces").await.0, StatusCode::FORBIDDEN);
 
+    // A path or query parameter of the wrong type is refused in the API's error body too
+    // (axum's own refusal is plain text, which clients following the OpenAPI document
+    // cannot read).
+    for (s, v) in [
+        a.delete("/v1/workspaces/w1/checkpoints/seven").await,
+        a.put_bytes("/v1/templates/t?format=floppy", vec![0; 512])
+            .await,
+    ] {
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+        assert_eq!(v["error"]["kind"], "invalid", "{v}");
+    }
+
     // Bad input: a 4xx with a JSON message, and nothing changed.
     for (body, why) in [
         (json!({"name": "../x", "size": 1048576}), "hostile name"),
