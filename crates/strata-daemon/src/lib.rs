@@ -21,7 +21,7 @@ mod metrics;
 pub mod mount;
 mod observe;
 pub mod openapi;
-pub mod relay;
+pub use strata_relay as relay;
 mod relay_api;
 mod routes;
 mod template_api;
@@ -63,6 +63,9 @@ pub struct DaemonConfig {
     /// Kernel NBD mounts: how long the kernel holds requests while every connection is dead
     /// (the daemon restarting) before failing them (default 10 min).
     pub nbd_dead_timeout: Option<std::time::Duration>,
+    /// Answers one CLI process's requests and then stops (`strata` without a daemon): it
+    /// serves no exports, so its run directory is not checked against socket path limits.
+    pub in_process: bool,
 }
 
 /// Template builds that may run at once on a node (each is disk- and CPU-heavy).
@@ -144,7 +147,9 @@ impl Daemon {
             .run_dir
             .clone()
             .unwrap_or_else(|| engine.config().data_dir.join("run"));
-        exports::check_run_dir(&run_dir)?;
+        if !cfg.in_process {
+            exports::check_run_dir(&run_dir)?;
+        }
         let hash = |t: &Option<String>| t.as_deref().filter(|t| !t.is_empty()).map(token_hash);
         let relay = Arc::new(relay::Relay::open(
             engine.config().data_dir.join("relay"),

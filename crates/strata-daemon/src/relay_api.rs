@@ -215,7 +215,14 @@ pub(crate) async fn put_relay_file(
         .and_then(|v| v.parse().ok());
     let (f, created) = d
         .relay
-        .put(&t, &stream, st.sync, &name, declared, body)
+        .put(
+            &t,
+            &stream,
+            st.sync,
+            &name,
+            declared,
+            body.into_data_stream(),
+        )
         .await?;
     let status = if created {
         StatusCode::CREATED
@@ -243,7 +250,8 @@ pub(crate) async fn get_relay_file(
     check_stream_name(&stream)?;
     strata_format::name::validate_file_name(&name).map_err(|e| ApiError::invalid(e.to_string()))?;
     d.engine.catalog().get_stream(t, &stream).await?;
-    let (f, body) = d.relay.get(t, &stream, &name).await?;
+    let (f, file) = d.relay.get(t, &stream, &name).await?;
+    let body = axum::body::Body::from_stream(crate::relay::file_stream(file));
     Ok((
         [
             (header::CONTENT_TYPE, "application/octet-stream".to_string()),
@@ -257,4 +265,25 @@ pub(crate) async fn get_relay_file(
         body,
     )
         .into_response())
+}
+
+/// What a client is told of a relay failure: the status, kind and message it always had.
+impl From<crate::relay::RelayError> for ApiError {
+    fn from(e: crate::relay::RelayError) -> ApiError {
+        use crate::relay::RelayError as E;
+        let (status, kind) = match &e {
+            E::Io { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "io"),
+            E::Store(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            E::Conflict { .. } => (StatusCode::CONFLICT, "conflict"),
+            E::Invalid(_) => (StatusCode::BAD_REQUEST, "invalid"),
+            E::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            E::TooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
+            E::CorruptLocal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "corrupt"),
+            E::CorruptRemote(_) => (StatusCode::BAD_GATEWAY, "corrupt"),
+            E::Closed => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        };
+        let mut a = ApiError::new(status, kind, e.to_string());
+        a.retryable = e.is_retryable();
+        a
+    }
 }

@@ -476,7 +476,9 @@ impl Engine {
 
     /// Takes the workspace's lock file for this process (see [`Attached`]), or says which
     /// process on this data directory has it attached.
-    fn lock_workspace(&self, tenant: &str, ws: &str) -> Result<crate::fs::FileLock> {
+    pub(crate) fn lock_workspace(&self, tenant: &str, ws: &str) -> Result<crate::fs::FileLock> {
+        name::validate("tenant name", tenant)?;
+        name::validate("workspace name", ws)?;
         let path = self.cfg.data_dir.join("locks").join(tenant).join(ws);
         match self.fs.lock_exclusive(&path) {
             Ok(Ok(l)) => Ok(l),

@@ -682,3 +682,36 @@ async fn a_restart_during_a_call_settles_what_it_held() {
     let v = b.unwrap().attach(TENANT, "held").await.unwrap();
     assert_eq!(tag_of(&v.read(0, 4096).await.unwrap(), 0), Some(1));
 }
+
+/// Two processes on one data directory share the node's id, so the lease takes them for one
+/// writer: each attachment holds its workspace's lock file, and the second engine (a second
+/// process: flock locks of two open files exclude each other) is refused attach, a held call
+/// and delete while the first serves it, instead of opening (and then removing) the same
+/// journal under a live export. Once the first detaches, the second attaches normally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_process_on_the_data_directory_cannot_open_an_attached_journal() {
+    let c = Cluster::new().await;
+    let first = c.node("a");
+    let second = c.node("a");
+    let v = empty_volume(&first, "w", 1 << 20, Mode::Durable).await;
+    write_tag(&v, 7, 0, 4).await;
+    v.flush().await.unwrap();
+    let refused = |r: strata_engine::Result<()>, what: &str| {
+        let e = r.expect_err(what).to_string();
+        assert!(e.contains("attached by another process"), "{what}: {e}");
+    };
+    refused(second.attach(TENANT, "w").await.map(|_| ()), "attach");
+    refused(
+        second.checkpoint(TENANT, "w", None).await.map(|_| ()),
+        "checkpoint",
+    );
+    refused(second.delete_workspace(TENANT, "w").await, "delete");
+    // The first still serves the workspace, its journal whole.
+    write_tag(&v, 8, 4, 4).await;
+    v.flush().await.unwrap();
+    let img = image(&v).await;
+    first.detach(TENANT, "w").await.unwrap();
+    let v2 = second.attach(TENANT, "w").await.unwrap();
+    assert_eq!(image(&v2).await, img);
+    second.detach(TENANT, "w").await.unwrap();
+}

@@ -6,6 +6,8 @@
 //! The in-process router acts for the `--tenant` given (and as the admin: whoever runs the
 //! CLI on a data directory owns it) through a `LocalCaller` request extension, not a token.
 //! When the verb is done the in-process daemon is stopped the way `strata serve` stops.
+//! (Outside the API, a local process also has a foreground `ws attach`, `ws write`,
+//! `ws export` and `template build` from host paths: `main.rs`.)
 
 use std::sync::Arc;
 
@@ -58,6 +60,7 @@ impl Client {
             strata_daemon::DaemonConfig {
                 // The owner of the data directory builds templates of any size it can hold.
                 template_max_bytes: Some(u64::MAX),
+                in_process: true,
                 ..Default::default()
             },
         )?;
@@ -159,6 +162,21 @@ impl Client {
     }
 }
 
+/// A name as one path segment: every byte but unreserved ones percent-encoded, so any name
+/// reaches the API whole (and is refused there if it is not a valid name), whichever
+/// transport carries it.
+fn seg(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for b in name.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// An error the API returned (over HTTP or in process); exit code 2 for client errors.
 #[derive(Debug)]
 pub struct ApiFailure {
@@ -183,7 +201,7 @@ fn poll_publish(h: &Client, ws: &str) -> Option<tokio::task::JoinHandle<()>> {
         let (h, ws) = (h.clone(), ws.clone());
         async move {
             let v = h
-                .call(Method::GET, &format!("/v1/workspaces/{ws}"), None)
+                .call(Method::GET, &format!("/v1/workspaces/{}", seg(&ws)), None)
                 .await
                 .ok()?;
             Some((
@@ -207,7 +225,7 @@ fn poll_mount(h: &Client, ws: &str) -> Option<tokio::task::JoinHandle<()>> {
         loop {
             tokio::time::sleep(std::time::Duration::from_millis(250)).await;
             let v = h
-                .call(Method::GET, &format!("/v1/workspaces/{ws}"), None)
+                .call(Method::GET, &format!("/v1/workspaces/{}", seg(&ws)), None)
                 .await
                 .ok();
             if let Some(read) = v.as_ref().and_then(|v| v["stats"]["bytes_read"].as_u64()) {
@@ -264,7 +282,8 @@ async fn upload_template(
         }
         _ => return usage("give --from-dir DIR or --from-image FILE"),
     };
-    h.upload(&format!("/v1/templates/{name}?{q}"), &file).await
+    h.upload(&format!("/v1/templates/{}?{q}", seg(name)), &file)
+        .await
 }
 
 /// Runs one API verb through `h`.
@@ -285,7 +304,7 @@ pub async fn run(h: &Client, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
             _ => {}
         }
     }
-    let ws_path = |ws: &str, tail: &str| format!("/v1/workspaces/{ws}{tail}");
+    let ws_path = |ws: &str, tail: &str| format!("/v1/workspaces/{}{tail}", seg(ws));
     match cmd {
         Cmd::Tenant(TenantCmd::Create { name }) => {
             let v = h
@@ -295,7 +314,7 @@ pub async fn run(h: &Client, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
         }
         Cmd::Tenant(TenantCmd::Token { name }) => {
             let v = h
-                .call(M::POST, &format!("/v1/tenants/{name}/tokens"), None)
+                .call(M::POST, &format!("/v1/tenants/{}/tokens", seg(&name)), None)
                 .await?;
             print(json_out, View::Token, &v);
         }
@@ -316,11 +335,11 @@ pub async fn run(h: &Client, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                 ),
                 TemplateCmd::Show { name } => (
                     View::Template,
-                    h.call(M::GET, &format!("/v1/templates/{name}"), None)
+                    h.call(M::GET, &format!("/v1/templates/{}", seg(&name)), None)
                         .await?,
                 ),
                 TemplateCmd::Delete { name } => {
-                    h.call(M::DELETE, &format!("/v1/templates/{name}"), None)
+                    h.call(M::DELETE, &format!("/v1/templates/{}", seg(&name)), None)
                         .await?;
                     (View::Deleted("template"), json!({"deleted": name}))
                 }

@@ -321,6 +321,22 @@ async fn open(g: &Global) -> anyhow::Result<Arc<Engine>> {
     Ok(e)
 }
 
+fn progress() -> impl Fn(u64, u64) + Send + Sync {
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    move |done, total| {
+        if tty && total > 0 {
+            eprint!(
+                "\r{:>5.1}% of {}",
+                done as f64 * 100.0 / total as f64,
+                units::fmt_size(total)
+            );
+            if done >= total {
+                eprintln!();
+            }
+        }
+    }
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let g = &cli.global;
     let t = g.tenant.as_str();
@@ -329,8 +345,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Demo => demo::run(g.json).await,
         Cmd::Serve(a) => serve::serve(g, a).await,
         Cmd::Csi(a) => csi::run(a).await,
-        // The verbs that work on a local data directory and have no API: a foreground
-        // attach (the process is the server), raw writes into the disk, and raw exports.
+        // The verbs that work on a local data directory outside the API: a foreground
+        // attach (the process is the server), raw writes into the disk, raw exports, and
+        // template builds from host paths.
         Cmd::Ws(WsCmd::Attach {
             ws,
             socket,
@@ -361,6 +378,25 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let v =
                 serde_json::json!({"bytes": data.len(), "offset": offset, "head_version": head});
             print(g.json, View::Written, &v);
+            Ok(())
+        }
+        // The API never takes a host path (a tenant could name any file); a process on the
+        // host reads its own: mkfs.ext4 -d straight from the directory (owners, modes,
+        // device nodes and xattrs kept), or the image file, without an upload's copies.
+        Cmd::Template(TemplateCmd::Build {
+            name,
+            from_dir,
+            from_image,
+            size,
+        }) if url.is_none() => {
+            let e = open(g).await?;
+            let p = progress();
+            let tpl = match (from_dir, from_image) {
+                (Some(d), _) => e.build_template_from_dir(t, &name, &d, size, &p).await?,
+                (None, Some(i)) => e.build_template_from_image(t, &name, &i, &p).await?,
+                _ => return output::usage("give --from-dir DIR or --from-image FILE"),
+            };
+            print(g.json, View::Template, &serde_json::to_value(&tpl)?);
             Ok(())
         }
         Cmd::Ws(WsCmd::Export { ws, out }) if url.is_none() => {

@@ -424,6 +424,7 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
             nbd_timeout: s.nbd_timeout.map(|d| d.0),
             nbd_dead_timeout: s.nbd_dead_timeout.map(|d| d.0),
             template_max_bytes: nonzero("--template-max-bytes", s.template_max_bytes)?,
+            in_process: false,
         },
     )
     .context("starting the daemon")?;
@@ -468,6 +469,9 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
         .with_graceful_shutdown(shutdown)
         .await?;
     daemon.shutdown().await;
+    // Held until the process has ended, not only this function: the runtime's teardown may
+    // still wait on blocking work touching the directory.
+    std::mem::forget(owner);
     Ok(())
 }
 

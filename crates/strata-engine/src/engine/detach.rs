@@ -73,6 +73,10 @@ impl Engine {
         self.set_live(&key, None);
         let res = self.remove_volume_dir(vol.dir()).await;
         let released = self.catalog.release_lease(tenant, ws, &vol.lease()).await;
+        // The workspace's lock goes before the slot's: an attach waiting on the slot takes it
+        // next, and from this process a lock still open would refuse it.
+        drop(a.vol);
+        drop(a._owner);
         drop(s);
         self.tidy_slot(&key, slot);
         res?;
@@ -94,7 +98,12 @@ impl Engine {
                 // A publish still running in its own task ends first (closed, it starts no
                 // other): the next process must not find this one still writing. Bounded: a
                 // store that hangs must not hang a shutdown.
-                let _ = tokio::time::timeout(Duration::from_secs(10), a.vol.quiesce()).await;
+                let quiet = tokio::time::timeout(Duration::from_secs(10), a.vol.quiesce()).await;
+                if quiet.is_err() {
+                    // Still writing: the workspace's lock stays held until this process ends,
+                    // so no other process opens the journal under it.
+                    std::mem::forget(a._owner);
+                }
             }
             self.set_live(&k, None);
         }
@@ -114,6 +123,12 @@ impl Engine {
         let slot = self.slot(&key);
         let mut s = slot.lock().await;
         let res = async {
+            // Not attached here: it may be attached by another process on this data
+            // directory (its lease reads as this node's); its journal is not removed under it.
+            let _owner = match s.as_ref() {
+                None => Some(self.lock_workspace(tenant, ws)?),
+                Some(_) => None,
+            };
             if let Some(a) = s.take() {
                 a.vol.seal().await;
                 a.task.abort();

@@ -140,6 +140,12 @@ impl Fs for FaultFs {
     fn hard_link(&self, from: &Path, to: &Path) -> io::Result<()> {
         RealFs.hard_link(from, to)
     }
+    fn lock_exclusive(
+        &self,
+        path: &Path,
+    ) -> io::Result<Result<strata_engine::fs::FileLock, String>> {
+        RealFs.lock_exclusive(path)
+    }
     fn overwrites_in_place(&self, _dir: &Path) -> bool {
         self.0.in_place.load(SeqCst)
     }

@@ -25,15 +25,11 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::body::Body;
 use bytes::Bytes;
 use futures::StreamExt;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 use serde::{Deserialize, Serialize};
 use strata_store::Store;
-
-use crate::error::ApiError;
-use axum::http::StatusCode;
 
 /// What is known about one relayed file (also its on-disk and in-store meta format, version 1).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
@@ -81,10 +77,12 @@ fn hash_file(path: &Path) -> std::io::Result<(String, u64)> {
     Ok((h.finalize().to_hex().to_string(), n))
 }
 
-/// Streams a file as a response body, 64 KiB at a time.
-pub(crate) fn file_body(f: tokio::fs::File) -> Body {
+/// A file's bytes as a stream, 64 KiB at a time (what a response body is made of).
+pub fn file_stream(
+    f: tokio::fs::File,
+) -> impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static {
     use tokio::io::AsyncReadExt;
-    let s = futures::stream::unfold(f, |mut f| async move {
+    futures::stream::unfold(f, |mut f| async move {
         let mut buf = vec![0u8; 64 << 10];
         match f.read(&mut buf).await {
             Ok(0) => None,
@@ -94,8 +92,45 @@ pub(crate) fn file_body(f: tokio::fs::File) -> Body {
             }
             Err(e) => Some((Err(e), f)),
         }
-    });
-    Body::from_stream(s)
+    })
+}
+
+/// Why a relay operation failed. Each says what a client is told (the API maps it) and
+/// whether a retry can help.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// This node's disk failed (retryable).
+    #[error("{what}: {source}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The object store failed (retryable).
+    #[error("object store: {0}")]
+    Store(String),
+    #[error(
+        "{name:?} already exists with different content (blake3 {have}); the original is kept"
+    )]
+    Conflict { name: String, have: String },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{n} bytes is over the relay limit of {max} bytes; nothing was stored")]
+    TooLarge { n: u64, max: u64 },
+    #[error("relay file {0:?} on this node does not match its hash; not uploaded")]
+    CorruptLocal(String),
+    #[error("{0:?} in the object store does not match its recorded hash; not served")]
+    CorruptRemote(String),
+    #[error("relay closed")]
+    Closed,
+}
+
+impl RelayError {
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, RelayError::Io { .. } | RelayError::Store(_))
+    }
 }
 
 /// Per-stream upload backlog.
@@ -123,27 +158,15 @@ pub struct Relay {
 
 use strata_format::now_ms;
 
-fn io(what: &str) -> impl Fn(std::io::Error) -> ApiError + '_ {
+fn io(what: &'static str) -> impl Fn(std::io::Error) -> RelayError {
     move |e| {
         tracing::error!(error = %e, "relay: {what}");
-        let mut a = ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "io",
-            format!("{what}: {e}"),
-        );
-        a.retryable = true;
-        a
+        RelayError::Io { what, source: e }
     }
 }
 
-fn store_err(e: impl std::fmt::Display) -> ApiError {
-    let mut a = ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "unavailable",
-        format!("object store: {e}"),
-    );
-    a.retryable = true;
-    a
+fn store_err(e: impl std::fmt::Display) -> RelayError {
+    RelayError::Store(e.to_string())
 }
 
 /// Test-only crash points (`STRATA_RELAY_FAULT=abort-after-fsync|abort-after-link`): the
@@ -159,14 +182,11 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
-fn conflict(name: &str, have: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::CONFLICT,
-        "conflict",
-        format!(
-            "{name:?} already exists with different content (blake3 {have}); the original is kept"
-        ),
-    )
+fn conflict(name: &str, have: &str) -> RelayError {
+    RelayError::Conflict {
+        name: name.into(),
+        have: have.into(),
+    }
 }
 
 impl Relay {
@@ -303,7 +323,7 @@ impl Relay {
         tenant: &str,
         stream: &str,
         name: &str,
-    ) -> Result<Option<(RelayFile, Option<Vec<String>>)>, ApiError> {
+    ) -> Result<Option<(RelayFile, Option<Vec<String>>)>, RelayError> {
         match self
             .store
             .inner()
@@ -338,7 +358,7 @@ impl Relay {
         bytes: Bytes,
         hash: &str,
         name: &str,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), RelayError> {
         let put = self
             .store
             .inner()
@@ -377,13 +397,13 @@ impl Relay {
         stream: &str,
         f: &RelayFile,
         path: &Path,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), RelayError> {
         use tokio::io::AsyncReadExt;
         let _slot = self
             .transfers
             .acquire()
             .await
-            .map_err(|_| ApiError::internal("relay closed"))?;
+            .map_err(|_| RelayError::Closed)?;
         let mut file = tokio::fs::File::open(path)
             .await
             .map_err(io("opening the file to upload"))?;
@@ -446,8 +466,8 @@ impl Relay {
         sync: bool,
         name: &str,
         declared_len: Option<u64>,
-        body: Body,
-    ) -> Result<(RelayFile, bool), ApiError> {
+        body: impl futures::Stream<Item = Result<Bytes, impl std::fmt::Display>> + Send,
+    ) -> Result<(RelayFile, bool), RelayError> {
         let max = self.max_bytes.load(Relaxed);
         if let Some(n) = declared_len.filter(|&n| n > max) {
             return Err(too_large(n, max));
@@ -461,10 +481,10 @@ impl Relay {
             .map_err(io("creating a temp file"))?;
         let mut hasher = blake3::Hasher::new();
         let mut size = 0u64;
-        let mut s = body.into_data_stream();
+        let mut s = std::pin::pin!(body);
         while let Some(chunk) = s.next().await {
             let chunk = chunk.map_err(|e| {
-                ApiError::invalid(format!("request body interrupted: {e}; nothing was stored"))
+                RelayError::Invalid(format!("request body interrupted: {e}; nothing was stored"))
             })?;
             size += chunk.len() as u64;
             if size > max {
@@ -475,7 +495,7 @@ impl Relay {
             file.write_all(&chunk).await.map_err(io("writing"))?;
         }
         if let Some(n) = declared_len.filter(|&n| n != size) {
-            return Err(ApiError::invalid(format!(
+            return Err(RelayError::Invalid(format!(
                 "Content-Length said {n} bytes, the body had {size}; nothing was stored"
             )));
         }
@@ -535,7 +555,7 @@ impl Relay {
         tenant: &str,
         stream: &str,
         name: &str,
-    ) -> Result<Option<RelayFile>, ApiError> {
+    ) -> Result<Option<RelayFile>, RelayError> {
         if let Some(m) = self.local_meta(tenant, stream, name) {
             return Ok(Some(m));
         }
@@ -553,7 +573,7 @@ impl Relay {
         }
     }
 
-    /// A file's meta and a body streaming its bytes: from this node's disk, else from the
+    /// A file's meta and an open file of its bytes (read it from the start): from this node's disk, else from the
     /// object store, spooled to an unlinked temp file and verified (every part, and the whole)
     /// before the first byte is served.
     pub async fn get(
@@ -561,15 +581,15 @@ impl Relay {
         tenant: &str,
         stream: &str,
         name: &str,
-    ) -> Result<(RelayFile, Body), ApiError> {
+    ) -> Result<(RelayFile, tokio::fs::File), RelayError> {
         if let Some(m) = self.local_meta(tenant, stream, name) {
             let f = tokio::fs::File::open(self.dir(tenant, stream).join(name))
                 .await
                 .map_err(io("reading the file"))?;
-            return Ok((m, file_body(f)));
+            return Ok((m, f));
         }
         let Some((m, parts)) = self.remote_meta(tenant, stream, name).await? else {
-            return Err(ApiError::not_found(format!(
+            return Err(RelayError::NotFound(format!(
                 "no file {name:?} in relay stream {stream:?}"
             )));
         };
@@ -577,7 +597,7 @@ impl Relay {
             .transfers
             .acquire()
             .await
-            .map_err(|_| ApiError::internal("relay closed"))?;
+            .map_err(|_| RelayError::Closed)?;
         let spool_dir = self.root.join(".spool");
         std::fs::create_dir_all(&spool_dir).map_err(io("creating the spool directory"))?;
         let spool = spool_dir.join(format!("get-{}", rand_suffix()));
@@ -627,11 +647,11 @@ impl Relay {
         out.seek(std::io::SeekFrom::Start(0))
             .await
             .map_err(io("spooling"))?;
-        Ok((m, file_body(out)))
+        Ok((m, out))
     }
 
     /// Every file of a stream: this node's and the object store's.
-    pub async fn list(&self, tenant: &str, stream: &str) -> Result<Vec<RelayFile>, ApiError> {
+    pub async fn list(&self, tenant: &str, stream: &str) -> Result<Vec<RelayFile>, RelayError> {
         let mut out: BTreeMap<String, RelayFile> = BTreeMap::new();
         let prefix = object_store::path::Path::from(format!("t/{tenant}/relay/{stream}/meta"));
         let metas: Vec<_> = self
@@ -709,8 +729,13 @@ impl Relay {
                 }
                 Err(e) => {
                     self.failures.fetch_add(1, Relaxed);
-                    tracing::warn!(tenant = t, stream = s, name = n, error = %e.message, "relay: upload failed; will retry");
-                    if e.status == StatusCode::CONFLICT || e.kind == "corrupt" {
+                    tracing::warn!(tenant = t, stream = s, name = n, error = %e, "relay: upload failed; will retry");
+                    if matches!(
+                        e,
+                        RelayError::Conflict { .. }
+                            | RelayError::CorruptLocal(_)
+                            | RelayError::CorruptRemote(_)
+                    ) {
                         // Another node holds other bytes under this name: keep ours local,
                         // stop retrying, count it.
                         self.pending
@@ -737,32 +762,20 @@ impl Relay {
     }
 }
 
-fn corrupt_local(name: &str) -> ApiError {
+fn corrupt_local(name: &str) -> RelayError {
     tracing::error!(
         name,
         "relay: local file does not match its hash; not uploaded"
     );
-    ApiError::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "corrupt",
-        format!("relay file {name:?} on this node does not match its hash; not uploaded"),
-    )
+    RelayError::CorruptLocal(name.into())
 }
 
-fn corrupt_remote(name: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::BAD_GATEWAY,
-        "corrupt",
-        format!("{name:?} in the object store does not match its recorded hash; not served"),
-    )
+fn corrupt_remote(name: &str) -> RelayError {
+    RelayError::CorruptRemote(name.into())
 }
 
-fn too_large(n: u64, max: u64) -> ApiError {
-    ApiError::new(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        "too_large",
-        format!("{n} bytes is over the relay limit of {max} bytes; nothing was stored"),
-    )
+fn too_large(n: u64, max: u64) -> RelayError {
+    RelayError::TooLarge { n, max }
 }
 
 fn rand_suffix() -> String {
