@@ -9,6 +9,8 @@
 //! lease epoch, in one transaction with the checkpoint row that records it. A writer whose lease
 //! was taken over (a higher epoch exists) can never move the head.
 
+/// Test-only (feature `conformance`): the suite every catalog backend passes.
+#[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 mod postgres;
 mod sqlite;

@@ -1,7 +1,7 @@
 //! The file layer under the journal and local state, injectable so tests can lose power.
 //!
 //! Only what the volume needs: positional reads and writes, `fdatasync`, directory listing,
-//! atomic replace and directory `fsync`. [`RealFs`] is the operating system; [`crate::simfs`]
+//! atomic replace and directory `fsync`. [`RealFs`] is the operating system; `simfs` (feature `simfs`, tests only)
 //! is an in-memory model that keeps un-synced data apart and can drop it.
 
 use std::io;

@@ -16,6 +16,8 @@ mod journal;
 mod local;
 mod overlay;
 mod pack;
+/// Test-only (feature `simfs`, on for this crate's own tests): not in product builds.
+#[cfg(any(test, feature = "simfs"))]
 pub mod simfs;
 mod space;
 pub mod template;
