@@ -66,7 +66,13 @@ pub struct DaemonConfig {
     /// Answers one CLI process's requests and then stops (`strata` without a daemon): it
     /// serves no exports, so its run directory is not checked against socket path limits.
     pub in_process: bool,
+    /// How long a request that does not move data (see `observe::unbounded`) may take before
+    /// the client gets a retryable 503 (default 30 s; `None` in a config: the default).
+    pub request_timeout: Option<std::time::Duration>,
 }
+
+/// Default of [`DaemonConfig::request_timeout`].
+pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Template builds that may run at once on a node (each is disk- and CPU-heavy).
 pub const TEMPLATE_BUILDS: usize = 2;
@@ -104,6 +110,8 @@ pub struct Daemon {
     /// The durable relay (`/v1/relay`).
     pub(crate) relay: Arc<relay::Relay>,
     pub(crate) gc: GcState,
+    /// See [`DaemonConfig::request_timeout`] (`None`: no limit, in process).
+    pub(crate) request_timeout: Option<std::time::Duration>,
 }
 
 /// Garbage collection: schedule and counters (exported on `/metrics`).
@@ -184,6 +192,9 @@ impl Daemon {
             url: std::sync::Mutex::new(None),
             relay,
             gc: GcState::default(),
+            // One CLI process waits for its own requests as long as they take.
+            request_timeout: (!cfg.in_process)
+                .then(|| cfg.request_timeout.unwrap_or(REQUEST_TIMEOUT)),
         }))
     }
 

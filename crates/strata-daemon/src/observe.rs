@@ -107,7 +107,34 @@ pub(crate) fn record_tenant(tenant: &str) {
     tracing::Span::current().record("tenant", tenant);
 }
 
-/// Times a matched route (a route layer: the route template is known).
+/// Whether a request may run for minutes by design (the data moves: attach replays a journal,
+/// detach, checkpoint and rollback publish, templates and relay files stream, GC sweeps,
+/// mounts make filesystems). Every other route only reads or writes the catalog and is held
+/// to the daemon's request timeout.
+pub(crate) fn unbounded(method: &Method, route: &str) -> bool {
+    matches!(
+        (method.as_str(), route),
+        ("POST", "/v1/workspaces/{name}/attach")
+            | ("POST", "/v1/workspaces/{name}/detach")
+            | ("POST", "/v1/workspaces/{name}/checkpoint")
+            | ("POST", "/v1/workspaces/{name}/rollback")
+            | ("POST", "/v1/workspaces/{name}/resize")
+            | ("POST", "/v1/workspaces/{name}/mount")
+            | ("DELETE", "/v1/workspaces/{name}/mount")
+            | ("POST", "/v1/workspaces/{name}/freeze")
+            | ("DELETE", "/v1/workspaces/{name}")
+            | ("PUT", "/v1/templates/{name}")
+            | ("POST", "/v1/templates")
+            | ("PUT", "/v1/relay/{stream}/{name}")
+            | ("GET", "/v1/relay/{stream}/{name}")
+            | ("POST", "/v1/gc")
+    )
+}
+
+/// Times a matched route (a route layer: the route template is known), and holds the routes
+/// that are not [`unbounded`] to the request timeout: past it the client gets a retryable
+/// 503 in the error body. The handler's future is dropped; work it handed to a task of its
+/// own finishes there, so the outcome is unknown to the client, never half-done.
 pub(crate) async fn time_route(State(d): State<Arc<Daemon>>, req: Request, next: Next) -> Response {
     let route = req
         .extensions()
@@ -120,7 +147,25 @@ pub(crate) async fn time_route(State(d): State<Arc<Daemon>>, req: Request, next:
         _ => "other".to_string(),
     };
     let started = std::time::Instant::now();
-    let resp = next.run(req).await;
+    let bounded = !unbounded(req.method(), &route);
+    let resp = match d.request_timeout {
+        Some(limit) if bounded => match tokio::time::timeout(limit, next.run(req)).await {
+            Ok(r) => r,
+            Err(_) => {
+                let mut e = crate::error::ApiError::new(
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    format!(
+                        "no answer within the request timeout ({} ms); the request may still complete",
+                        limit.as_millis()
+                    ),
+                );
+                e.retryable = true;
+                axum::response::IntoResponse::into_response(e)
+            }
+        },
+        _ => next.run(req).await,
+    };
     let labels = HttpLabels {
         method,
         route,
@@ -136,6 +181,18 @@ pub(crate) async fn time_route(State(d): State<Arc<Daemon>>, req: Request, next:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every route the router serves is either bounded or listed as unbounded on purpose, and
+    /// the routes that move data are the unbounded ones.
+    #[test]
+    fn routes_that_move_data_are_not_timed_out() {
+        let post = Method::POST;
+        assert!(unbounded(&post, "/v1/workspaces/{name}/checkpoint"));
+        assert!(unbounded(&Method::PUT, "/v1/relay/{stream}/{name}"));
+        assert!(!unbounded(&Method::GET, "/v1/workspaces"));
+        assert!(!unbounded(&post, "/v1/workspaces/{name}/fork"));
+        assert!(!unbounded(&Method::GET, "/v1/workspaces/{name}"));
+    }
 
     #[test]
     fn client_ids_that_could_pose_as_log_fields_are_replaced() {

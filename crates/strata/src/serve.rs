@@ -281,6 +281,11 @@ pub struct Settings {
     /// Largest template upload (default 16GiB).
     #[arg(long, env = "STRATA_TEMPLATE_MAX_BYTES")]
     template_max_bytes: Option<Size>,
+    /// Requests that do not move data (views, lists, create, fork, tokens) answer within this
+    /// or get a retryable 503 (default 30s). Attach, detach, checkpoint, rollback, resize,
+    /// mounts, deletes, template and relay transfers and GC are not limited.
+    #[arg(long, env = "STRATA_REQUEST_TIMEOUT")]
+    request_timeout: Option<Dur>,
     /// Secrets have no flag (argv is visible to every user of the host): the file, or
     /// `STRATA_ADMIN_TOKEN`.
     #[arg(skip)]
@@ -425,6 +430,7 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
             nbd_dead_timeout: s.nbd_dead_timeout.map(|d| d.0),
             template_max_bytes: nonzero("--template-max-bytes", s.template_max_bytes)?,
             in_process: false,
+            request_timeout: s.request_timeout.map(|d| d.0),
         },
     )
     .context("starting the daemon")?;

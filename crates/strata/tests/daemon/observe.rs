@@ -60,3 +60,62 @@ async fn requests_carry_ids_spans_and_route_metrics() {
         .unwrap_or_else(|| panic!("no JSON log line of request job-42 naming its tenant:\n{text}"));
     assert_eq!(line["span"]["workspace"], "nope-7", "{line}");
 }
+
+/// A request that only touches the catalog is held to the request timeout: with the catalog
+/// locked by another process (SQLite `BEGIN EXCLUSIVE`, held 3 s; the catalog itself waits up
+/// to 10 s for it), a create gets a retryable 503 in the error body within the timeout
+/// instead of hanging the client; once the lock is gone, requests are answered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_catalog_gets_a_timely_retryable_503() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("a");
+    let daemon = serve(&data, &["--request-timeout", "300ms"]);
+    let a = tenant(&daemon.url, "alpha").await;
+    let db = data.join("catalog.db");
+    let mut holder = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(
+            "import sqlite3, sys, time\n\
+             c = sqlite3.connect(sys.argv[1], isolation_level=None)\n\
+             c.execute('BEGIN EXCLUSIVE')\n\
+             print('locked', flush=True)\n\
+             time.sleep(3)\n\
+             c.execute('COMMIT')\n",
+        )
+        .arg(&db)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(holder.stdout.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "locked");
+    let started = std::time::Instant::now();
+    let (s, v) = a
+        .post(
+            "/v1/workspaces",
+            serde_json::json!({"name": "w", "size": 1048576}),
+        )
+        .await;
+    let took = started.elapsed();
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    assert_eq!(v["error"]["kind"], "unavailable", "{v}");
+    assert_eq!(v["error"]["retryable"], true, "{v}");
+    assert!(took < std::time::Duration::from_secs(2), "{took:?}");
+    holder.wait().unwrap();
+    // Answered again; the create either completed behind the 503 or can be repeated.
+    let (s, v) = a
+        .post(
+            "/v1/workspaces",
+            serde_json::json!({"name": "w", "size": 1048576}),
+        )
+        .await;
+    assert!(
+        s == StatusCode::CREATED || s == StatusCode::CONFLICT,
+        "{s} {v}"
+    );
+    assert_eq!(a.get("/v1/workspaces/w").await.0, StatusCode::OK);
+}
