@@ -20,6 +20,28 @@
 //! covers is deleted; a cut is recorded only once its records are durable; a failed publish
 //! leaves its layer pending (or folds it back under the active one), so nothing acknowledged is
 //! lost; a fenced or failed-fsync volume refuses all further writes.
+//!
+//! Lock order (outermost first; a lock is only ever taken while holding ones above it):
+//!
+//! | # | lock | kind | guards |
+//! |---|---|---|---|
+//! | 1 | `freeze` | tokio | the thaw guard: frozen means it holds `gate` for writing |
+//! | 2 | `gate` | tokio RwLock | writes read it; freeze and `exclusive` (rollback, seal) write it |
+//! | 3 | `cut_lock` | tokio | taking a cut; rollback holds it for its whole run |
+//! | 4 | `publish_lock` | tokio | publishing one layer, a compaction, segment cleaning |
+//! | 5 | `retire_lock` | tokio | retiring segments, a live fork linking them |
+//! | 6 | `sync_lock` | tokio | the group-commit fdatasync |
+//! | 7 | `writer` | tokio | the journal ([`Volume::journal`] also waits for appends in flight) |
+//! | 8 | `cut_log` | std | appends to `cuts.log` |
+//! | 9 | `state` | std RwLock | base, pending layers, active overlay, segment files |
+//! | 10 | `window` | std | the unpublished bytes and their age |
+//! | 11 | `adopt_source` | std | a live fork's link to its source |
+//! | 12 | `receipts`, `lease`, `lease_deadline`, `failed` | std | leaves: nothing is taken under them |
+//!
+//! No std guard is held across an `.await`. The only reverse pair, `publish_lock` then
+//! `cut_lock` (a failed publish folding its layer back, a compaction resolving an uncertain
+//! head CAS), uses `try_lock` and gives up if it fails: keep it so. Cleaning and compaction
+//! never take `gate` (rollback takes `gate`, `cut_lock`, `publish_lock` in that order).
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -209,8 +231,7 @@ pub struct Volume {
     journal_id: String,
     opts: VolumeOptions,
     gate: Arc<tokio::sync::RwLock<()>>,
-    /// Held while frozen. Lock order: `freeze` before `gate` (freeze, seal and rollback take
-    /// both; writers take only the gate).
+    /// Held while frozen (lock order: see the module docs; writers take only the gate).
     freeze: tokio::sync::Mutex<Option<OwnedRwLockWriteGuard<()>>>,
     frozen_flag: AtomicBool,
     /// Set by [`Volume::seal`] (detach): writes are refused from then on; reads, flushes and
@@ -221,7 +242,7 @@ pub struct Volume {
     ambiguous: AtomicBool,
     /// This volume, for work that must outlive its caller (publishes run in their own task).
     me: std::sync::Weak<Volume>,
-    /// The journal. Lock order: after `cut_lock` and `publish_lock`. Taken as
+    /// The journal (lock order: see the module docs). Taken as
     /// [`Volume::journal`] (which also waits for appends in flight) by everything but the
     /// write fast path.
     writer: tokio::sync::Mutex<Journal>,
@@ -233,8 +254,7 @@ pub struct Volume {
     landed: tokio::sync::Notify,
     state: RwLock<State>,
     sync_lock: tokio::sync::Mutex<()>,
-    /// Held for a cut (and by rollback for its whole run). Lock order: `cut_lock` before
-    /// `publish_lock` before `writer`.
+    /// Held for a cut (and by rollback for its whole run).
     cut_lock: tokio::sync::Mutex<()>,
     /// Cuts waiting for `cut_lock` (a compaction gives way to them).
     cut_waiting: std::sync::atomic::AtomicUsize,
