@@ -14,7 +14,7 @@ use utoipa::openapi::{ContentBuilder, RefOr, Response, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
 
 use crate::api::*;
-use crate::{relay_api, routes, template_api};
+use crate::{relay_api, routes, template_api, workspace_api};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -38,23 +38,23 @@ use crate::{relay_api, routes, template_api};
         routes::delete_template,
         template_api::upload_template,
         template_api::import_template,
-        routes::list_workspaces,
-        routes::create_workspace,
-        routes::show_workspace,
-        routes::delete_workspace,
-        routes::attach,
-        routes::detach,
-        routes::checkpoint,
-        routes::fork,
-        routes::rollback,
-        routes::resize,
-        routes::log,
-        routes::expire_checkpoint,
-        routes::freeze,
-        routes::thaw,
-        routes::mount,
-        routes::umount,
-        routes::list_mounts,
+        workspace_api::list_workspaces,
+        workspace_api::create_workspace,
+        workspace_api::show_workspace,
+        workspace_api::delete_workspace,
+        workspace_api::attach,
+        workspace_api::detach,
+        workspace_api::checkpoint,
+        workspace_api::fork,
+        workspace_api::rollback,
+        workspace_api::resize,
+        workspace_api::log,
+        workspace_api::expire_checkpoint,
+        workspace_api::freeze,
+        workspace_api::thaw,
+        workspace_api::mount,
+        workspace_api::umount,
+        workspace_api::list_mounts,
         relay_api::list_streams,
         relay_api::create_stream,
         relay_api::list_relay_files,
