@@ -38,21 +38,38 @@ fn cp(m: Hash, label: Option<&str>) -> NewCheckpoint {
     }
 }
 
+/// How the suite lets time pass for lease expiry and GC grace: a catalog on its own
+/// [`ManualClock`] is moved forward; one that reads a server's clock (PostgreSQL: the point of
+/// its design) is waited for.
+pub enum Time {
+    Real,
+    Manual(Arc<ManualClock>),
+}
+
+impl Time {
+    pub async fn pass(&self, d: std::time::Duration) {
+        match self {
+            Time::Real => tokio::time::sleep(d).await,
+            Time::Manual(c) => c.advance(d),
+        }
+    }
+}
+
 /// Runs every check; panics with a message naming the failed property.
-pub async fn run_all(cat: Arc<dyn Catalog>) {
+pub async fn run_all(cat: Arc<dyn Catalog>, time: &Time) {
     tenants_and_templates(&*cat).await;
     heads_move_only_by_cas_with_the_current_lease(&*cat).await;
-    leases_expire_and_fence(&*cat).await;
-    a_node_renews_its_leases_in_one_call(&*cat).await;
+    leases_expire_and_fence(&*cat, time).await;
+    a_node_renews_its_leases_in_one_call(&*cat, time).await;
     concurrent_checkpoints_one_winner_per_version(cat.clone()).await;
     ttls_expire(&*cat).await;
     tenants_do_not_see_each_other(&*cat).await;
     nodes_report_and_list(&*cat).await;
     scoped_tokens_and_streams(&*cat).await;
-    retention_and_gc_state(&*cat).await;
+    retention_and_gc_state(&*cat, time).await;
 }
 
-async fn retention_and_gc_state(cat: &dyn Catalog) {
+async fn retention_and_gc_state(cat: &dyn Catalog, time: &Time) {
     assert!(cat
         .list_tenants()
         .await
@@ -112,7 +129,7 @@ async fn retention_and_gc_state(cat: &dyn Catalog) {
         cat.purge_expired_checkpoints("acme", 60_000).await.unwrap(),
         0
     );
-    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    time.pass(std::time::Duration::from_millis(20)).await;
     let refs = cat.gc_references("acme", 5).await.unwrap();
     assert!(
         !refs.contains(&h(60)) && !refs.contains(&h(61)),
@@ -123,7 +140,7 @@ async fn retention_and_gc_state(cat: &dyn Catalog) {
     // Condemned keys keep their first time; forget removes them.
     let keys = vec!["t/acme/obj/aa/x".to_string(), "t/acme/man/y".to_string()];
     cat.gc_condemn("acme", &keys).await.unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    time.pass(std::time::Duration::from_millis(20)).await;
     cat.gc_condemn("acme", &keys[..1]).await.unwrap();
     let c = cat.gc_condemned("acme").await.unwrap();
     assert_eq!(c.len(), 2);
@@ -494,7 +511,7 @@ async fn heads_move_only_by_cas_with_the_current_lease(cat: &dyn Catalog) {
     cat.release_lease("acme", "w1", &g2).await.unwrap();
 }
 
-async fn leases_expire_and_fence(cat: &dyn Catalog) {
+async fn leases_expire_and_fence(cat: &dyn Catalog, time: &Time) {
     cat.create_workspace(&new_ws("acme", "w2", h(1)))
         .await
         .unwrap();
@@ -512,7 +529,7 @@ async fn leases_expire_and_fence(cat: &dyn Catalog) {
     );
     assert!(e.to_string().contains("node-a"));
     cat.renew_lease("acme", "w2", &a, 300).await.unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    time.pass(std::time::Duration::from_millis(400)).await;
     let b = cat
         .acquire_lease("acme", "w2", "node-b", 60_000)
         .await
@@ -545,7 +562,7 @@ async fn leases_expire_and_fence(cat: &dyn Catalog) {
     cat.release_lease("acme", "w2", &b2).await.unwrap();
 }
 
-async fn a_node_renews_its_leases_in_one_call(cat: &dyn Catalog) {
+async fn a_node_renews_its_leases_in_one_call(cat: &dyn Catalog, time: &Time) {
     assert!(cat.renew_leases(&[], 1000).await.unwrap().is_empty());
     let mut batch = vec![];
     for i in 0..3 {
@@ -561,7 +578,7 @@ async fn a_node_renews_its_leases_in_one_call(cat: &dyn Catalog) {
         });
     }
     // batch1 is taken over by node-b once it expires; the others are renewed far ahead.
-    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    time.pass(std::time::Duration::from_millis(400)).await;
     let b = cat
         .acquire_lease("acme", "batch1", "node-b", 60_000)
         .await

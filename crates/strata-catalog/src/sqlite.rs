@@ -9,6 +9,8 @@ use crate::*;
 
 pub struct SqliteCatalog {
     worker: worker::Worker,
+    /// Time for leases, retention and GC grace: the system's, or a test's.
+    clock: std::sync::Arc<dyn Clock>,
 }
 
 mod sql;
@@ -20,10 +22,11 @@ use sql::*;
 impl Catalog for SqliteCatalog {
     async fn create_tenant(&self, tenant: &str) -> Result<()> {
         let t = tenant.to_string();
+        let clock = self.clock.clone();
         self.run(move |c| {
             c.execute(
                 "INSERT INTO tenants (id, created_ms) VALUES (?1, ?2)",
-                params![t, now_ms() as i64],
+                params![t, clock.now_ms() as i64],
             )
             .map_err(exists_or_backend("tenant", &t))?;
             Ok(())
@@ -33,6 +36,7 @@ impl Catalog for SqliteCatalog {
 
     async fn add_token(&self, tenant: &str, hash: &str) -> Result<()> {
         let (t, h) = (tenant.to_string(), hash.to_string());
+        let clock = self.clock.clone();
         self.run(move |c| {
             if c.query_row(
                 "SELECT 1 FROM tenants WHERE id = ?1",
@@ -50,7 +54,7 @@ impl Catalog for SqliteCatalog {
             }
             c.execute(
                 "INSERT INTO tokens (hash, tenant, created_ms) VALUES (?1, ?2, ?3)",
-                params![h, t, now_ms() as i64],
+                params![h, t, clock.now_ms() as i64],
             )
             .map_err(be)?;
             Ok(())
@@ -95,9 +99,10 @@ impl Catalog for SqliteCatalog {
     ) -> Result<()> {
         let t = tenant.to_string();
         let objects = objects.to_vec();
+        let clock = self.clock.clone();
         self.run(move |c| {
             let tx = c.transaction().map_err(be)?;
-            let now = now_ms() as i64;
+            let now = clock.now_ms() as i64;
             let m = manifest.to_hex();
             tx.execute(
                 "INSERT OR IGNORE INTO manifests (tenant, id, created_ms) VALUES (?1, ?2, ?3)",
@@ -193,9 +198,10 @@ impl Catalog for SqliteCatalog {
 
     async fn create_workspace(&self, w: &NewWorkspace) -> Result<Workspace> {
         let w = w.clone();
+        let clock = self.clock.clone();
         self.run(move |c| {
             let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
-            let now = now_ms() as i64;
+            let now = clock.now_ms() as i64;
             tx.execute(
                 &format!("INSERT INTO workspaces ({WS_COLS}) VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?8)"),
                 params![w.tenant, w.name, w.mode.as_str(), w.disk_size as i64, w.manifest.to_hex(), w.source, now, w.ttl_ms.map(|v| v as i64)],
@@ -247,15 +253,16 @@ impl Catalog for SqliteCatalog {
 
     async fn delete_workspace(&self, tenant: &str, name: &str) -> Result<()> {
         let (t, n) = (tenant.to_string(), name.to_string());
+        let clock = self.clock.clone();
         self.run(move |c| {
             let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
             get_ws(&tx, &t, &n)?;
             let l = lease_of(&tx, &t, &n).map_err(be)?;
-            if let Some(h) = l.holder.filter(|_| l.expires_ms > now_ms()) {
+            if let Some(h) = l.holder.filter(|_| l.expires_ms > clock.now_ms()) {
                 return Err(CatalogError::LeaseHeld {
                     holder: h,
                     epoch: l.epoch,
-                    expires_in_ms: l.expires_ms.saturating_sub(now_ms()),
+                    expires_in_ms: l.expires_ms.saturating_sub(clock.now_ms()),
                 });
             }
             tx.execute("DELETE FROM checkpoints WHERE tenant = ?1 AND workspace = ?2", params![t, n]).map_err(be)?;
@@ -280,6 +287,7 @@ impl Catalog for SqliteCatalog {
             lease.clone(),
             cp.clone(),
         );
+        let clock = self.clock.clone();
         self.run(move |c| {
             let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
             let ws = get_ws(&tx, &t, &n)?;
@@ -301,7 +309,7 @@ impl Catalog for SqliteCatalog {
             .map_err(be)?;
             tx.execute(
                 &format!("INSERT INTO checkpoints (tenant, {CP_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)"),
-                params![t, n, v as i64, cp.manifest.to_hex(), cp.label, cp.kind.as_str(), now_ms() as i64,
+                params![t, n, v as i64, cp.manifest.to_hex(), cp.label, cp.kind.as_str(), clock.now_ms() as i64,
                     cp.bytes as i64, cp.cut_seq as i64, cp.journal_id, lease.epoch as i64,
                     cp.keep_until_ms.map(|v| v as i64)],
             )
@@ -353,10 +361,11 @@ impl Catalog for SqliteCatalog {
         ttl_ms: u64,
     ) -> Result<LeaseGrant> {
         let (t, n, node) = (tenant.to_string(), workspace.to_string(), node.to_string());
+        let clock = self.clock.clone();
         self.run(move |c| {
             let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
             get_ws(&tx, &t, &n)?;
-            let now = now_ms();
+            let now = clock.now_ms();
             let l = lease_of(&tx, &t, &n).map_err(be)?;
             if let Some(h) = l.holder.as_ref().filter(|h| **h != node && l.expires_ms > now) {
                 return Err(CatalogError::LeaseHeld {
@@ -386,12 +395,14 @@ impl Catalog for SqliteCatalog {
         ttl_ms: u64,
     ) -> Result<()> {
         let (t, n, lease) = (tenant.to_string(), workspace.to_string(), lease.clone());
-        self.run_urgent(move |c| renew_one(c, &t, &n, &lease, ttl_ms)?)
+        let clock = self.clock.clone();
+        self.run_urgent(move |c| renew_one(c, &t, &n, &lease, clock.now_ms() + ttl_ms)?)
             .await
     }
 
     async fn renew_leases(&self, leases: &[LeaseRenewal], ttl_ms: u64) -> Result<Vec<Result<()>>> {
         let leases = leases.to_vec();
+        let clock = self.clock.clone();
         self.run_urgent(move |c| {
             // One transaction, one fsync, for every lease of the node.
             let tx = c
@@ -399,7 +410,13 @@ impl Catalog for SqliteCatalog {
                 .map_err(be)?;
             let mut out = Vec::with_capacity(leases.len());
             for l in &leases {
-                out.push(renew_one(&tx, &l.tenant, &l.workspace, &l.lease, ttl_ms)?);
+                out.push(renew_one(
+                    &tx,
+                    &l.tenant,
+                    &l.workspace,
+                    &l.lease,
+                    clock.now_ms() + ttl_ms,
+                )?);
             }
             tx.commit().map_err(be)?;
             Ok(out)
@@ -429,11 +446,12 @@ impl Catalog for SqliteCatalog {
         let attached = serde_json::to_string(&status.attached)
             .map_err(|e| CatalogError::from_source("encoding a node row", false, e))?;
         let (node, url) = (status.node.clone(), status.url.clone());
+        let clock = self.clock.clone();
         self.run(move |c| {
             c.execute(
                 "INSERT INTO nodes (id, url, seen_ms, attached) VALUES (?1, ?2, ?3, ?4)
                  ON CONFLICT (id) DO UPDATE SET url = ?2, seen_ms = ?3, attached = ?4",
-                params![node, url, now_ms() as i64, attached],
+                params![node, url, clock.now_ms() as i64, attached],
             )
             .map_err(be)?;
             Ok(())
@@ -442,8 +460,9 @@ impl Catalog for SqliteCatalog {
     }
 
     async fn list_nodes(&self) -> Result<Vec<NodeStatus>> {
+        let clock = self.clock.clone();
         self.run(move |c| {
-            let now = now_ms();
+            let now = clock.now_ms();
             let mut s = c
                 .prepare("SELECT id, url, seen_ms, attached FROM nodes ORDER BY id")
                 .map_err(be)?;
@@ -477,6 +496,7 @@ impl Catalog for SqliteCatalog {
 
     async fn add_scoped_token(&self, tenant: &str, hash: &str, scope: &str) -> Result<()> {
         let (t, h, sc) = (tenant.to_string(), hash.to_string(), scope.to_string());
+        let clock = self.clock.clone();
         self.run(move |c| {
             if c.query_row(
                 "SELECT 1 FROM tenants WHERE id = ?1",
@@ -494,7 +514,7 @@ impl Catalog for SqliteCatalog {
             }
             c.execute(
                 "INSERT INTO tokens (hash, tenant, created_ms, scope) VALUES (?1, ?2, ?3, ?4)",
-                params![h, t, now_ms() as i64, sc],
+                params![h, t, clock.now_ms() as i64, sc],
             )
             .map_err(be)?;
             Ok(())
@@ -579,10 +599,11 @@ impl Catalog for SqliteCatalog {
         versions: &[u64],
     ) -> Result<u64> {
         let (t, n, versions) = (tenant.to_string(), workspace.to_string(), versions.to_vec());
+        let clock = self.clock.clone();
         self.run(move |c| {
             let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
             let ws = get_ws(&tx, &t, &n)?;
-            let now = now_ms() as i64;
+            let now = clock.now_ms() as i64;
             let mut k = 0;
             for v in versions.into_iter().filter(|&v| v != ws.head_version) {
                 k += tx
@@ -600,8 +621,9 @@ impl Catalog for SqliteCatalog {
 
     async fn gc_references(&self, tenant: &str, grace_ms: u64) -> Result<Vec<Hash>> {
         let t = tenant.to_string();
+        let clock = self.clock.clone();
         self.run(move |c| {
-            let since = now_ms() as i64 - grace_ms as i64;
+            let since = clock.now_ms() as i64 - grace_ms as i64;
             let mut s = c
                 .prepare(
                     "SELECT head_manifest FROM workspaces WHERE tenant = ?1
@@ -619,8 +641,9 @@ impl Catalog for SqliteCatalog {
 
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64> {
         let t = tenant.to_string();
+        let clock = self.clock.clone();
         self.run(move |c| {
-            let before = now_ms() as i64 - grace_ms as i64;
+            let before = clock.now_ms() as i64 - grace_ms as i64;
             Ok(c.execute(
                 "DELETE FROM checkpoints WHERE tenant = ?1 AND expired_ms IS NOT NULL AND expired_ms < ?2",
                 params![t, before],
@@ -632,9 +655,10 @@ impl Catalog for SqliteCatalog {
 
     async fn gc_condemn(&self, tenant: &str, keys: &[String]) -> Result<()> {
         let (t, keys) = (tenant.to_string(), keys.to_vec());
+        let clock = self.clock.clone();
         self.run(move |c| {
             let tx = c.transaction().map_err(be)?;
-            let now = now_ms() as i64;
+            let now = clock.now_ms() as i64;
             {
                 let mut s = tx
                     .prepare_cached("INSERT OR IGNORE INTO gc_condemned (tenant, key, condemned_ms) VALUES (?1, ?2, ?3)")
@@ -650,8 +674,9 @@ impl Catalog for SqliteCatalog {
 
     async fn gc_condemned(&self, tenant: &str) -> Result<Vec<(String, u64)>> {
         let t = tenant.to_string();
+        let clock = self.clock.clone();
         self.run(move |c| {
-            let now = now_ms() as i64;
+            let now = clock.now_ms() as i64;
             let mut s = c
                 .prepare(
                     "SELECT key, condemned_ms FROM gc_condemned WHERE tenant = ?1 ORDER BY key",

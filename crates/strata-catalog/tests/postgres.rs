@@ -43,7 +43,8 @@ async fn postgres_passes_the_conformance_suite() {
         return;
     };
     let cat = PostgresCatalog::connect(&url, 8).await.unwrap();
-    conformance::run_all(Arc::new(cat)).await;
+    // The server's clock: the suite waits for it.
+    conformance::run_all(Arc::new(cat), &conformance::Time::Real).await;
     let a = PostgresCatalog::connect(&url, 4).await.unwrap();
     let b = PostgresCatalog::connect(&url, 4).await.unwrap();
     conformance::run_shared(Arc::new(a), Arc::new(b)).await;

@@ -150,12 +150,12 @@ pub(super) fn renew_one(
     tenant: &str,
     ws: &str,
     lease: &LeaseGrant,
-    ttl_ms: u64,
+    expires_ms: u64,
 ) -> Result<Result<()>> {
     let k = c
         .execute(
             "UPDATE leases SET expires_ms = ?5 WHERE tenant = ?1 AND workspace = ?2 AND holder = ?3 AND epoch = ?4",
-            params![tenant, ws, lease.node, lease.epoch as i64, (now_ms() + ttl_ms) as i64],
+            params![tenant, ws, lease.node, lease.epoch as i64, expires_ms as i64],
         )
         .map_err(be)?;
     if k == 0 {
@@ -185,6 +185,12 @@ pub(super) fn get_ws(c: &Connection, tenant: &str, name: &str) -> Result<Workspa
 
 impl SqliteCatalog {
     pub fn open(path: &Path) -> Result<SqliteCatalog> {
+        SqliteCatalog::open_with_clock(path, std::sync::Arc::new(SystemClock))
+    }
+
+    /// [`SqliteCatalog::open`] with time from `clock` (tests move a [`ManualClock`] instead of
+    /// sleeping through lease TTLs and grace periods).
+    pub fn open_with_clock(path: &Path, clock: std::sync::Arc<dyn Clock>) -> Result<SqliteCatalog> {
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent).map_err(|e| {
                 let retry = crate::io_retryable(&e);
@@ -217,7 +223,7 @@ impl SqliteCatalog {
         }
         let worker = Worker::start(conn)
             .map_err(|e| CatalogError::from_source("starting the catalog thread", false, e))?;
-        Ok(SqliteCatalog { worker })
+        Ok(SqliteCatalog { worker, clock })
     }
 
     /// Runs `f` on the connection in the catalog's thread, in order.
