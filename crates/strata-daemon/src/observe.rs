@@ -108,16 +108,23 @@ pub(crate) fn record_tenant(tenant: &str) {
 }
 
 /// Whether a request may run for minutes by design (the data moves: attach replays a journal,
-/// detach, checkpoint and rollback publish, templates and relay files stream, GC sweeps,
-/// mounts make filesystems). Every other route only reads or writes the catalog and is held
+/// detach, checkpoint, rollback and some forks publish, templates and relay files stream, a
+/// relay listing reads one meta per file from the store, GC sweeps, mounts make filesystems). Every other route only reads or writes the catalog and is held
 /// to the daemon's request timeout.
 pub(crate) fn unbounded(method: &Method, route: &str) -> bool {
+    // HEAD runs the GET handler (a relay file's HEAD may fetch and verify it first).
+    let method = if method == Method::HEAD {
+        "GET"
+    } else {
+        method.as_str()
+    };
     matches!(
-        (method.as_str(), route),
+        (method, route),
         ("POST", "/v1/workspaces/{name}/attach")
             | ("POST", "/v1/workspaces/{name}/detach")
             | ("POST", "/v1/workspaces/{name}/checkpoint")
             | ("POST", "/v1/workspaces/{name}/rollback")
+            | ("POST", "/v1/workspaces/{name}/fork")
             | ("POST", "/v1/workspaces/{name}/resize")
             | ("POST", "/v1/workspaces/{name}/mount")
             | ("DELETE", "/v1/workspaces/{name}/mount")
@@ -127,6 +134,7 @@ pub(crate) fn unbounded(method: &Method, route: &str) -> bool {
             | ("POST", "/v1/templates")
             | ("PUT", "/v1/relay/{stream}/{name}")
             | ("GET", "/v1/relay/{stream}/{name}")
+            | ("GET", "/v1/relay/{stream}")
             | ("POST", "/v1/gc")
     )
 }
@@ -190,7 +198,9 @@ mod tests {
         assert!(unbounded(&post, "/v1/workspaces/{name}/checkpoint"));
         assert!(unbounded(&Method::PUT, "/v1/relay/{stream}/{name}"));
         assert!(!unbounded(&Method::GET, "/v1/workspaces"));
-        assert!(!unbounded(&post, "/v1/workspaces/{name}/fork"));
+        assert!(unbounded(&post, "/v1/workspaces/{name}/fork"));
+        assert!(unbounded(&Method::HEAD, "/v1/relay/{stream}/{name}"));
+        assert!(!unbounded(&post, "/v1/workspaces"));
         assert!(!unbounded(&Method::GET, "/v1/workspaces/{name}"));
     }
 

@@ -83,20 +83,23 @@ pub(crate) async fn create_stream(
     let b = body(b)?;
     check_stream_name(&b.name)?;
     let now = strata_format::now_ms();
-    d.engine
-        .catalog()
-        .create_stream(&RelayStream {
+    // Both steps in a task of their own: a client that leaves (or a request timeout) between
+    // them would leave a stream without a token.
+    let (cat, name, sync) = (d.engine.catalog().clone(), b.name.clone(), b.sync);
+    let token = crate::exports::own_task(async move {
+        cat.create_stream(&RelayStream {
             tenant: t.clone(),
-            name: b.name.clone(),
-            sync: b.sync,
+            name: name.clone(),
+            sync,
             created_ms: now,
         })
         .await?;
-    let token = new_token();
-    d.engine
-        .catalog()
-        .add_scoped_token(&t, &token_hash(&token), &format!("relay:{}", b.name))
-        .await?;
+        let token = new_token();
+        cat.add_scoped_token(&t, &token_hash(&token), &format!("relay:{name}"))
+            .await?;
+        Ok(token)
+    })
+    .await?;
     Ok((
         StatusCode::CREATED,
         Json(StreamToken {

@@ -169,12 +169,16 @@ pub(crate) async fn create_tenant(
     let b = body(b)?;
     strata_format::name::validate("tenant name", &b.name)
         .map_err(|e| ApiError::invalid(e.to_string()))?;
-    d.engine.catalog().create_tenant(&b.name).await?;
-    let token = new_token();
-    d.engine
-        .catalog()
-        .add_token(&b.name, &token_hash(&token))
-        .await?;
+    // Both steps in a task of their own: a client that leaves (or a request timeout) between
+    // them would leave a tenant without a token, and a retry would get 409.
+    let (cat, name) = (d.engine.catalog().clone(), b.name.clone());
+    let token = own_task(async move {
+        cat.create_tenant(&name).await?;
+        let token = new_token();
+        cat.add_token(&name, &token_hash(&token)).await?;
+        Ok(token)
+    })
+    .await?;
     Ok((
         StatusCode::CREATED,
         Json(TenantToken {

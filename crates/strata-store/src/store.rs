@@ -300,6 +300,11 @@ fn open_s3(url: &str, rest: &str, creds: &Credentials) -> Result<Arc<dyn ObjectS
                     "{k:?} is a secret: put it in the AWS_* environment, not in the store URL"
                 )))
             }
+            AmazonConfigKey::Client(_) if k.contains("proxy") && v.contains('@') => {
+                return Err(bad(
+                    "a proxy URL with credentials is a secret: use the HTTPS_PROXY environment",
+                ))
+            }
             AmazonConfigKey::Bucket => {
                 return Err(bad("the bucket is the URL's host: s3://BUCKET[/PREFIX]"))
             }
@@ -357,6 +362,7 @@ mod tests {
             assert!(w.contains("secret"), "{secret}: {w}");
         }
         assert!(why("s3://b?bucket=other").contains("bucket"));
+        assert!(why("s3://b?region=x&proxy_url=http://u:p@proxy:3128").contains("secret"));
         assert!(why("s3://?region=x").contains("bucket"));
     }
 }

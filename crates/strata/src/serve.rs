@@ -281,9 +281,10 @@ pub struct Settings {
     /// Largest template upload (default 16GiB).
     #[arg(long, env = "STRATA_TEMPLATE_MAX_BYTES")]
     template_max_bytes: Option<Size>,
-    /// Requests that do not move data (views, lists, create, fork, tokens) answer within this
-    /// or get a retryable 503 (default 30s). Attach, detach, checkpoint, rollback, resize,
-    /// mounts, deletes, template and relay transfers and GC are not limited.
+    /// Requests that only touch the catalog (views, lists, creates, tokens) answer within this
+    /// or get a retryable 503 (default 30s). Attach, detach, checkpoint, fork, rollback,
+    /// resize, mounts, deletes, template and relay transfers, relay listings and GC are not
+    /// limited.
     #[arg(long, env = "STRATA_REQUEST_TIMEOUT")]
     request_timeout: Option<Dur>,
     /// Secrets have no flag (argv is visible to every user of the host): the file, or
@@ -306,6 +307,16 @@ impl Settings {
     /// These settings (flags and environment) over `file`'s: what one leaves unset, the
     /// other's.
     fn over(self, file: Settings) -> anyhow::Result<Settings> {
+        // Checked before the merge: JSON has no NaN (it would read as unset).
+        for t in [self.compact_below, file.compact_below]
+            .into_iter()
+            .flatten()
+        {
+            anyhow::ensure!(
+                (0.0..=1.0).contains(&t),
+                "compact_below must be between 0 and 1"
+            );
+        }
         let mut merged = serde_json::to_value(file)?;
         if let (Some(m), serde_json::Value::Object(mine)) =
             (merged.as_object_mut(), serde_json::to_value(self)?)
@@ -545,5 +556,7 @@ mod tests {
         // Secrets are never flags.
         assert!(T::try_parse_from(["t", "--admin-token", "x"]).is_err());
         assert!(T::try_parse_from(["t", "--min-free", "0"]).is_ok());
+        let nan = T::try_parse_from(["t", "--compact-below", "nan"]).unwrap();
+        assert!(nan.a.set.over(Settings::default()).is_err());
     }
 }
