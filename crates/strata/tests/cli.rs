@@ -66,6 +66,17 @@ fn lifecycle_through_the_cli() {
     assert!(e.contains("not found"), "{e}");
 }
 
+/// Writes 4 KiB of 0x5a at 64 KiB of export `w` on `sock` and flushes it.
+fn write_and_flush(rt: &tokio::runtime::Runtime, sock: &std::path::Path) {
+    rt.block_on(async {
+        let mut c = strata_nbd::client::Client::connect_unix(sock, "w")
+            .await
+            .unwrap();
+        c.write(65536, &[0x5a; 4096], false).await.unwrap();
+        c.flush().await.unwrap();
+    });
+}
+
 /// Without a daemon, a verb is the same request to the same router, run in the CLI's process:
 /// a `ws detach` after a foreground `ws attach` was killed (-9) with acknowledged, flushed
 /// writes in its journal replays that journal and publishes it (the daemon's detach does the
@@ -97,13 +108,7 @@ fn a_local_detach_publishes_what_a_killed_attach_left() {
         .unwrap();
     assert!(line.starts_with("nbd+unix:///w?socket="), "{line}");
     let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let mut c = strata_nbd::client::Client::connect_unix(&sock, "w")
-            .await
-            .unwrap();
-        c.write(65536, &[0x5a; 4096], false).await.unwrap();
-        c.flush().await.unwrap();
-    });
+    write_and_flush(&rt, &sock);
     // Another CLI process on the same data directory shares this node's id, so the lease
     // cannot keep it off the attached workspace: its lock does. Such a checkpoint used to
     // attach the same journal, detach it, remove it, and fail the running export's next
@@ -111,13 +116,7 @@ fn a_local_detach_publishes_what_a_killed_attach_left() {
     let (c, _, e) = strata(&data, &["ws", "checkpoint", "w"]);
     assert_eq!(c, 2, "{e}");
     assert!(e.contains("attached by another process"), "{e}");
-    rt.block_on(async {
-        let mut c = strata_nbd::client::Client::connect_unix(&sock, "w")
-            .await
-            .unwrap();
-        c.write(65536, &[0x5a; 4096], false).await.unwrap();
-        c.flush().await.unwrap();
-    });
+    write_and_flush(&rt, &sock);
     child.kill().unwrap();
     child.wait().unwrap();
     let (c, out, e) = strata(&data, &["--json", "ws", "detach", "w"]);
