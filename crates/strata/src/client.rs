@@ -51,10 +51,7 @@ impl Client {
 
     /// The daemon's router over the engine of a local data directory, acting as `tenant`.
     pub async fn in_process(g: &crate::Global) -> anyhow::Result<Client> {
-        // Held until the process ends: no daemon may start on the directory meanwhile.
-        std::mem::forget(crate::datadir::local(&g.data)?);
-        let e = strata_engine::Engine::open_embedded(crate::engine_config(&g.data)).await?;
-        e.ensure_tenant(&g.tenant).await?;
+        let e = crate::open(g).await?;
         let daemon = strata_daemon::Daemon::new(
             e,
             strata_daemon::DaemonConfig {
@@ -193,6 +190,18 @@ impl std::fmt::Display for ApiFailure {
 }
 
 impl std::error::Error for ApiFailure {}
+
+impl ApiFailure {
+    /// A refusal made by the CLI itself, reported as the API reports its own.
+    pub fn refused(status: u16, kind: &str, msg: impl Into<String>) -> ApiFailure {
+        ApiFailure {
+            status,
+            kind: kind.into(),
+            msg: msg.into(),
+            retryable: false,
+        }
+    }
+}
 
 /// Polls the API's view of a workspace for upload progress while a publish runs.
 fn poll_publish(h: &Client, ws: &str) -> Option<tokio::task::JoinHandle<()>> {

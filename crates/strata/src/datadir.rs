@@ -14,7 +14,7 @@ use std::io::{Read, Seek, Write};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::output::Conflict;
+use crate::client::ApiFailure;
 
 /// Held for the process's life (dropping it lets go).
 pub struct DataDirLock(std::fs::File);
@@ -51,7 +51,7 @@ pub fn local(data: &Path) -> anyhow::Result<DataDirLock> {
         Ok(()) => Ok(DataDirLock(f)),
         Err(std::fs::TryLockError::WouldBlock) => {
             let who = holder(&mut f);
-            Err(Conflict(format!(
+            Err(ApiFailure::refused(409, "conflict", format!(
                 "a daemon serves {} ({}): send it the request (STRATA_URL=its address, STRATA_TOKEN)",
                 data.display(),
                 if who.is_empty() { "starting" } else { who.as_str() }
@@ -86,7 +86,7 @@ impl DataDirLock {
                 Err(std::fs::TryLockError::WouldBlock) => {
                     // Not the file's text: a CLI process (shared) writes none, and what is
                     // there may be an earlier daemon's.
-                    return Err(Conflict(format!(
+                    return Err(ApiFailure::refused(409, "conflict", format!(
                         "another strata process works on {} (a CLI command, a foreground `ws attach` or another daemon): stop it first",
                         data.display()
                     ))

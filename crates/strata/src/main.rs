@@ -295,10 +295,9 @@ pub(crate) fn split_at_version(s: &str) -> anyhow::Result<(String, Option<u64>)>
     match s.split_once('@') {
         Some((w, v)) => Ok((
             w.to_string(),
-            Some(
-                v.parse()
-                    .map_err(|_| output::Usage(format!("bad version in {s:?}")))?,
-            ),
+            Some(v.parse().map_err(|_| {
+                client::ApiFailure::refused(400, "invalid", format!("bad version in {s:?}"))
+            })?),
         )),
         None => Ok((s.to_string(), None)),
     }
@@ -312,8 +311,9 @@ pub(crate) fn engine_config(data: &std::path::Path) -> EngineConfig {
     c
 }
 
-/// The engine on the local data directory, for a verb without an API; refused while a daemon
-/// owns the directory (the lock is held until the process ends).
+/// The engine on the local data directory (for the in-process router, and the verbs outside
+/// the API), acting as `--tenant`; refused while a daemon owns the directory (the lock is
+/// held until the process ends: no daemon may start on it meanwhile).
 async fn open(g: &Global) -> anyhow::Result<Arc<Engine>> {
     std::mem::forget(datadir::local(&g.data)?);
     let e = Engine::open_embedded(engine_config(&g.data)).await?;

@@ -249,34 +249,10 @@ fn nodes(v: &Value) -> String {
     out.join("\n")
 }
 
-/// A usage error of the CLI itself (a missing flag, a verb that needs a daemon): exit 2.
-#[derive(Debug)]
-pub struct Usage(pub String);
-
-impl std::fmt::Display for Usage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Usage {}
-
-/// A request the state of things refuses (another process owns the data directory): exit 2,
-/// reported as the API reports a conflict.
-#[derive(Debug)]
-pub struct Conflict(pub String);
-
-impl std::fmt::Display for Conflict {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Conflict {}
-
-/// Fails with a [`Usage`] error.
+/// Fails with a usage error of the CLI itself (a missing flag, a verb that needs a daemon):
+/// reported as the API reports an invalid request, exit 2.
 pub fn usage<T>(m: impl Into<String>) -> anyhow::Result<T> {
-    Err(Usage(m.into()).into())
+    Err(crate::client::ApiFailure::refused(400, "invalid", m).into())
 }
 
 /// How an error is reported: the API's kind and status, whichever way the verb ran.
@@ -295,22 +271,6 @@ impl Failure {
                 status: r.status,
                 message: r.msg.clone(),
                 retryable: r.retryable,
-            };
-        }
-        if let Some(c) = e.downcast_ref::<Conflict>() {
-            return Failure {
-                kind: "conflict".into(),
-                status: 409,
-                message: c.0.clone(),
-                retryable: false,
-            };
-        }
-        if let Some(u) = e.downcast_ref::<Usage>() {
-            return Failure {
-                kind: "invalid".into(),
-                status: 400,
-                message: u.0.clone(),
-                retryable: false,
             };
         }
         // Catalog and store errors met outside the engine are classified as the engine's.

@@ -72,9 +72,7 @@ impl Engine {
         let ttl = self.cfg.lease_ttl.as_millis() as u64;
         // Whether a failed open may let go of the lease (below): not over a journal of ours,
         // nor when taking over another node's expired lease (its journal may still apply).
-        let had_state = self
-            .fs
-            .exists(&self.volume_dir(tenant, ws).join("state.json"));
+        let had_state = self.has_local_state(tenant, ws);
         let before = self.catalog.get_lease(tenant, ws).await?;
         let takeover = before.holder.as_ref().is_some_and(|h| *h != self.node);
         let lease_asked = Instant::now();
