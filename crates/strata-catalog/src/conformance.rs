@@ -67,6 +67,149 @@ pub async fn run_all(cat: Arc<dyn Catalog>, time: &Time) {
     nodes_report_and_list(&*cat).await;
     scoped_tokens_and_streams(&*cat).await;
     retention_and_gc_state(&*cat, time).await;
+    token_lifecycle(&*cat).await;
+    tenant_deletion(&*cat, time).await;
+}
+
+fn tok(tenant: &str, hash: &str, scope: Option<&str>) -> NewToken {
+    NewToken {
+        tenant: tenant.into(),
+        hash: hash.into(),
+        scope: scope.map(Into::into),
+        ..NewToken::default()
+    }
+}
+
+async fn token_lifecycle(cat: &dyn Catalog) {
+    cat.create_tenant("tok").await.unwrap();
+    let hash = "0123456789abcdef0123456789abcdef";
+    let made = cat
+        .add_token(&NewToken {
+            tenant: "tok".into(),
+            hash: hash.into(),
+            scope: Some("read".into()),
+            expires_ms: Some(1234),
+            label: Some("ci".into()),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        made.id, "0123456789abcdef",
+        "the id is the hash's first 16 digits"
+    );
+    assert_eq!(cat.token_info(hash).await.unwrap(), Some(made.clone()));
+    cat.add_token(&tok("tok", "fedcba9876543210ffff", None))
+        .await
+        .unwrap();
+    let listed = cat.list_tokens("tok").await.unwrap();
+    assert_eq!(listed.len(), 2);
+    assert!(listed.contains(&made));
+    assert!(matches!(
+        cat.list_tokens("nope").await,
+        Err(CatalogError::NotFound { .. })
+    ));
+    // Revocation names the id, only within the tenant, and is idempotent.
+    assert!(matches!(
+        cat.revoke_token("acme", &made.id).await,
+        Err(CatalogError::NotFound { .. })
+    ));
+    let r = cat.revoke_token("tok", &made.id).await.unwrap();
+    assert!(r.revoked_ms.is_some());
+    let again = cat.revoke_token("tok", &made.id).await.unwrap();
+    assert_eq!(again.revoked_ms, r.revoked_ms);
+    assert_eq!(
+        cat.token_info(hash).await.unwrap().unwrap().revoked_ms,
+        r.revoked_ms,
+        "a revoked token is still known, so its refusal can say why"
+    );
+    assert!(cat
+        .token_info("fedcba9876543210ffff")
+        .await
+        .unwrap()
+        .unwrap()
+        .revoked_ms
+        .is_none());
+}
+
+async fn tenant_deletion(cat: &dyn Catalog, time: &Time) {
+    cat.create_tenant("doomed").await.unwrap();
+    cat.add_token(&tok("doomed", "doomedtoken", None))
+        .await
+        .unwrap();
+    let m = h(60);
+    cat.record_manifest("doomed", m, &[]).await.unwrap();
+    cat.create_workspace(&new_ws("doomed", "w", m))
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            cat.purge_tenant("doomed").await,
+            Err(CatalogError::InUse(_))
+        ),
+        "a tenant not marked is not purged"
+    );
+    let g = cat
+        .acquire_lease("doomed", "w", "n1", 60_000)
+        .await
+        .unwrap();
+    let e = cat.begin_tenant_delete("doomed").await.unwrap_err();
+    assert!(
+        matches!(&e, CatalogError::InUse(m) if m.contains("\"w\"")),
+        "an attached workspace refuses the deletion: {e:?}"
+    );
+    assert!(cat
+        .get_tenant("doomed")
+        .await
+        .unwrap()
+        .deleting_ms
+        .is_none());
+    assert!(cat.token_info("doomedtoken").await.unwrap().is_some());
+    cat.release_lease("doomed", "w", &g).await.unwrap();
+    // A lease that ran out does not hold the deletion up.
+    let g = cat.acquire_lease("doomed", "w", "n1", 100).await.unwrap();
+    time.pass(std::time::Duration::from_millis(300)).await;
+    cat.begin_tenant_delete("doomed").await.unwrap();
+    cat.begin_tenant_delete("doomed").await.unwrap();
+    assert!(cat
+        .get_tenant("doomed")
+        .await
+        .unwrap()
+        .deleting_ms
+        .is_some());
+    assert_eq!(
+        cat.token_info("doomedtoken").await.unwrap(),
+        None,
+        "a deleted tenant's tokens speak for nobody"
+    );
+    assert!(matches!(
+        cat.acquire_lease("doomed", "w", "n2", 60_000).await,
+        Err(CatalogError::InUse(_))
+    ));
+    assert!(matches!(
+        cat.add_token(&tok("doomed", "late", None)).await,
+        Err(CatalogError::InUse(_))
+    ));
+    assert!(
+        matches!(
+            cat.purge_tenant("doomed").await,
+            Err(CatalogError::InUse(_))
+        ),
+        "its workspaces go first"
+    );
+    let _ = g;
+    cat.delete_workspace("doomed", "w").await.unwrap();
+    cat.purge_tenant("doomed").await.unwrap();
+    assert!(!cat.tenant_exists("doomed").await.unwrap());
+    assert!(!cat
+        .list_tenants()
+        .await
+        .unwrap()
+        .contains(&"doomed".to_string()));
+    assert!(cat.gc_references("doomed", 0).await.unwrap().is_empty());
+    // The name is free again, with nothing of the old tenant.
+    cat.create_tenant("doomed").await.unwrap();
+    assert!(cat.list_workspaces("doomed").await.unwrap().is_empty());
+    assert!(cat.list_tokens("doomed").await.unwrap().is_empty());
 }
 
 async fn retention_and_gc_state(cat: &dyn Catalog, time: &Time) {
@@ -153,30 +296,19 @@ async fn retention_and_gc_state(cat: &dyn Catalog, time: &Time) {
 }
 
 async fn scoped_tokens_and_streams(cat: &dyn Catalog) {
-    cat.add_scoped_token("acme", "scoped1", "relay:wal")
+    cat.add_token(&tok("acme", "scoped1", Some("relay:wal")))
         .await
         .unwrap();
+    let i = cat.token_info("scoped1").await.unwrap().unwrap();
     assert_eq!(
-        cat.tenant_for_token("scoped1").await.unwrap(),
-        None,
-        "a scoped token is not a tenant token"
+        (i.tenant.as_str(), i.scope.as_deref()),
+        ("acme", Some("relay:wal"))
     );
-    assert_eq!(
-        cat.token_info("scoped1").await.unwrap(),
-        Some(TokenInfo {
-            tenant: "acme".into(),
-            scope: Some("relay:wal".into())
-        })
-    );
-    assert_eq!(
-        cat.token_info("h1").await.unwrap(),
-        Some(TokenInfo {
-            tenant: "acme".into(),
-            scope: None
-        })
-    );
+    let i = cat.token_info("h1").await.unwrap().unwrap();
+    assert_eq!((i.tenant.as_str(), i.scope), ("acme", None));
     assert!(matches!(
-        cat.add_scoped_token("nope", "scoped2", "relay:x").await,
+        cat.add_token(&tok("nope", "scoped2", Some("relay:x")))
+            .await,
         Err(CatalogError::NotFound { .. })
     ));
     let st = RelayStream {
@@ -304,14 +436,15 @@ async fn tenants_and_templates(cat: &dyn Catalog) {
     cat.create_tenant("acme").await.unwrap();
     assert!(cat.tenant_exists("acme").await.unwrap());
     assert!(!cat.tenant_exists("nope").await.unwrap());
-    cat.add_token("acme", "h1").await.unwrap();
+    let t = cat.add_token(&tok("acme", "h1", None)).await.unwrap();
+    assert_eq!((t.id.as_str(), t.revoked_ms), ("h1", None));
     assert_eq!(
-        cat.tenant_for_token("h1").await.unwrap().as_deref(),
-        Some("acme")
+        cat.token_info("h1").await.unwrap().map(|i| i.tenant),
+        Some("acme".to_string())
     );
-    assert_eq!(cat.tenant_for_token("h2").await.unwrap(), None);
+    assert_eq!(cat.token_info("h2").await.unwrap(), None);
     assert!(matches!(
-        cat.add_token("nope", "h3").await,
+        cat.add_token(&tok("nope", "h3", None)).await,
         Err(CatalogError::NotFound { .. })
     ));
     assert!(matches!(

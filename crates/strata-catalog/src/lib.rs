@@ -177,6 +177,48 @@ impl CatalogError {
 
 pub use strata_format::io_retryable;
 
+/// Tables with a `tenant` column, in the order a tenant's purge empties them (tokens before
+/// the tenant row PostgreSQL's foreign key names).
+pub(crate) const TENANT_TABLES: &[&str] = &[
+    "gc_condemned",
+    "relay_streams",
+    "manifest_objects",
+    "manifests",
+    "objects",
+    "checkpoints",
+    "leases",
+    "workspaces",
+    "templates",
+    "tokens",
+];
+
+/// What a change to a tenant being deleted gets.
+pub(crate) fn deleting(tenant: &str) -> CatalogError {
+    CatalogError::InUse(format!("tenant {tenant:?} is being deleted"))
+}
+
+/// What deleting a tenant with an attached workspace gets.
+pub(crate) fn attached_refusal(tenant: &str, ws: &str, node: &str) -> CatalogError {
+    CatalogError::InUse(format!(
+        "tenant {tenant:?} has workspace {ws:?} attached on node {node:?}: detach it first"
+    ))
+}
+
+/// A purge needs the tenant marked as being deleted and its workspaces gone.
+pub(crate) fn purge_check(tenant: &str, info: &TenantInfo, workspaces: u64) -> Result<()> {
+    if info.deleting_ms.is_none() {
+        return Err(CatalogError::InUse(format!(
+            "tenant {tenant:?} is not being deleted"
+        )));
+    }
+    if workspaces > 0 {
+        return Err(CatalogError::InUse(format!(
+            "tenant {tenant:?} still has {workspaces} workspaces"
+        )));
+    }
+    Ok(())
+}
+
 pub type Result<T, E = CatalogError> = std::result::Result<T, E>;
 
 #[async_trait]
@@ -184,13 +226,23 @@ pub trait Catalog: Send + Sync + 'static {
     async fn create_tenant(&self, tenant: &str) -> Result<()>;
     async fn tenant_exists(&self, tenant: &str) -> Result<bool>;
     /// Records an API token (by its hash, never the token itself) for a tenant.
-    async fn add_token(&self, tenant: &str, hash: &str) -> Result<()>;
-    /// The tenant a full (unscoped) token hash belongs to; scoped tokens are not returned.
-    async fn tenant_for_token(&self, hash: &str) -> Result<Option<String>>;
-    /// Records a token that may act only within `scope` (e.g. `relay:wal`).
-    async fn add_scoped_token(&self, tenant: &str, hash: &str, scope: &str) -> Result<()>;
-    /// The tenant and scope of any token hash.
+    async fn add_token(&self, token: &NewToken) -> Result<TokenInfo>;
+    /// What a token hash speaks for, revoked and expired ones included (the caller decides);
+    /// `None` for an unknown hash or a tenant being deleted.
     async fn token_info(&self, hash: &str) -> Result<Option<TokenInfo>>;
+    /// A tenant's tokens, oldest first (ids and metadata; hashes never leave the catalog).
+    async fn list_tokens(&self, tenant: &str) -> Result<Vec<TokenInfo>>;
+    /// Revokes the tenant's token `id` (idempotent: an already revoked one keeps its time).
+    async fn revoke_token(&self, tenant: &str, id: &str) -> Result<TokenInfo>;
+    /// One tenant.
+    async fn get_tenant(&self, tenant: &str) -> Result<TenantInfo>;
+    /// Marks a tenant as being deleted, atomically with checking that none of its workspaces
+    /// holds a live lease (`InUse` if one does). From then on its tokens resolve to nothing
+    /// and leases on its workspaces are refused. Idempotent.
+    async fn begin_tenant_delete(&self, tenant: &str) -> Result<()>;
+    /// Removes every row of a tenant being deleted (`InUse` if it is not marked, or still has
+    /// workspaces). The caller has deleted its workspaces and objects first.
+    async fn purge_tenant(&self, tenant: &str) -> Result<()>;
 
     /// Creates a relay stream (`AlreadyExists` if it exists).
     async fn create_stream(&self, s: &RelayStream) -> Result<()>;

@@ -13,7 +13,6 @@ use deadpool_postgres::GenericClient;
 use deadpool_postgres::Pool;
 use strata_format::manifest::ObjectRef;
 use strata_format::Hash;
-use tokio_postgres::error::SqlState;
 
 use crate::*;
 
@@ -50,41 +49,161 @@ impl Catalog for PostgresCatalog {
         )
     }
 
-    async fn add_token(&self, tenant: &str, hash: &str) -> Result<()> {
-        if !self.tenant_exists(tenant).await? {
-            return Err(CatalogError::NotFound {
-                what: "tenant",
-                name: tenant.into(),
-            });
+    async fn add_token(&self, tok: &NewToken) -> Result<TokenInfo> {
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(be)?;
+        // Shares the tenant row's lock with a deletion's mark.
+        if tenant_row(&tx, &tok.tenant, " FOR SHARE")
+            .await?
+            .deleting_ms
+            .is_some()
+        {
+            return Err(deleting(&tok.tenant));
         }
-        let c = self.conn().await?;
-        c.execute(
-            "INSERT INTO tokens (hash, tenant, created_ms) VALUES ($1, $2, $3)",
-            &[&hash, &tenant, &(now_ms() as i64)],
+        let created = now_ms();
+        tx.execute(
+            "INSERT INTO tokens (hash, tenant, created_ms, scope, id, expires_ms, label)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            &[
+                &tok.hash,
+                &tok.tenant,
+                &(created as i64),
+                &tok.scope,
+                &token_id(&tok.hash),
+                &tok.expires_ms.map(|e| e as i64),
+                &tok.label,
+            ],
         )
         .await
-        .map_err(|e| {
-            if e.code() == Some(&SqlState::FOREIGN_KEY_VIOLATION) {
-                CatalogError::NotFound {
-                    what: "tenant",
-                    name: tenant.into(),
-                }
-            } else {
-                be(e)
-            }
-        })?;
-        Ok(())
+        .map_err(be)?;
+        tx.commit().await.map_err(be)?;
+        Ok(TokenInfo {
+            id: token_id(&tok.hash),
+            tenant: tok.tenant.clone(),
+            scope: tok.scope.clone(),
+            created_ms: created,
+            expires_ms: tok.expires_ms,
+            revoked_ms: None,
+            label: tok.label.clone(),
+        })
     }
 
-    async fn tenant_for_token(&self, hash: &str) -> Result<Option<String>> {
+    async fn token_info(&self, hash: &str) -> Result<Option<TokenInfo>> {
         let c = self.conn().await?;
         Ok(c.query_opt(
-            "SELECT tenant FROM tokens WHERE hash = $1 AND scope IS NULL",
+            &format!(
+                "SELECT {TOKEN_COLS} FROM tokens k JOIN tenants t ON t.id = k.tenant
+                     WHERE k.hash = $1 AND t.deleting_ms IS NULL"
+            ),
             &[&hash],
         )
         .await
         .map_err(be)?
-        .map(|r| r.get(0)))
+        .map(|r| token_row(&r)))
+    }
+
+    async fn list_tokens(&self, tenant: &str) -> Result<Vec<TokenInfo>> {
+        let c = self.conn().await?;
+        tenant_row(&c, tenant, "").await?;
+        Ok(c.query(
+            &format!(
+                "SELECT {TOKEN_COLS} FROM tokens k WHERE k.tenant = $1 ORDER BY k.created_ms, k.id"
+            ),
+            &[&tenant],
+        )
+        .await
+        .map_err(be)?
+        .iter()
+        .map(token_row)
+        .collect())
+    }
+
+    async fn revoke_token(&self, tenant: &str, id: &str) -> Result<TokenInfo> {
+        let c = self.conn().await?;
+        c.execute(
+            "UPDATE tokens SET revoked_ms = $3
+             WHERE tenant = $1 AND id = $2 AND revoked_ms IS NULL",
+            &[&tenant, &id, &(now_ms() as i64)],
+        )
+        .await
+        .map_err(be)?;
+        c.query_opt(
+            &format!("SELECT {TOKEN_COLS} FROM tokens k WHERE k.tenant = $1 AND k.id = $2"),
+            &[&tenant, &id],
+        )
+        .await
+        .map_err(be)?
+        .map(|r| token_row(&r))
+        .ok_or(CatalogError::NotFound {
+            what: "token",
+            name: id.into(),
+        })
+    }
+
+    async fn get_tenant(&self, tenant: &str) -> Result<TenantInfo> {
+        let c = self.conn().await?;
+        tenant_row(&c, tenant, "").await
+    }
+
+    async fn begin_tenant_delete(&self, tenant: &str) -> Result<()> {
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(be)?;
+        // The row lock orders this against every lease grant (which takes it FOR SHARE): a
+        // grant either committed before (and is seen below) or sees the mark.
+        if tenant_row(&tx, tenant, " FOR UPDATE")
+            .await?
+            .deleting_ms
+            .is_some()
+        {
+            return Ok(());
+        }
+        let now = server_now(&tx).await?;
+        if let Some(r) = tx
+            .query_opt(
+                "SELECT workspace, holder FROM leases
+                 WHERE tenant = $1 AND holder IS NOT NULL AND expires_ms > $2
+                 ORDER BY workspace LIMIT 1",
+                &[&tenant, &(now as i64)],
+            )
+            .await
+            .map_err(be)?
+        {
+            return Err(attached_refusal(tenant, r.get(0), r.get(1)));
+        }
+        tx.execute(
+            "UPDATE tenants SET deleting_ms = $2 WHERE id = $1",
+            &[&tenant, &(now as i64)],
+        )
+        .await
+        .map_err(be)?;
+        tx.commit().await.map_err(be)
+    }
+
+    async fn purge_tenant(&self, tenant: &str) -> Result<()> {
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(be)?;
+        let info = tenant_row(&tx, tenant, " FOR UPDATE").await?;
+        let n: i64 = tx
+            .query_one(
+                "SELECT count(*) FROM workspaces WHERE tenant = $1",
+                &[&tenant],
+            )
+            .await
+            .map_err(be)?
+            .get(0);
+        purge_check(tenant, &info, n as u64)?;
+        for table in TENANT_TABLES {
+            tx.execute(
+                &format!("DELETE FROM {table} WHERE tenant = $1"),
+                &[&tenant],
+            )
+            .await
+            .map_err(be)?;
+        }
+        tx.execute("DELETE FROM tenants WHERE id = $1", &[&tenant])
+            .await
+            .map_err(be)?;
+        tx.commit().await.map_err(be)
     }
 
     async fn record_manifest(
@@ -418,6 +537,14 @@ impl Catalog for PostgresCatalog {
         let mut c = self.conn().await?;
         let tx = c.transaction().await.map_err(be)?;
         get_ws(&tx, tenant, workspace, true).await?;
+        // Ordered against a tenant deletion's mark by the tenant row's lock.
+        if tenant_row(&tx, tenant, " FOR SHARE")
+            .await?
+            .deleting_ms
+            .is_some()
+        {
+            return Err(deleting(tenant));
+        }
         let now = server_now(&tx).await?;
         let l = lease_of(&tx, tenant, workspace).await?;
         if let Some(h) = l
@@ -572,36 +699,6 @@ impl Catalog for PostgresCatalog {
             })
         })
         .collect()
-    }
-
-    async fn add_scoped_token(&self, tenant: &str, hash: &str, scope: &str) -> Result<()> {
-        if !self.tenant_exists(tenant).await? {
-            return Err(CatalogError::NotFound {
-                what: "tenant",
-                name: tenant.into(),
-            });
-        }
-        let c = self.conn().await?;
-        c.execute(
-            "INSERT INTO tokens (hash, tenant, created_ms, scope) VALUES ($1, $2, $3, $4)",
-            &[&hash, &tenant, &(now_ms() as i64), &scope],
-        )
-        .await
-        .map_err(be)?;
-        Ok(())
-    }
-
-    async fn token_info(&self, hash: &str) -> Result<Option<TokenInfo>> {
-        let c = self.conn().await?;
-        Ok(
-            c.query_opt("SELECT tenant, scope FROM tokens WHERE hash = $1", &[&hash])
-                .await
-                .map_err(be)?
-                .map(|r| TokenInfo {
-                    tenant: r.get(0),
-                    scope: r.get(1),
-                }),
-        )
     }
 
     async fn create_stream(&self, st: &RelayStream) -> Result<()> {

@@ -34,44 +34,173 @@ impl Catalog for SqliteCatalog {
         .await
     }
 
-    async fn add_token(&self, tenant: &str, hash: &str) -> Result<()> {
-        let (t, h) = (tenant.to_string(), hash.to_string());
+    async fn add_token(&self, tok: &NewToken) -> Result<TokenInfo> {
+        let tok = tok.clone();
         let clock = self.clock.clone();
         self.run(move |c| {
-            if c.query_row(
-                "SELECT 1 FROM tenants WHERE id = ?1",
-                params![t],
-                |_| Ok(()),
-            )
-            .optional()
-            .map_err(be)?
-            .is_none()
-            {
-                return Err(CatalogError::NotFound {
-                    what: "tenant",
-                    name: t,
-                });
+            let tx = c
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(be)?;
+            let info = tenant_row(&tx, &tok.tenant)?;
+            if info.deleting_ms.is_some() {
+                return Err(deleting(&tok.tenant));
             }
-            c.execute(
-                "INSERT INTO tokens (hash, tenant, created_ms) VALUES (?1, ?2, ?3)",
-                params![h, t, clock.now_ms() as i64],
+            let created = clock.now_ms();
+            tx.execute(
+                "INSERT INTO tokens (hash, tenant, created_ms, scope, id, expires_ms, label)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                params![
+                    tok.hash,
+                    tok.tenant,
+                    created as i64,
+                    tok.scope,
+                    token_id(&tok.hash),
+                    tok.expires_ms.map(|e| e as i64),
+                    tok.label
+                ],
             )
             .map_err(be)?;
-            Ok(())
+            tx.commit().map_err(be)?;
+            Ok(TokenInfo {
+                id: token_id(&tok.hash),
+                tenant: tok.tenant,
+                scope: tok.scope,
+                created_ms: created,
+                expires_ms: tok.expires_ms,
+                revoked_ms: None,
+                label: tok.label,
+            })
         })
         .await
     }
 
-    async fn tenant_for_token(&self, hash: &str) -> Result<Option<String>> {
+    async fn token_info(&self, hash: &str) -> Result<Option<TokenInfo>> {
         let h = hash.to_string();
         self.run(move |c| {
             c.query_row(
-                "SELECT tenant FROM tokens WHERE hash = ?1 AND scope IS NULL",
+                &format!(
+                    "SELECT {TOKEN_COLS} FROM tokens k JOIN tenants t ON t.id = k.tenant
+                     WHERE k.hash = ?1 AND t.deleting_ms IS NULL"
+                ),
                 params![h],
-                |r| r.get(0),
+                token_row,
             )
             .optional()
             .map_err(be)
+        })
+        .await
+    }
+
+    async fn list_tokens(&self, tenant: &str) -> Result<Vec<TokenInfo>> {
+        let t = tenant.to_string();
+        self.run(move |c| {
+            tenant_row(c, &t)?;
+            let mut s = c
+                .prepare(&format!(
+                    "SELECT {TOKEN_COLS} FROM tokens k WHERE k.tenant = ?1 ORDER BY k.created_ms, k.id"
+                ))
+                .map_err(be)?;
+            let rows = s.query_map(params![t], token_row).map_err(be)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
+        })
+        .await
+    }
+
+    async fn revoke_token(&self, tenant: &str, id: &str) -> Result<TokenInfo> {
+        let (t, id) = (tenant.to_string(), id.to_string());
+        let clock = self.clock.clone();
+        self.run(move |c| {
+            let tx = c
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(be)?;
+            tx.execute(
+                "UPDATE tokens SET revoked_ms = ?3
+                     WHERE tenant = ?1 AND id = ?2 AND revoked_ms IS NULL",
+                params![t, id, clock.now_ms() as i64],
+            )
+            .map_err(be)?;
+            let info = tx
+                .query_row(
+                    &format!("SELECT {TOKEN_COLS} FROM tokens k WHERE k.tenant = ?1 AND k.id = ?2"),
+                    params![t, id],
+                    token_row,
+                )
+                .optional()
+                .map_err(be)?
+                .ok_or(CatalogError::NotFound {
+                    what: "token",
+                    name: id.clone(),
+                })?;
+            tx.commit().map_err(be)?;
+            Ok(info)
+        })
+        .await
+    }
+
+    async fn get_tenant(&self, tenant: &str) -> Result<TenantInfo> {
+        let t = tenant.to_string();
+        self.run(move |c| tenant_row(c, &t)).await
+    }
+
+    async fn begin_tenant_delete(&self, tenant: &str) -> Result<()> {
+        let t = tenant.to_string();
+        let clock = self.clock.clone();
+        self.run(move |c| {
+            let tx = c
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(be)?;
+            let info = tenant_row(&tx, &t)?;
+            if info.deleting_ms.is_some() {
+                return Ok(());
+            }
+            let now = clock.now_ms();
+            let live: Option<(String, String)> = tx
+                .query_row(
+                    "SELECT workspace, holder FROM leases
+                     WHERE tenant = ?1 AND holder IS NOT NULL AND expires_ms > ?2
+                     ORDER BY workspace LIMIT 1",
+                    params![t, now as i64],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .optional()
+                .map_err(be)?;
+            if let Some((ws, node)) = live {
+                return Err(attached_refusal(&t, &ws, &node));
+            }
+            tx.execute(
+                "UPDATE tenants SET deleting_ms = ?2 WHERE id = ?1",
+                params![t, now as i64],
+            )
+            .map_err(be)?;
+            tx.commit().map_err(be)
+        })
+        .await
+    }
+
+    async fn purge_tenant(&self, tenant: &str) -> Result<()> {
+        let t = tenant.to_string();
+        self.run(move |c| {
+            let tx = c
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(be)?;
+            purge_check(&t, &tenant_row(&tx, &t)?, {
+                tx.query_row(
+                    "SELECT count(*) FROM workspaces WHERE tenant = ?1",
+                    params![t],
+                    |r| r.get::<_, i64>(0),
+                )
+                .map_err(be)? as u64
+            })?;
+            for table in TENANT_TABLES {
+                tx.execute(
+                    &format!("DELETE FROM {table} WHERE tenant = ?1"),
+                    params![t],
+                )
+                .map_err(be)?;
+            }
+            tx.execute("DELETE FROM tenants WHERE id = ?1", params![t])
+                .map_err(be)?;
+            tx.commit().map_err(be)
         })
         .await
     }
@@ -365,6 +494,9 @@ impl Catalog for SqliteCatalog {
         self.run(move |c| {
             let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
             get_ws(&tx, &t, &n)?;
+            if tenant_row(&tx, &t)?.deleting_ms.is_some() {
+                return Err(deleting(&t));
+            }
             let now = clock.now_ms();
             let l = lease_of(&tx, &t, &n).map_err(be)?;
             if let Some(h) = l.holder.as_ref().filter(|h| **h != node && l.expires_ms > now) {
@@ -490,53 +622,6 @@ impl Catalog for SqliteCatalog {
                     })
                 })
                 .collect()
-        })
-        .await
-    }
-
-    async fn add_scoped_token(&self, tenant: &str, hash: &str, scope: &str) -> Result<()> {
-        let (t, h, sc) = (tenant.to_string(), hash.to_string(), scope.to_string());
-        let clock = self.clock.clone();
-        self.run(move |c| {
-            if c.query_row(
-                "SELECT 1 FROM tenants WHERE id = ?1",
-                params![t],
-                |_| Ok(()),
-            )
-            .optional()
-            .map_err(be)?
-            .is_none()
-            {
-                return Err(CatalogError::NotFound {
-                    what: "tenant",
-                    name: t,
-                });
-            }
-            c.execute(
-                "INSERT INTO tokens (hash, tenant, created_ms, scope) VALUES (?1, ?2, ?3, ?4)",
-                params![h, t, clock.now_ms() as i64, sc],
-            )
-            .map_err(be)?;
-            Ok(())
-        })
-        .await
-    }
-
-    async fn token_info(&self, hash: &str) -> Result<Option<TokenInfo>> {
-        let h = hash.to_string();
-        self.run(move |c| {
-            c.query_row(
-                "SELECT tenant, scope FROM tokens WHERE hash = ?1",
-                params![h],
-                |r| {
-                    Ok(TokenInfo {
-                        tenant: r.get(0)?,
-                        scope: r.get(1)?,
-                    })
-                },
-            )
-            .optional()
-            .map_err(be)
         })
         .await
     }

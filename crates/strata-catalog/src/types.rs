@@ -243,9 +243,44 @@ pub struct RelayStream {
     pub created_ms: u64,
 }
 
-/// Who a token speaks for: a tenant, optionally narrowed to a scope such as `relay:STREAM`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TokenInfo {
+/// A token to record. The catalog keeps its hash, never the token.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct NewToken {
     pub tenant: String,
+    /// BLAKE3 of the token, hex.
+    pub hash: String,
+    /// `None`: the tenant's full rights; else a scope such as `read` or `relay:STREAM`.
     pub scope: Option<String>,
+    /// Refused from this instant on (milliseconds since the epoch).
+    pub expires_ms: Option<u64>,
+    pub label: Option<String>,
+}
+
+/// Who a token speaks for and what is known of it. `id` is the first 16 hex digits of its
+/// hash: what listings show and what revocation names.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TokenInfo {
+    pub id: String,
+    pub tenant: String,
+    /// `None`: the tenant's full rights; else a scope such as `read` or `relay:STREAM`.
+    pub scope: Option<String>,
+    pub created_ms: u64,
+    pub expires_ms: Option<u64>,
+    pub revoked_ms: Option<u64>,
+    pub label: Option<String>,
+}
+
+/// The public id of a token hash.
+pub fn token_id(hash: &str) -> String {
+    hash.chars().take(16).collect()
+}
+
+/// A tenant as the catalog knows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TenantInfo {
+    pub name: String,
+    pub created_ms: u64,
+    /// Set while the tenant is being deleted: its tokens no longer work and its workspaces
+    /// cannot be attached.
+    pub deleting_ms: Option<u64>,
 }

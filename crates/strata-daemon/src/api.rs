@@ -16,6 +16,28 @@ pub struct TenantToken {
     pub tenant: String,
     /// Shown once; strata stores only its hash.
     pub token: String,
+    /// What listings show and revocation names: the first 16 hex digits of its hash.
+    pub id: String,
+    /// Absent: the tenant's full rights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scope: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+}
+
+impl TenantToken {
+    pub(crate) fn issued(info: strata_catalog::TokenInfo, token: String) -> TenantToken {
+        TenantToken {
+            tenant: info.tenant,
+            token,
+            id: info.id,
+            scope: info.scope,
+            expires_ms: info.expires_ms,
+            label: info.label,
+        }
+    }
 }
 
 /// `POST /v1/templates`: a template from the operator's import directory. Content a tenant has

@@ -9,12 +9,13 @@
 use std::sync::Arc;
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::FromRequestParts;
+use axum::extract::{FromRequestParts, MatchedPath};
 use axum::http::request::Parts;
 use axum::http::{header, StatusCode};
 use axum::Json;
 
 use crate::error::ApiError;
+use crate::tokens::{live_token, Scope};
 use crate::{observe, token_hash, Daemon};
 
 /// The caller's tenant, from `Authorization: Bearer TOKEN`.
@@ -59,23 +60,18 @@ impl FromRequestParts<Arc<Daemon>> for Tenant {
             return Ok(Tenant(l.tenant.clone()));
         }
         let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
-        match d
-            .engine
-            .catalog()
-            .tenant_for_token(&token_hash(token))
-            .await?
-        {
-            Some(t) => {
-                observe::record_tenant(&t);
-                Ok(Tenant(t))
-            }
-            None if d.admin_hash.as_deref() == Some(&token_hash(token)) => {
-                Err(ApiError::forbidden(
-                    "the admin token manages tenants; use a tenant's token for its data",
-                ))
-            }
-            None => Err(ApiError::unauthorized()),
+        let info = live_token(d, token).await?;
+        let route = parts
+            .extensions
+            .get::<MatchedPath>()
+            .map(|p| p.as_str())
+            .unwrap_or("");
+        let scope = Scope::of(info.scope.as_deref());
+        if !scope.allows(&parts.method, route) {
+            return Err(scope.refusal(&parts.method, route));
         }
+        observe::record_tenant(&info.tenant);
+        Ok(Tenant(info.tenant))
     }
 }
 
@@ -86,12 +82,14 @@ impl FromRequestParts<Arc<Daemon>> for Admin {
             return Ok(Admin);
         }
         let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
-        match &d.admin_hash {
-            Some(h) if *h == token_hash(token) => Ok(Admin),
-            Some(_) => Err(ApiError::forbidden("this needs the admin token")),
-            None => Err(ApiError::forbidden(
-                "no admin token is configured (STRATA_ADMIN_TOKEN)",
-            )),
+        if d.admin.contains(&token_hash(token)) {
+            Ok(Admin)
+        } else if d.admin.configured() {
+            Err(ApiError::forbidden("this needs the admin token"))
+        } else {
+            Err(ApiError::forbidden(
+                "no admin token is configured (STRATA_ADMIN_TOKEN or admin_token_file)",
+            ))
         }
     }
 }
@@ -133,7 +131,7 @@ impl FromRequestParts<Arc<Daemon>> for Scraper {
         }
         let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
         let h = token_hash(token);
-        if d.admin_hash.as_deref() == Some(&h) || d.metrics_hash.as_deref() == Some(&h) {
+        if d.admin.contains(&h) || d.metrics_hash.as_deref() == Some(&h) {
             Ok(Scraper)
         } else {
             Err(ApiError::forbidden(

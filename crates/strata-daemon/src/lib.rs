@@ -25,6 +25,7 @@ pub use strata_relay as relay;
 mod relay_api;
 mod routes;
 mod template_api;
+mod tokens;
 mod workspace_api;
 
 pub use api::*;
@@ -45,6 +46,9 @@ use exports::{ExportHandle, Key};
 pub struct DaemonConfig {
     /// Manages tenants, runs GC, reads the nodes view and `/metrics`.
     pub admin_token: Option<String>,
+    /// More admin tokens, one per line (or `blake3:HEX`), read again whenever the file
+    /// changes: rotation without a restart.
+    pub admin_token_file: Option<PathBuf>,
     /// May read `/metrics` and nothing else (a Prometheus scraper's token).
     pub metrics_token: Option<String>,
     /// Where export sockets live (default `DATA/run`): short enough for unix socket paths,
@@ -86,7 +90,7 @@ pub struct Daemon {
     pub(crate) nbd_metrics: Arc<strata_nbd::NbdMetrics>,
     /// `/metrics` (`metrics.rs`).
     pub(crate) metrics: metrics::Metrics,
-    pub(crate) admin_hash: Option<String>,
+    pub(crate) admin: tokens::AdminTokens,
     pub(crate) metrics_hash: Option<String>,
     pub(crate) run_dir: PathBuf,
     pub(crate) import_dir: Option<PathBuf>,
@@ -166,11 +170,12 @@ impl Daemon {
             RELAY_MAX_BYTES,
         )?);
         let nbd_metrics = Arc::new(strata_nbd::NbdMetrics::default());
+        let admin = tokens::AdminTokens::new(cfg.admin_token.as_deref(), cfg.admin_token_file)?;
         Ok(Arc::new_cyclic(|me| Daemon {
             engine,
             metrics: metrics::Metrics::new(me.clone(), nbd_metrics.clone()),
             nbd_metrics,
-            admin_hash: hash(&cfg.admin_token),
+            admin,
             metrics_hash: hash(&cfg.metrics_token),
             run_dir,
             import_dir: cfg.import_dir,

@@ -136,6 +136,7 @@ pub(crate) fn unbounded(method: &Method, route: &str) -> bool {
             | ("GET", "/v1/relay/{stream}/{name}")
             | ("GET", "/v1/relay/{stream}")
             | ("POST", "/v1/gc")
+            | ("DELETE", "/v1/tenants/{name}")
     )
 }
 

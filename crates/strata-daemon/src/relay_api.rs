@@ -16,26 +16,25 @@ use crate::api::*;
 use crate::auth::{bearer, body, Tenant};
 use crate::error::ApiError;
 use crate::routes::{D, R};
+use crate::tokens::{live_token, Scope};
 use crate::{new_token, token_hash, Daemon};
 
-/// A relay caller: a tenant token (any stream of the tenant) or a stream token (only PUT to
-/// that stream).
+/// A relay caller: a tenant token of full, `relay` or (to read) `read` scope, or a stream
+/// token (only PUT to that stream).
 pub struct RelayCaller {
     tenant: String,
-    scope: Option<String>,
+    scope: Scope,
 }
 
 impl FromRequestParts<Arc<Daemon>> for RelayCaller {
     type Rejection = ApiError;
     async fn from_request_parts(parts: &mut Parts, d: &Arc<Daemon>) -> Result<Self, ApiError> {
         let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
-        match d.engine.catalog().token_info(&token_hash(token)).await? {
-            Some(i) => Ok(RelayCaller {
-                tenant: i.tenant,
-                scope: i.scope,
-            }),
-            None => Err(ApiError::unauthorized()),
-        }
+        let i = live_token(d, token).await?;
+        Ok(RelayCaller {
+            scope: Scope::of(i.scope.as_deref()),
+            tenant: i.tenant,
+        })
     }
 }
 
@@ -43,21 +42,32 @@ impl RelayCaller {
     /// The tenant, if this caller may write to `stream`.
     fn may_put(&self, stream: &str) -> Result<&str, ApiError> {
         match &self.scope {
-            None => Ok(&self.tenant),
-            Some(s) if s.strip_prefix("relay:") == Some(stream) => Ok(&self.tenant),
-            Some(_) => Err(ApiError::forbidden(
+            Scope::Full | Scope::Relay => Ok(&self.tenant),
+            Scope::Stream(s) if s == stream => Ok(&self.tenant),
+            Scope::Stream(_) => Err(ApiError::forbidden(
                 "this stream token may only add files to its own stream",
             )),
+            s => Err(s.refusal(&axum::http::Method::PUT, "/v1/relay/{stream}/{name}")),
         }
     }
-    /// The tenant, if this caller may read (tenant tokens only).
+    /// The tenant, if this caller may read.
     fn may_read(&self) -> Result<&str, ApiError> {
         match &self.scope {
-            None => Ok(&self.tenant),
-            Some(_) => Err(ApiError::forbidden(
+            Scope::Full | Scope::Relay | Scope::Read => Ok(&self.tenant),
+            Scope::Stream(_) => Err(ApiError::forbidden(
                 "a stream token can only add files; read with the tenant's token",
             )),
+            s => Err(s.refusal(&axum::http::Method::GET, "/v1/relay/{stream}")),
         }
+    }
+}
+
+fn stream_token_of(tenant: &str, stream: &str, token: &str) -> strata_catalog::NewToken {
+    strata_catalog::NewToken {
+        tenant: tenant.into(),
+        hash: token_hash(token),
+        scope: Some(format!("relay:{stream}")),
+        ..Default::default()
     }
 }
 
@@ -95,8 +105,7 @@ pub(crate) async fn create_stream(
         })
         .await?;
         let token = new_token();
-        cat.add_scoped_token(&t, &token_hash(&token), &format!("relay:{name}"))
-            .await?;
+        cat.add_token(&stream_token_of(&t, &name, &token)).await?;
         Ok(token)
     })
     .await?;
@@ -130,7 +139,7 @@ pub(crate) async fn stream_token(
     let token = new_token();
     d.engine
         .catalog()
-        .add_scoped_token(&t, &token_hash(&token), &format!("relay:{stream}"))
+        .add_token(&stream_token_of(&t, &stream, &token))
         .await?;
     Ok((
         StatusCode::CREATED,

@@ -17,7 +17,7 @@ use crate::auth::{body, optional_body, Admin, Scraper, Tenant};
 use crate::error::ApiError;
 use crate::exports::own_task;
 use crate::workspace_api::*;
-use crate::{new_token, observe, relay_api, template_api, token_hash, Daemon};
+use crate::{new_token, observe, relay_api, template_api, token_hash, tokens, Daemon};
 
 pub(crate) type D = State<Arc<Daemon>>;
 pub(crate) type R<T> = Result<Json<T>, ApiError>;
@@ -41,8 +41,21 @@ pub fn router(d: Arc<Daemon>) -> Router {
             "/v1/relay/{stream}/{name}",
             axum::routing::put(relay_api::put_relay_file).get(relay_api::get_relay_file),
         )
-        .route("/v1/tenants", post(create_tenant))
-        .route("/v1/tenants/{name}/tokens", post(create_token))
+        .route("/v1/tenants", get(tokens::list_tenants).post(create_tenant))
+        .route(
+            "/v1/tenants/{name}",
+            axum::routing::delete(tokens::delete_tenant),
+        )
+        .route(
+            "/v1/tenants/{name}/tokens",
+            get(tokens::list_tenant_tokens).post(tokens::create_tenant_token),
+        )
+        .route(
+            "/v1/tenants/{name}/tokens/{id}",
+            axum::routing::delete(tokens::revoke_tenant_token),
+        )
+        .route("/v1/tokens", get(tokens::list_own).post(tokens::create_own))
+        .route("/v1/tokens/{id}", axum::routing::delete(tokens::revoke_own))
         .route(
             "/v1/templates",
             get(list_templates).post(template_api::import_template),
@@ -172,48 +185,21 @@ pub(crate) async fn create_tenant(
     // Both steps in a task of their own: a client that leaves (or a request timeout) between
     // them would leave a tenant without a token, and a retry would get 409.
     let (cat, name) = (d.engine.catalog().clone(), b.name.clone());
-    let token = own_task(async move {
+    let issued = own_task(async move {
         cat.create_tenant(&name).await?;
         let token = new_token();
-        cat.add_token(&name, &token_hash(&token)).await?;
-        Ok(token)
+        let info = cat
+            .add_token(&strata_catalog::NewToken {
+                tenant: name,
+                hash: token_hash(&token),
+                label: Some("first token".into()),
+                ..Default::default()
+            })
+            .await?;
+        Ok(TenantToken::issued(info, token))
     })
     .await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(TenantToken {
-            tenant: b.name,
-            token,
-        }),
-    ))
-}
-
-#[utoipa::path(
-    post,
-    path = "/v1/tenants/{name}/tokens",
-    summary = "Issue another token for a tenant (admin token)",
-    params(("name" = String, Path, description = "Tenant name")),
-    responses((status = 201, description = "A new token", body = TenantToken)),
-    tag = "tenants",
-    security(("bearer" = [])),
-)]
-pub(crate) async fn create_token(
-    _: Admin,
-    State(d): D,
-    Path(name): Path<String>,
-) -> Result<(StatusCode, Json<TenantToken>), ApiError> {
-    let token = new_token();
-    d.engine
-        .catalog()
-        .add_token(&name, &token_hash(&token))
-        .await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(TenantToken {
-            tenant: name,
-            token,
-        }),
-    ))
+    Ok((StatusCode::CREATED, Json(issued)))
 }
 
 #[utoipa::path(

@@ -154,6 +154,9 @@ pub struct Relay {
     pub conflicts: AtomicU64,
     pub failures: AtomicU64,
     transfers: tokio::sync::Semaphore,
+    /// Held for each background upload and by [`Relay::forget_tenant`]: a deleted tenant's
+    /// file is never uploaded after its keys were removed.
+    upload_gate: tokio::sync::Mutex<()>,
 }
 
 use strata_format::now_ms;
@@ -203,6 +206,7 @@ impl Relay {
             conflicts: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             transfers: tokio::sync::Semaphore::new(TRANSFERS),
+            upload_gate: tokio::sync::Mutex::new(()),
         };
         // A crash between creating and unlinking a spool file is all that can leave one.
         for e in std::fs::read_dir(relay.root.join(".spool"))
@@ -711,6 +715,16 @@ impl Relay {
             .collect();
         todo.sort_by_key(|(_, created)| *created);
         for ((t, s, n), _) in todo {
+            let _gate = self.upload_gate.lock().await;
+            let key = (t.clone(), s.clone(), n.clone());
+            if !self
+                .pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains_key(&key)
+            {
+                continue; // its tenant was deleted meanwhile
+            }
             let Some(mut f) = self.local_meta(&t, &s, &n) else {
                 continue;
             };
@@ -746,6 +760,20 @@ impl Relay {
                     return; // back off until the next pass
                 }
             }
+        }
+    }
+
+    /// Forgets a tenant being deleted: nothing of it is uploaded any more (an upload under
+    /// way finishes first) and its files leave this node's disk. `tenant` is a validated name.
+    pub async fn forget_tenant(&self, tenant: &str) -> std::io::Result<()> {
+        let _gate = self.upload_gate.lock().await;
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(t, _, _), _| t != tenant);
+        match std::fs::remove_dir_all(self.root.join(tenant)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
         }
     }
 

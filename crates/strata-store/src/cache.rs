@@ -129,6 +129,30 @@ impl NodeCache {
             .join(format!("{hex}.{}", k.unit))
     }
 
+    /// Drops every entry of `tenant` (a deleted tenant's data leaves the node). An insert
+    /// racing this may leave a file that only costs space until evicted or the next open.
+    pub fn forget_tenant(&self, tenant: &str) -> std::io::Result<()> {
+        {
+            let mut ix = self.lock();
+            let gone: Vec<Key> = ix
+                .map
+                .keys()
+                .filter(|k| k.tenant == tenant)
+                .cloned()
+                .collect();
+            for k in gone {
+                if let Some(e) = ix.map.remove(&k) {
+                    ix.used -= e.len;
+                    ix.lru.remove(&e.tick);
+                }
+            }
+        }
+        match std::fs::remove_dir_all(self.dir.join(tenant)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
+
     /// Bytes currently held.
     pub fn used(&self) -> u64 {
         self.lock().used

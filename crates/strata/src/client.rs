@@ -15,7 +15,7 @@ use axum::http::Method;
 use serde_json::{json, Value};
 
 use crate::output::{print, usage, View};
-use crate::{Cmd, TemplateCmd, TenantCmd, WsCmd};
+use crate::{Cmd, TemplateCmd, TenantCmd, TokenCmd, WsCmd};
 
 /// Where the requests go.
 #[derive(Clone)]
@@ -321,11 +321,55 @@ pub async fn run(h: &Client, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                 .await?;
             print(json_out, View::TenantCreated, &v);
         }
-        Cmd::Tenant(TenantCmd::Token { name }) => {
+        Cmd::Tenant(TenantCmd::Token { name, opts }) => {
             let v = h
-                .call(M::POST, &format!("/v1/tenants/{}/tokens", seg(&name)), None)
+                .call(
+                    M::POST,
+                    &format!("/v1/tenants/{}/tokens", seg(&name)),
+                    Some(opts.body()),
+                )
                 .await?;
             print(json_out, View::Token, &v);
+        }
+        Cmd::Tenant(TenantCmd::List) => {
+            let v = h.call(M::GET, "/v1/tenants", None).await?;
+            print(json_out, View::Tenants, &v);
+        }
+        Cmd::Tenant(TenantCmd::Delete { name }) => {
+            let v = h
+                .call(M::DELETE, &format!("/v1/tenants/{}", seg(&name)), None)
+                .await?;
+            print(json_out, View::TenantDeleted, &v);
+        }
+        Cmd::Tenant(TenantCmd::Tokens { name }) => {
+            let v = h
+                .call(M::GET, &format!("/v1/tenants/{}/tokens", seg(&name)), None)
+                .await?;
+            print(json_out, View::Tokens, &v);
+        }
+        Cmd::Tenant(TenantCmd::Revoke { name, id }) => {
+            let v = h
+                .call(
+                    M::DELETE,
+                    &format!("/v1/tenants/{}/tokens/{}", seg(&name), seg(&id)),
+                    None,
+                )
+                .await?;
+            print(json_out, View::Revoked, &v);
+        }
+        Cmd::Token(TokenCmd::Create { opts }) => {
+            let v = h.call(M::POST, "/v1/tokens", Some(opts.body())).await?;
+            print(json_out, View::Token, &v);
+        }
+        Cmd::Token(TokenCmd::List) => {
+            let v = h.call(M::GET, "/v1/tokens", None).await?;
+            print(json_out, View::Tokens, &v);
+        }
+        Cmd::Token(TokenCmd::Revoke { id }) => {
+            let v = h
+                .call(M::DELETE, &format!("/v1/tokens/{}", seg(&id)), None)
+                .await?;
+            print(json_out, View::Revoked, &v);
         }
         Cmd::Template(c) => {
             let (view, v) = match c {

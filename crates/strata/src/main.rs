@@ -75,6 +75,9 @@ enum Cmd {
     /// Tenants (through the daemon; needs STRATA_URL and the admin token in STRATA_TOKEN).
     #[command(subcommand)]
     Tenant(TenantCmd),
+    /// Your tenant's tokens: issue scoped or expiring ones, list, revoke.
+    #[command(subcommand)]
+    Token(TokenCmd),
     /// Garbage collection: expire checkpoints by retention, delete unreferenced data (admin
     /// token through the daemon). Deletion is two-phase: data is deleted by a pass at least the
     /// grace period after one that found it unreferenced.
@@ -92,8 +95,57 @@ enum Cmd {
 enum TenantCmd {
     /// Creates a tenant and prints its first token (shown once).
     Create { name: String },
-    /// Issues another token for a tenant.
-    Token { name: String },
+    /// Every tenant, with its workspace and token counts.
+    List,
+    /// Deletes a tenant and everything it owns (refused while a workspace is attached).
+    Delete { name: String },
+    /// Issues another token for a tenant (printed once).
+    Token {
+        name: String,
+        #[command(flatten)]
+        opts: TokenOpts,
+    },
+    /// A tenant's tokens: ids and metadata.
+    Tokens { name: String },
+    /// Revokes one of a tenant's tokens by id.
+    Revoke { name: String, id: String },
+}
+
+/// Your tenant's own tokens (a full tenant token in STRATA_TOKEN).
+#[derive(Subcommand)]
+enum TokenCmd {
+    /// Issues a token (printed once).
+    Create {
+        #[command(flatten)]
+        opts: TokenOpts,
+    },
+    /// Ids and metadata of this tenant's tokens.
+    List,
+    /// Revokes a token by id.
+    Revoke { id: String },
+}
+
+#[derive(clap::Args)]
+struct TokenOpts {
+    /// read, attach, relay or relay:STREAM (default: the tenant's full rights).
+    #[arg(long)]
+    scope: Option<String>,
+    /// Stops working after this long (e.g. 12h, 30d).
+    #[arg(long)]
+    ttl: Option<units::Dur>,
+    /// A note shown in listings.
+    #[arg(long)]
+    label: Option<String>,
+}
+
+impl TokenOpts {
+    fn body(&self) -> serde_json::Value {
+        serde_json::json!({
+            "scope": self.scope,
+            "ttl_seconds": self.ttl.as_ref().map(|d| d.0.as_secs().max(1)),
+            "label": self.label,
+        })
+    }
 }
 
 #[derive(Subcommand)]

@@ -34,6 +34,10 @@ pub enum View {
     Unmounted,
     TenantCreated,
     Token,
+    Tokens,
+    Revoked,
+    Tenants,
+    TenantDeleted,
     Gc,
     Nodes,
     Written,
@@ -69,6 +73,47 @@ fn workspace_line(w: &Value) -> String {
 }
 
 /// A publish receipt (`Published`): version, state, bytes uploaded.
+/// An instant as its distance from now ("in 3h", "5m ago").
+fn fmt_time(ms: u64) -> String {
+    let now = strata_format::now_ms();
+    let span = |d: u64| {
+        let s = d / 1000;
+        match s {
+            0..=119 => format!("{s}s"),
+            120..=7199 => format!("{}m", s / 60),
+            7200..=172_799 => format!("{}h", s / 3600),
+            _ => format!("{}d", s / 86_400),
+        }
+    };
+    if ms >= now {
+        format!("in {}", span(ms - now))
+    } else {
+        format!("{} ago", span(now - ms))
+    }
+}
+
+fn token_line(t: &Value) -> String {
+    let mut out = format!("{}\t{}", s(t, "id"), t["scope"].as_str().unwrap_or("full"));
+    if let Some(e) = t["expires_ms"].as_u64() {
+        out += &format!(
+            "\t{} {}",
+            if e > strata_format::now_ms() {
+                "expires"
+            } else {
+                "expired"
+            },
+            fmt_time(e)
+        );
+    }
+    if let Some(r) = t["revoked_ms"].as_u64() {
+        out += &format!("\trevoked {}", fmt_time(r));
+    }
+    if let Some(l) = t["label"].as_str() {
+        out += &format!("\t{l}");
+    }
+    out
+}
+
 fn published(what: &str, p: &Value) -> String {
     format!(
         "{what} v{} {} ({} uploaded)",
@@ -172,6 +217,30 @@ pub fn human(view: View, v: &Value) -> String {
             s(v, "token")
         ),
         View::Token => s(v, "token").to_string(),
+        View::Tokens => lines(v, token_line),
+        View::Revoked => format!("revoked {}", token_line(v)),
+        View::Tenants => lines(v, |t| {
+            format!(
+                "{}\t{} workspaces\t{} tokens{}",
+                s(t, "name"),
+                n(t, "workspaces"),
+                n(t, "tokens"),
+                if t["deleting_ms"].is_u64() {
+                    "\tbeing deleted"
+                } else {
+                    ""
+                }
+            )
+        }),
+        View::TenantDeleted => format!(
+            "tenant {} deleted: {} workspaces, {} templates, {} relay streams, {} objects ({})",
+            s(v, "tenant"),
+            n(v, "workspaces"),
+            n(v, "templates"),
+            n(v, "streams"),
+            n(v, "store_keys"),
+            fmt_size(n(v, "store_bytes"))
+        ),
         View::Gc => gc(v),
         View::Nodes => nodes(v),
         View::Written => format!(

@@ -291,6 +291,10 @@ pub struct Settings {
     /// `STRATA_ADMIN_TOKEN`.
     #[arg(skip)]
     admin_token: Option<String>,
+    /// More admin tokens, one per line (or `blake3:HEX`), re-read whenever the file changes:
+    /// add the new token, move clients over, remove the old one, with no restart.
+    #[arg(long, env = "STRATA_ADMIN_TOKEN_FILE")]
+    admin_token_file: Option<PathBuf>,
     /// May read /metrics only: the file, or `STRATA_METRICS_TOKEN`.
     #[arg(skip)]
     metrics_token: Option<String>,
@@ -425,7 +429,7 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
     )?;
     let mut owner = crate::datadir::DataDirLock::daemon(&g.data)?;
     let engine = Engine::open_with(cfg, catalog, store, Arc::new(strata_engine::fs::RealFs))?;
-    if admin.is_none() {
+    if admin.is_none() && s.admin_token_file.is_none() {
         tracing::warn!("no admin token (STRATA_ADMIN_TOKEN or admin_token in the config): tenants cannot be created over the API");
     }
     let metrics_token = s.metrics_token.clone();
@@ -433,6 +437,7 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
         engine,
         strata_daemon::DaemonConfig {
             admin_token: admin.clone(),
+            admin_token_file: s.admin_token_file.clone(),
             metrics_token,
             run_dir: s.run_dir.clone(),
             import_dir: s.import_dir.clone(),

@@ -53,7 +53,50 @@ ALTER TABLE checkpoints ADD COLUMN expired_ms BIGINT;
 CREATE TABLE gc_condemned (tenant TEXT NOT NULL, key TEXT NOT NULL, condemned_ms BIGINT NOT NULL,
     PRIMARY KEY (tenant, key));
 "#,
+    r#"
+ALTER TABLE tokens ADD COLUMN id TEXT;
+ALTER TABLE tokens ADD COLUMN expires_ms BIGINT;
+ALTER TABLE tokens ADD COLUMN revoked_ms BIGINT;
+ALTER TABLE tokens ADD COLUMN label TEXT;
+UPDATE tokens SET id = substr(hash, 1, 16);
+CREATE INDEX tokens_tenant_id ON tokens (tenant, id);
+ALTER TABLE tenants ADD COLUMN deleting_ms BIGINT;
+"#,
 ];
+
+pub(super) const TOKEN_COLS: &str =
+    "k.id, k.tenant, k.scope, k.created_ms, k.expires_ms, k.revoked_ms, k.label";
+
+pub(super) fn token_row(r: &Row) -> TokenInfo {
+    TokenInfo {
+        id: r.get(0),
+        tenant: r.get(1),
+        scope: r.get(2),
+        created_ms: r.get::<_, i64>(3) as u64,
+        expires_ms: r.get::<_, Option<i64>>(4).map(|v| v as u64),
+        revoked_ms: r.get::<_, Option<i64>>(5).map(|v| v as u64),
+        label: r.get(6),
+    }
+}
+
+/// A tenant's row (`lock`: "", " FOR SHARE" or " FOR UPDATE"), or `NotFound`.
+pub(super) async fn tenant_row(c: &impl GenericClient, t: &str, lock: &str) -> Result<TenantInfo> {
+    c.query_opt(
+        &format!("SELECT id, created_ms, deleting_ms FROM tenants WHERE id = $1{lock}"),
+        &[&t],
+    )
+    .await
+    .map_err(be)?
+    .map(|r| TenantInfo {
+        name: r.get(0),
+        created_ms: r.get::<_, i64>(1) as u64,
+        deleting_ms: r.get::<_, Option<i64>>(2).map(|v| v as u64),
+    })
+    .ok_or(CatalogError::NotFound {
+        what: "tenant",
+        name: t.into(),
+    })
+}
 
 /// The server's clock in milliseconds since the epoch.
 pub(super) const SERVER_NOW: &str = "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::BIGINT";

@@ -55,7 +55,52 @@ ALTER TABLE checkpoints ADD COLUMN expired_ms INTEGER;
 CREATE TABLE gc_condemned (tenant TEXT NOT NULL, key TEXT NOT NULL, condemned_ms INTEGER NOT NULL,
     PRIMARY KEY (tenant, key));
 "#,
+    r#"
+ALTER TABLE tokens ADD COLUMN id TEXT;
+ALTER TABLE tokens ADD COLUMN expires_ms INTEGER;
+ALTER TABLE tokens ADD COLUMN revoked_ms INTEGER;
+ALTER TABLE tokens ADD COLUMN label TEXT;
+UPDATE tokens SET id = substr(hash, 1, 16);
+CREATE INDEX tokens_tenant_id ON tokens (tenant, id);
+ALTER TABLE tenants ADD COLUMN deleting_ms INTEGER;
+"#,
 ];
+
+pub(super) const TOKEN_COLS: &str =
+    "k.id, k.tenant, k.scope, k.created_ms, k.expires_ms, k.revoked_ms, k.label";
+
+pub(super) fn token_row(r: &rusqlite::Row) -> rusqlite::Result<TokenInfo> {
+    Ok(TokenInfo {
+        id: r.get(0)?,
+        tenant: r.get(1)?,
+        scope: r.get(2)?,
+        created_ms: r.get::<_, i64>(3)? as u64,
+        expires_ms: r.get::<_, Option<i64>>(4)?.map(|v| v as u64),
+        revoked_ms: r.get::<_, Option<i64>>(5)?.map(|v| v as u64),
+        label: r.get(6)?,
+    })
+}
+
+/// A tenant's row, or `NotFound`.
+pub(super) fn tenant_row(c: &Connection, t: &str) -> Result<TenantInfo> {
+    c.query_row(
+        "SELECT id, created_ms, deleting_ms FROM tenants WHERE id = ?1",
+        params![t],
+        |r| {
+            Ok(TenantInfo {
+                name: r.get(0)?,
+                created_ms: r.get::<_, i64>(1)? as u64,
+                deleting_ms: r.get::<_, Option<i64>>(2)?.map(|v| v as u64),
+            })
+        },
+    )
+    .optional()
+    .map_err(be)?
+    .ok_or(CatalogError::NotFound {
+        what: "tenant",
+        name: t.into(),
+    })
+}
 
 pub(super) fn be(e: rusqlite::Error) -> CatalogError {
     CatalogError::from_source("sqlite", sqlite_retryable(&e), e)

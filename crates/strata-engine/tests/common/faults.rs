@@ -216,14 +216,23 @@ impl Catalog for LossyCatalog {
     async fn tenant_exists(&self, tenant: &str) -> Result<bool> {
         self.inner.tenant_exists(tenant).await
     }
-    async fn add_token(&self, tenant: &str, hash: &str) -> Result<()> {
-        self.inner.add_token(tenant, hash).await
+    async fn add_token(&self, t: &NewToken) -> Result<TokenInfo> {
+        self.inner.add_token(t).await
     }
-    async fn tenant_for_token(&self, hash: &str) -> Result<Option<String>> {
-        self.inner.tenant_for_token(hash).await
+    async fn list_tokens(&self, tenant: &str) -> Result<Vec<TokenInfo>> {
+        self.inner.list_tokens(tenant).await
     }
-    async fn add_scoped_token(&self, tenant: &str, hash: &str, scope: &str) -> Result<()> {
-        self.inner.add_scoped_token(tenant, hash, scope).await
+    async fn revoke_token(&self, tenant: &str, id: &str) -> Result<TokenInfo> {
+        self.inner.revoke_token(tenant, id).await
+    }
+    async fn get_tenant(&self, tenant: &str) -> Result<TenantInfo> {
+        self.inner.get_tenant(tenant).await
+    }
+    async fn begin_tenant_delete(&self, tenant: &str) -> Result<()> {
+        self.inner.begin_tenant_delete(tenant).await
+    }
+    async fn purge_tenant(&self, tenant: &str) -> Result<()> {
+        self.inner.purge_tenant(tenant).await
     }
     async fn token_info(&self, hash: &str) -> Result<Option<TokenInfo>> {
         self.inner.token_info(hash).await

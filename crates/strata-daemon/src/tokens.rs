@@ -1,0 +1,565 @@
+//! Tokens and tenants as things an operator manages: what a token may do (its scope), when it
+//! stops working (expiry, revocation), the admin tokens (rotated through a file without a
+//! restart), and the tenant lifecycle (list, delete with everything it owns).
+//!
+//! Scopes, checked against the matched route before any handler runs:
+//!
+//! | scope          | may                                                               |
+//! |----------------|-------------------------------------------------------------------|
+//! | (none)         | everything of its tenant, including managing its tokens           |
+//! | `read`         | `GET` of workspaces, templates, mounts and relay files            |
+//! | `attach`       | attach and detach a workspace, and read workspaces                |
+//! | `relay`        | every relay route (streams, stream tokens, files)                 |
+//! | `relay:STREAM` | add files to that one stream (`PUT`)                              |
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::State;
+use axum::http::{Method, StatusCode};
+use axum::Json;
+use futures::StreamExt;
+use object_store::ObjectStoreExt;
+use serde::{Deserialize, Serialize};
+use strata_catalog::{NewToken, TenantInfo, TokenInfo};
+
+use crate::api::TenantToken;
+use crate::auth::{optional_body, Admin, Path, Tenant};
+use crate::error::ApiError;
+use crate::exports::own_task;
+use crate::routes::{D, R};
+use crate::{new_token, token_hash, Daemon};
+
+/// What a token may do; see the module docs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Scope {
+    Full,
+    Read,
+    Attach,
+    Relay,
+    Stream(String),
+    /// Written by a newer version: allows nothing here.
+    Unknown(String),
+}
+
+impl Scope {
+    pub(crate) fn of(s: Option<&str>) -> Scope {
+        match s {
+            None => Scope::Full,
+            Some("read") => Scope::Read,
+            Some("attach") => Scope::Attach,
+            Some("relay") => Scope::Relay,
+            Some(s) => match s.strip_prefix("relay:") {
+                Some(stream) => Scope::Stream(stream.into()),
+                None => Scope::Unknown(s.into()),
+            },
+        }
+    }
+
+    fn name(&self) -> &str {
+        match self {
+            Scope::Full => "full",
+            Scope::Read => "read",
+            Scope::Attach => "attach",
+            Scope::Relay => "relay",
+            Scope::Stream(_) => "stream",
+            Scope::Unknown(s) => s,
+        }
+    }
+
+    /// Whether a token of this scope may call `method` on the tenant route `route` (a route
+    /// template such as `/v1/workspaces/{name}`).
+    pub(crate) fn allows(&self, method: &Method, route: &str) -> bool {
+        let get = method == Method::GET || method == Method::HEAD;
+        match self {
+            Scope::Full => true,
+            Scope::Read => {
+                get && ["/v1/workspaces", "/v1/templates", "/v1/mounts", "/v1/relay"]
+                    .iter()
+                    .any(|p| route.starts_with(p))
+            }
+            Scope::Attach => {
+                (get && matches!(route, "/v1/workspaces" | "/v1/workspaces/{name}"))
+                    || (method == Method::POST
+                        && matches!(
+                            route,
+                            "/v1/workspaces/{name}/attach" | "/v1/workspaces/{name}/detach"
+                        ))
+            }
+            Scope::Relay => route.starts_with("/v1/relay"),
+            // The relay's own extractor lets a stream token PUT to its stream.
+            Scope::Stream(_) | Scope::Unknown(_) => false,
+        }
+    }
+
+    pub(crate) fn refusal(&self, method: &Method, route: &str) -> ApiError {
+        ApiError::forbidden(format!(
+            "a token of scope {:?} may not {method} {route}",
+            self.name()
+        ))
+    }
+}
+
+/// A token that is known, not revoked and not expired; or the refusal that says which.
+pub(crate) async fn live_token(d: &Daemon, token: &str) -> Result<TokenInfo, ApiError> {
+    let h = token_hash(token);
+    match d.engine.catalog().token_info(&h).await? {
+        Some(i) if i.revoked_ms.is_some() => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            format!("token {} was revoked", i.id),
+        )),
+        Some(i) if i.expires_ms.is_some_and(|e| e <= strata_format::now_ms()) => {
+            Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                format!("token {} has expired", i.id),
+            ))
+        }
+        Some(i) => Ok(i),
+        None if d.admin.contains(&h) => Err(ApiError::forbidden(
+            "the admin token manages tenants; use a tenant's token for its data",
+        )),
+        None => Err(ApiError::unauthorized()),
+    }
+}
+
+/// The admin tokens: the configured one and those listed in the admin token file, which is
+/// read again whenever it changes, so a new token can be added, clients moved over and the
+/// old one removed without a restart. A line is a token or `blake3:HEX` (its hash); blank
+/// lines and `#` comments are skipped.
+pub(crate) struct AdminTokens {
+    fixed: Option<String>,
+    file: Option<PathBuf>,
+    cached: Mutex<FileTokens>,
+}
+
+#[derive(Default)]
+struct FileTokens {
+    /// (modified, length, inode) of the file last read.
+    stamp: Option<(std::time::SystemTime, u64, u64)>,
+    hashes: Vec<String>,
+}
+
+impl AdminTokens {
+    /// Fails if the file is given but cannot be read or holds a malformed hash.
+    pub(crate) fn new(fixed: Option<&str>, file: Option<PathBuf>) -> std::io::Result<AdminTokens> {
+        let a = AdminTokens {
+            fixed: fixed.filter(|t| !t.is_empty()).map(token_hash),
+            file,
+            cached: Mutex::default(),
+        };
+        if let Some(f) = &a.file {
+            let mut c = a.lock();
+            c.stamp = Some(stamp(f)?);
+            c.hashes = read_tokens(f)?;
+        }
+        Ok(a)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, FileTokens> {
+        self.cached.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn configured(&self) -> bool {
+        self.fixed.is_some() || self.file.is_some()
+    }
+
+    /// Whether `hash` is an admin token's hash now.
+    pub(crate) fn contains(&self, hash: &str) -> bool {
+        if self.fixed.as_deref() == Some(hash) {
+            return true;
+        }
+        let Some(f) = &self.file else { return false };
+        let mut c = self.lock();
+        // A file being replaced may be missing or half-written for a moment: the last set
+        // read stays in force until a complete one is read.
+        match stamp(f) {
+            Ok(s) if c.stamp != Some(s) => match read_tokens(f) {
+                Ok(h) => {
+                    tracing::info!(tokens = h.len(), "admin token file reloaded");
+                    c.hashes = h;
+                    c.stamp = Some(s);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "admin token file unreadable; keeping the tokens read before")
+                }
+            },
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "admin token file unreadable; keeping the tokens read before")
+            }
+        }
+        c.hashes.iter().any(|h| h == hash)
+    }
+}
+
+fn stamp(f: &std::path::Path) -> std::io::Result<(std::time::SystemTime, u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(f)?;
+    Ok((m.modified()?, m.len(), m.ino()))
+}
+
+fn read_tokens(f: &std::path::Path) -> std::io::Result<Vec<String>> {
+    let text = std::fs::read_to_string(f)?;
+    let mut out = vec![];
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        match line.strip_prefix("blake3:") {
+            Some(hex) if hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()) => {
+                out.push(hex.to_ascii_lowercase())
+            }
+            Some(_) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!(
+                        "{}: line {}: blake3: needs 64 hex digits",
+                        f.display(),
+                        i + 1
+                    ),
+                ))
+            }
+            None => out.push(token_hash(line)),
+        }
+    }
+    Ok(out)
+}
+
+/// `POST /v1/tokens`, `POST /v1/tenants/{name}/tokens`.
+#[derive(Debug, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateToken {
+    /// `read`, `attach`, `relay` or `relay:STREAM`; absent: the tenant's full rights.
+    pub scope: Option<String>,
+    /// The token stops working this many seconds from now (at most ten years).
+    pub ttl_seconds: Option<u64>,
+    /// A note for listings (up to 100 printable characters).
+    pub label: Option<String>,
+}
+
+/// A tenant with counts, for the admin's list.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TenantView {
+    #[serde(flatten)]
+    pub tenant: TenantInfo,
+    pub workspaces: u64,
+    pub tokens: u64,
+}
+
+/// What deleting a tenant removed.
+#[derive(Debug, Default, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TenantDeleted {
+    pub tenant: String,
+    pub workspaces: u64,
+    pub templates: u64,
+    pub streams: u64,
+    pub store_keys: u64,
+    pub store_bytes: u64,
+}
+
+const MAX_TTL_SECONDS: u64 = 10 * 366 * 24 * 3600;
+
+/// Checks a token request and records the token; the token itself is returned once.
+async fn issue(d: &Daemon, tenant: &str, b: CreateToken) -> Result<TenantToken, ApiError> {
+    let scope = match b.scope.as_deref() {
+        None | Some("full") => None,
+        Some(s @ ("read" | "attach" | "relay")) => Some(s.to_string()),
+        Some(s) => match s.strip_prefix("relay:") {
+            Some(stream) => {
+                strata_format::name::validate("stream name", stream)
+                    .map_err(|e| ApiError::invalid(e.to_string()))?;
+                d.engine.catalog().get_stream(tenant, stream).await?;
+                Some(s.to_string())
+            }
+            None => {
+                return Err(ApiError::invalid(
+                    "scope is one of read, attach, relay, relay:STREAM (absent: full)",
+                ))
+            }
+        },
+    };
+    let expires_ms = match b.ttl_seconds {
+        None => None,
+        Some(0) => return Err(ApiError::invalid("ttl_seconds must be at least 1")),
+        Some(s) if s > MAX_TTL_SECONDS => {
+            return Err(ApiError::invalid("ttl_seconds is at most ten years"))
+        }
+        Some(s) => Some(strata_format::now_ms() + s * 1000),
+    };
+    if let Some(l) = &b.label {
+        if l.chars().count() > 100 || l.chars().any(char::is_control) {
+            return Err(ApiError::invalid(
+                "label: up to 100 characters, no control characters",
+            ));
+        }
+    }
+    let token = new_token();
+    let info = d
+        .engine
+        .catalog()
+        .add_token(&NewToken {
+            tenant: tenant.into(),
+            hash: token_hash(&token),
+            scope,
+            expires_ms,
+            label: b.label,
+        })
+        .await?;
+    Ok(TenantToken::issued(info, token))
+}
+
+fn check_tenant_name(name: &str) -> Result<(), ApiError> {
+    strata_format::name::validate("tenant name", name).map_err(|e| ApiError::invalid(e.to_string()))
+}
+
+fn check_token_id(id: &str) -> Result<(), ApiError> {
+    if id.len() == 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        Ok(())
+    } else {
+        Err(ApiError::invalid("a token id is 16 hex digits"))
+    }
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/tokens",
+    summary = "This tenant's tokens: ids and metadata, never the tokens (a full token)",
+    responses((status = 200, description = "Tokens, oldest first", body = Vec<TokenInfo>)),
+    tag = "tokens",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn list_own(Tenant(t): Tenant, State(d): D) -> R<Vec<TokenInfo>> {
+    Ok(Json(d.engine.catalog().list_tokens(&t).await?))
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/tokens",
+    summary = "Issue a token for this tenant, optionally scoped and expiring (a full token; shown once)",
+    request_body = Option<CreateToken>,
+    responses((status = 201, description = "The new token", body = TenantToken)),
+    tag = "tokens",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn create_own(
+    Tenant(t): Tenant,
+    State(d): D,
+    b: Result<Json<CreateToken>, JsonRejection>,
+) -> Result<(StatusCode, Json<TenantToken>), ApiError> {
+    let b = optional_body(b)?;
+    Ok((StatusCode::CREATED, Json(issue(&d, &t, b).await?)))
+}
+
+#[utoipa::path(
+    delete,
+    path = "/v1/tokens/{id}",
+    summary = "Revoke one of this tenant's tokens (a full token; idempotent)",
+    params(("id" = String, Path, description = "Token id (16 hex digits)")),
+    responses((status = 200, description = "The revoked token", body = TokenInfo)),
+    tag = "tokens",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn revoke_own(
+    Tenant(t): Tenant,
+    State(d): D,
+    Path(id): Path<String>,
+) -> R<TokenInfo> {
+    check_token_id(&id)?;
+    Ok(Json(d.engine.catalog().revoke_token(&t, &id).await?))
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/tenants",
+    summary = "Every tenant, with its workspace and token counts (admin token)",
+    responses((status = 200, description = "Tenants", body = Vec<TenantView>)),
+    tag = "tenants",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn list_tenants(_: Admin, State(d): D) -> R<Vec<TenantView>> {
+    let cat = d.engine.catalog();
+    let mut out = vec![];
+    for t in cat.list_tenants().await? {
+        let tenant = match cat.get_tenant(&t).await {
+            Ok(i) => i,
+            Err(strata_catalog::CatalogError::NotFound { .. }) => continue, // just purged
+            Err(e) => return Err(e.into()),
+        };
+        out.push(TenantView {
+            workspaces: cat.list_workspaces(&t).await?.len() as u64,
+            tokens: cat.list_tokens(&t).await?.len() as u64,
+            tenant,
+        });
+    }
+    Ok(Json(out))
+}
+
+#[utoipa::path(
+    delete,
+    path = "/v1/tenants/{name}",
+    summary = "Delete a tenant and everything it owns: workspaces, checkpoints, templates, relay files, tokens, its objects in the store and on this node (refused while a workspace is attached; admin token; a failed delete is finished by calling again)",
+    params(("name" = String, Path, description = "Tenant name")),
+    responses((status = 200, description = "What was removed", body = TenantDeleted)),
+    tag = "tenants",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn delete_tenant(
+    _: Admin,
+    State(d): D,
+    Path(name): Path<String>,
+) -> R<TenantDeleted> {
+    check_tenant_name(&name)?;
+    Ok(Json(d.delete_tenant(&name).await?))
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/tenants/{name}/tokens",
+    summary = "A tenant's tokens: ids and metadata, never the tokens (admin token)",
+    params(("name" = String, Path, description = "Tenant name")),
+    responses((status = 200, description = "Tokens, oldest first", body = Vec<TokenInfo>)),
+    tag = "tenants",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn list_tenant_tokens(
+    _: Admin,
+    State(d): D,
+    Path(name): Path<String>,
+) -> R<Vec<TokenInfo>> {
+    check_tenant_name(&name)?;
+    Ok(Json(d.engine.catalog().list_tokens(&name).await?))
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/tenants/{name}/tokens",
+    summary = "Issue a token for a tenant, optionally scoped and expiring (admin token; shown once)",
+    params(("name" = String, Path, description = "Tenant name")),
+    request_body = Option<CreateToken>,
+    responses((status = 201, description = "A new token", body = TenantToken)),
+    tag = "tenants",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn create_tenant_token(
+    _: Admin,
+    State(d): D,
+    Path(name): Path<String>,
+    b: Result<Json<CreateToken>, JsonRejection>,
+) -> Result<(StatusCode, Json<TenantToken>), ApiError> {
+    check_tenant_name(&name)?;
+    let b = optional_body(b)?;
+    Ok((StatusCode::CREATED, Json(issue(&d, &name, b).await?)))
+}
+
+#[utoipa::path(
+    delete,
+    path = "/v1/tenants/{name}/tokens/{id}",
+    summary = "Revoke a tenant's token (admin token; idempotent)",
+    params(
+        ("name" = String, Path, description = "Tenant name"),
+        ("id" = String, Path, description = "Token id (16 hex digits)"),
+    ),
+    responses((status = 200, description = "The revoked token", body = TokenInfo)),
+    tag = "tenants",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn revoke_tenant_token(
+    _: Admin,
+    State(d): D,
+    Path((name, id)): Path<(String, String)>,
+) -> R<TokenInfo> {
+    check_tenant_name(&name)?;
+    check_token_id(&id)?;
+    Ok(Json(d.engine.catalog().revoke_token(&name, &id).await?))
+}
+
+/// Store keys deleted per listing (the listing starts over after each batch).
+const PURGE_BATCH: usize = 1000;
+
+impl Daemon {
+    /// Deletes a tenant (see [`delete_tenant`]). Runs in a task of its own: a client that
+    /// leaves does not stop it half-way, and if it fails (or the node dies) the tenant stays
+    /// marked, its tokens dead, and calling again finishes it.
+    pub(crate) async fn delete_tenant(
+        self: &Arc<Self>,
+        tenant: &str,
+    ) -> Result<TenantDeleted, ApiError> {
+        let (d, t) = (self.clone(), tenant.to_string());
+        own_task(async move {
+            let cat = d.engine.catalog().clone();
+            // Atomically: no workspace attached anywhere, and from now on none can be, and
+            // the tenant's tokens speak for nobody.
+            cat.begin_tenant_delete(&t).await?;
+            // No GC pass of this node works on the tenant meanwhile.
+            let _gc = d.gc.lock.lock().await;
+            let mut out = TenantDeleted {
+                tenant: t.clone(),
+                ..TenantDeleted::default()
+            };
+            // A create admitted just before the mark may still land: list until empty.
+            for _ in 0..5 {
+                let ws = cat.list_workspaces(&t).await?;
+                if ws.is_empty() {
+                    break;
+                }
+                for w in ws {
+                    d.delete_workspace(&t, &w.name).await?;
+                    out.workspaces += 1;
+                }
+            }
+            for tpl in cat.list_templates(&t).await? {
+                cat.delete_template(&t, &tpl.name).await?;
+                out.templates += 1;
+            }
+            out.streams = cat.list_streams(&t).await?.len() as u64;
+            let local = |what: &'static str| {
+                move |e: std::io::Error| ApiError::internal(format!("{what}: {e}"))
+            };
+            d.relay
+                .forget_tenant(&t)
+                .await
+                .map_err(local("removing the tenant's relay files"))?;
+            d.engine
+                .reader()
+                .cache()
+                .forget_tenant(&t)
+                .map_err(local("removing the tenant's cached objects"))?;
+            let store = d.engine.reader().store().inner().clone();
+            let prefix = object_store::path::Path::from(format!("t/{t}"));
+            loop {
+                let batch: Vec<_> = store
+                    .list(Some(&prefix))
+                    .take(PURGE_BATCH)
+                    .collect::<Vec<_>>()
+                    .await
+                    .into_iter()
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| ApiError::internal(format!("listing the tenant's objects: {e}")))?;
+                if batch.is_empty() {
+                    break;
+                }
+                for m in batch {
+                    match store.delete(&m.location).await {
+                        Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                        Err(e) => {
+                            return Err(ApiError::internal(format!(
+                                "deleting {}: {e}",
+                                m.location
+                            )))
+                        }
+                    }
+                    out.store_keys += 1;
+                    out.store_bytes += m.size;
+                }
+            }
+            cat.purge_tenant(&t).await?;
+            tracing::info!(tenant = %t, workspaces = out.workspaces, store_keys = out.store_keys, "tenant deleted");
+            Ok(out)
+        })
+        .await
+    }
+}
