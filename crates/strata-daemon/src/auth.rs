@@ -82,8 +82,11 @@ impl FromRequestParts<Arc<Daemon>> for Admin {
             return Ok(Admin);
         }
         let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
-        if d.admin.contains(&token_hash(token)) {
+        let h = token_hash(token);
+        if d.admin.contains(&h) {
             Ok(Admin)
+        } else if let Err(e) = live_token(d, token).await {
+            Err(e) // unknown, expired or revoked
         } else if d.admin.configured() {
             Err(ApiError::forbidden("this needs the admin token"))
         } else {
@@ -133,6 +136,8 @@ impl FromRequestParts<Arc<Daemon>> for Scraper {
         let h = token_hash(token);
         if d.admin.contains(&h) || d.metrics_hash.as_deref() == Some(&h) {
             Ok(Scraper)
+        } else if let Err(e) = live_token(d, token).await {
+            Err(e)
         } else {
             Err(ApiError::forbidden(
                 "/metrics needs the admin token or the scrape token (metrics_token)",
