@@ -173,7 +173,7 @@ async fn relay_puts_are_durable_idempotent_and_scoped() {
     );
     no(
         Api::new(&a.url, &art_token).get("/v1/workspaces").await.0,
-        StatusCode::UNAUTHORIZED,
+        StatusCode::FORBIDDEN,
         "a stream token on the workspace API",
     );
     no(
