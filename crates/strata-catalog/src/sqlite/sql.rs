@@ -337,4 +337,39 @@ mod tests {
         let e = be(b.execute("INSERT INTO t VALUES (2)", []).unwrap_err());
         assert!(e.is_retryable(), "{e}");
     }
+
+    /// A catalog made before token ids (schema 5) opens with its tokens working, each with
+    /// the id its hash gives.
+    #[tokio::test]
+    async fn tokens_of_an_older_catalog_get_their_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        {
+            let c = Connection::open(&path).unwrap();
+            for m in &MIGRATIONS[..5] {
+                c.execute_batch(m).unwrap();
+            }
+            c.pragma_update(None, "user_version", 5).unwrap();
+            c.execute_batch(
+                "INSERT INTO tenants VALUES ('old', 1);
+                 INSERT INTO tokens (hash, tenant, created_ms) VALUES ('00112233445566778899aabb', 'old', 2);
+                 INSERT INTO tokens (hash, tenant, created_ms, scope) VALUES ('ffeeddccbbaa99887766', 'old', 3, 'relay:wal');",
+            )
+            .unwrap();
+        }
+        let cat = SqliteCatalog::open(&path).unwrap();
+        let i = cat
+            .token_info("00112233445566778899aabb")
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (i.id.as_str(), i.scope, i.revoked_ms),
+            ("0011223344556677", None, None)
+        );
+        assert_eq!(cat.list_tokens("old").await.unwrap().len(), 2);
+        let r = cat.revoke_token("old", "ffeeddccbbaa9988").await.unwrap();
+        assert!(r.revoked_ms.is_some());
+        assert!(cat.get_tenant("old").await.unwrap().deleting_ms.is_none());
+    }
 }
