@@ -68,6 +68,7 @@ pub async fn run_all(cat: Arc<dyn Catalog>, time: &Time) {
     scoped_tokens_and_streams(&*cat).await;
     retention_and_gc_state(&*cat, time).await;
     token_lifecycle(&*cat).await;
+    quotas_limit_creates(&*cat).await;
     tenant_deletion(&*cat, time).await;
 }
 
@@ -131,6 +132,58 @@ async fn token_lifecycle(cat: &dyn Catalog) {
         .is_none());
 }
 
+async fn quotas_limit_creates(cat: &dyn Catalog) {
+    cat.create_tenant("quota").await.unwrap();
+    assert_eq!(
+        cat.get_tenant("quota").await.unwrap().quotas,
+        Quotas::default()
+    );
+    let q = Quotas {
+        workspaces: Some(2),
+        disk_bytes: Some(3 << 20),
+        local_journal_bytes: Some(1 << 20),
+        ..Quotas::default()
+    };
+    cat.set_quotas("quota", &q).await.unwrap();
+    assert_eq!(cat.get_tenant("quota").await.unwrap().quotas, q);
+    assert!(matches!(
+        cat.set_quotas("nope", &q).await,
+        Err(CatalogError::NotFound { .. })
+    ));
+    let m = h(70);
+    cat.record_manifest("quota", m, &[]).await.unwrap();
+    let sized = |name: &str, size: u64| NewWorkspace {
+        disk_size: size,
+        ..new_ws("quota", name, m)
+    };
+    cat.create_workspace(&sized("a", 2 << 20)).await.unwrap();
+    assert!(
+        matches!(
+            cat.create_workspace(&sized("b", 2 << 20)).await,
+            Err(CatalogError::Quota(_))
+        ),
+        "4 MiB of disks in all is over 3 MiB"
+    );
+    assert!(
+        matches!(
+            cat.get_workspace("quota", "b").await,
+            Err(CatalogError::NotFound { .. })
+        ),
+        "a refused create leaves nothing"
+    );
+    cat.create_workspace(&sized("b", 1 << 20)).await.unwrap();
+    assert!(
+        matches!(
+            cat.create_workspace(&sized("c", 4096)).await,
+            Err(CatalogError::Quota(_))
+        ),
+        "a third workspace"
+    );
+    cat.set_quotas("quota", &Quotas::default()).await.unwrap();
+    cat.create_workspace(&sized("c", 4096)).await.unwrap();
+    assert_eq!(cat.list_workspaces("quota").await.unwrap().len(), 3);
+}
+
 async fn tenant_deletion(cat: &dyn Catalog, time: &Time) {
     cat.create_tenant("doomed").await.unwrap();
     cat.add_token(&tok("doomed", "doomedtoken", None))
@@ -189,6 +242,13 @@ async fn tenant_deletion(cat: &dyn Catalog, time: &Time) {
         cat.add_token(&tok("doomed", "late", None)).await,
         Err(CatalogError::InUse(_))
     ));
+    assert!(
+        matches!(
+            cat.create_workspace(&new_ws("doomed", "late", m)).await,
+            Err(CatalogError::InUse(_))
+        ),
+        "no workspace is created in a tenant being deleted"
+    );
     assert!(
         matches!(
             cat.purge_tenant("doomed").await,

@@ -46,6 +46,9 @@ pub enum CatalogError {
     },
     #[error("{0}")]
     InUse(String),
+    /// A tenant's quota would be exceeded.
+    #[error("quota exceeded: {0}")]
+    Quota(String),
     /// The catalog's database or its connection failed. The source is kept (a
     /// `rusqlite::Error`, `tokio_postgres::Error`, pool or I/O error) and so is whether a
     /// retry can help: a lost connection, a busy database or a serialization failure can; a
@@ -111,7 +114,7 @@ impl PartialEq for CatalogError {
                     expires_in_ms: d,
                 },
             ) => h == i && a == c && b == d,
-            (InUse(a), InUse(b)) => a == b,
+            (InUse(a), InUse(b)) | (Quota(a), Quota(b)) => a == b,
             (
                 Backend {
                     message: a,
@@ -204,6 +207,27 @@ pub(crate) fn attached_refusal(tenant: &str, ws: &str, node: &str) -> CatalogErr
     ))
 }
 
+/// Checks a tenant's workspace count and total disk size, with the new or grown workspace
+/// counted, against its quotas.
+pub(crate) fn check_workspace_quotas(
+    tenant: &str,
+    q: &Quotas,
+    workspaces: u64,
+    disk_bytes: u64,
+) -> Result<()> {
+    if let Some(max) = q.workspaces.filter(|m| workspaces > *m) {
+        return Err(CatalogError::Quota(format!(
+            "tenant {tenant:?} may have {max} workspaces"
+        )));
+    }
+    if let Some(max) = q.disk_bytes.filter(|m| disk_bytes > *m) {
+        return Err(CatalogError::Quota(format!(
+            "tenant {tenant:?} may have {max} bytes of workspace disks in all; this would make {disk_bytes}"
+        )));
+    }
+    Ok(())
+}
+
 /// A purge needs the tenant marked as being deleted and its workspaces gone.
 pub(crate) fn purge_check(tenant: &str, info: &TenantInfo, workspaces: u64) -> Result<()> {
     if info.deleting_ms.is_none() {
@@ -236,6 +260,8 @@ pub trait Catalog: Send + Sync + 'static {
     async fn revoke_token(&self, tenant: &str, id: &str) -> Result<TokenInfo>;
     /// One tenant.
     async fn get_tenant(&self, tenant: &str) -> Result<TenantInfo>;
+    /// Sets a tenant's quotas (replacing all of them; `None` fields: no limit).
+    async fn set_quotas(&self, tenant: &str, q: &Quotas) -> Result<()>;
     /// Marks a tenant as being deleted, atomically with checking that none of its workspaces
     /// holds a live lease (`InUse` if one does). From then on its tokens resolve to nothing
     /// and leases on its workspaces are refused. Idempotent.

@@ -145,6 +145,24 @@ impl Catalog for PostgresCatalog {
         tenant_row(&c, tenant, "").await
     }
 
+    async fn set_quotas(&self, tenant: &str, q: &Quotas) -> Result<()> {
+        let c = self.conn().await?;
+        let n = c
+            .execute(
+                "UPDATE tenants SET quotas = $2 WHERE id = $1",
+                &[&tenant, &q.to_column()],
+            )
+            .await
+            .map_err(be)?;
+        if n == 0 {
+            return Err(CatalogError::NotFound {
+                what: "tenant",
+                name: tenant.into(),
+            });
+        }
+        Ok(())
+    }
+
     async fn begin_tenant_delete(&self, tenant: &str) -> Result<()> {
         let mut c = self.conn().await?;
         let tx = c.transaction().await.map_err(be)?;
@@ -343,6 +361,14 @@ impl Catalog for PostgresCatalog {
         let tx = c.transaction().await.map_err(be)?;
         let now = now_ms() as i64;
         let m = w.manifest.to_hex();
+        // The tenant row's lock orders creates against each other (quotas) and against a
+        // deletion's mark.
+        let quotas = match tenant_row(&tx, &w.tenant, " FOR UPDATE").await {
+            Ok(t) if t.deleting_ms.is_some() => return Err(deleting(&w.tenant)),
+            Ok(t) => Some(t.quotas),
+            Err(CatalogError::NotFound { .. }) => None,
+            Err(e) => return Err(e),
+        };
         tx.execute(
             &format!(
                 "INSERT INTO workspaces ({WS_COLS}) VALUES ($1, $2, $3, $4, 1, $5, $6, $7, $8)"
@@ -366,6 +392,17 @@ impl Catalog for PostgresCatalog {
         )
         .await
         .map_err(be)?;
+        if let Some(q) = quotas.filter(|q| q.workspaces.is_some() || q.disk_bytes.is_some()) {
+            let r = tx
+                .query_one(
+                    "SELECT count(*), coalesce(sum(disk_size), 0)::BIGINT FROM workspaces WHERE tenant = $1",
+                    &[&w.tenant],
+                )
+                .await
+                .map_err(be)?;
+            let (n, bytes): (i64, i64) = (r.get(0), r.get(1));
+            check_workspace_quotas(&w.tenant, &q, n as u64, bytes as u64)?;
+        }
         let ws = get_ws(&tx, &w.tenant, &w.name, false).await?;
         tx.commit().await.map_err(be)?;
         Ok(ws)

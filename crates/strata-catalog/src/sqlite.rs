@@ -142,6 +142,26 @@ impl Catalog for SqliteCatalog {
         self.run(move |c| tenant_row(c, &t)).await
     }
 
+    async fn set_quotas(&self, tenant: &str, q: &Quotas) -> Result<()> {
+        let (t, col) = (tenant.to_string(), q.to_column());
+        self.run(move |c| {
+            let n = c
+                .execute(
+                    "UPDATE tenants SET quotas = ?2 WHERE id = ?1",
+                    params![t, col],
+                )
+                .map_err(be)?;
+            if n == 0 {
+                return Err(CatalogError::NotFound {
+                    what: "tenant",
+                    name: t,
+                });
+            }
+            Ok(())
+        })
+        .await
+    }
+
     async fn begin_tenant_delete(&self, tenant: &str) -> Result<()> {
         let t = tenant.to_string();
         let clock = self.clock.clone();
@@ -331,6 +351,12 @@ impl Catalog for SqliteCatalog {
         self.run(move |c| {
             let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
             let now = clock.now_ms() as i64;
+            let quotas = match tenant_row(&tx, &w.tenant) {
+                Ok(t) if t.deleting_ms.is_some() => return Err(deleting(&w.tenant)),
+                Ok(t) => Some(t.quotas),
+                Err(CatalogError::NotFound { .. }) => None,
+                Err(e) => return Err(e),
+            };
             tx.execute(
                 &format!("INSERT INTO workspaces ({WS_COLS}) VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?8)"),
                 params![w.tenant, w.name, w.mode.as_str(), w.disk_size as i64, w.manifest.to_hex(), w.source, now, w.ttl_ms.map(|v| v as i64)],
@@ -343,6 +369,16 @@ impl Catalog for SqliteCatalog {
                 params![w.tenant, w.name, w.manifest.to_hex(), w.kind.as_str(), now],
             )
             .map_err(be)?;
+            if let Some(q) = quotas.filter(|q| q.workspaces.is_some() || q.disk_bytes.is_some()) {
+                let (n, bytes): (i64, i64) = tx
+                    .query_row(
+                        "SELECT count(*), coalesce(sum(disk_size), 0) FROM workspaces WHERE tenant = ?1",
+                        params![w.tenant],
+                        |r| Ok((r.get(0)?, r.get(1)?)),
+                    )
+                    .map_err(be)?;
+                check_workspace_quotas(&w.tenant, &q, n as u64, bytes as u64)?;
+            }
             let ws = get_ws(&tx, &w.tenant, &w.name)?;
             tx.commit().map_err(be)?;
             Ok(ws)

@@ -283,4 +283,50 @@ pub struct TenantInfo {
     /// Set while the tenant is being deleted: its tokens no longer work and its workspaces
     /// cannot be attached.
     pub deleting_ms: Option<u64>,
+    pub quotas: Quotas,
+}
+
+/// A tenant's limits, set by the admin; an absent field is no limit.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Quotas {
+    /// Workspaces it may have (checked when one is created or forked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspaces: Option<u64>,
+    /// The sum of its workspaces' disk sizes, bytes (checked at create, fork and resize).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_bytes: Option<u64>,
+    /// Its workspaces attached at once on one node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attached_per_node: Option<u64>,
+    /// Journal bytes its attached workspaces hold on one node's disk: a write past it gets
+    /// ENOSPC (that write only, for that tenant only) until uploads free room.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_journal_bytes: Option<u64>,
+}
+
+impl Quotas {
+    /// The stored form (`NULL` for no limits).
+    pub fn to_column(&self) -> Option<String> {
+        (self != &Quotas::default()).then(|| serde_json::to_string(self).expect("plain struct"))
+    }
+    /// From the stored form; a row written by a newer version with limits this one does not
+    /// know is read with the ones it knows.
+    pub fn from_column(s: Option<&str>) -> Quotas {
+        #[derive(Deserialize)]
+        struct Lenient {
+            workspaces: Option<u64>,
+            disk_bytes: Option<u64>,
+            attached_per_node: Option<u64>,
+            local_journal_bytes: Option<u64>,
+        }
+        s.and_then(|s| serde_json::from_str::<Lenient>(s).ok())
+            .map(|l| Quotas {
+                workspaces: l.workspaces,
+                disk_bytes: l.disk_bytes,
+                attached_per_node: l.attached_per_node,
+                local_journal_bytes: l.local_journal_bytes,
+            })
+            .unwrap_or_default()
+    }
 }

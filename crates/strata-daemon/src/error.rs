@@ -59,6 +59,7 @@ pub fn classify(e: &Error) -> (StatusCode, &'static str) {
             | CatalogError::LeaseHeld { .. }
             | CatalogError::InUse(_),
         ) => (StatusCode::CONFLICT, "conflict"),
+        Error::Catalog(CatalogError::Quota(_)) => (StatusCode::FORBIDDEN, "quota"),
         Error::Invalid(_) | Error::Format(_) | Error::OutOfRange { .. } | Error::Tool(_) => {
             (StatusCode::BAD_REQUEST, "invalid")
         }

@@ -61,6 +61,7 @@ ALTER TABLE tokens ADD COLUMN label TEXT;
 UPDATE tokens SET id = substr(hash, 1, 16);
 CREATE INDEX tokens_tenant_id ON tokens (tenant, id);
 ALTER TABLE tenants ADD COLUMN deleting_ms BIGINT;
+ALTER TABLE tenants ADD COLUMN quotas TEXT;
 "#,
 ];
 
@@ -82,7 +83,7 @@ pub(super) fn token_row(r: &Row) -> TokenInfo {
 /// A tenant's row (`lock`: "", " FOR SHARE" or " FOR UPDATE"), or `NotFound`.
 pub(super) async fn tenant_row(c: &impl GenericClient, t: &str, lock: &str) -> Result<TenantInfo> {
     c.query_opt(
-        &format!("SELECT id, created_ms, deleting_ms FROM tenants WHERE id = $1{lock}"),
+        &format!("SELECT id, created_ms, deleting_ms, quotas FROM tenants WHERE id = $1{lock}"),
         &[&t],
     )
     .await
@@ -91,6 +92,7 @@ pub(super) async fn tenant_row(c: &impl GenericClient, t: &str, lock: &str) -> R
         name: r.get(0),
         created_ms: r.get::<_, i64>(1) as u64,
         deleting_ms: r.get::<_, Option<i64>>(2).map(|v| v as u64),
+        quotas: Quotas::from_column(r.get::<_, Option<String>>(3).as_deref()),
     })
     .ok_or(CatalogError::NotFound {
         what: "tenant",

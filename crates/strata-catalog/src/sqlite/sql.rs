@@ -63,6 +63,7 @@ ALTER TABLE tokens ADD COLUMN label TEXT;
 UPDATE tokens SET id = substr(hash, 1, 16);
 CREATE INDEX tokens_tenant_id ON tokens (tenant, id);
 ALTER TABLE tenants ADD COLUMN deleting_ms INTEGER;
+ALTER TABLE tenants ADD COLUMN quotas TEXT;
 "#,
 ];
 
@@ -84,13 +85,14 @@ pub(super) fn token_row(r: &rusqlite::Row) -> rusqlite::Result<TokenInfo> {
 /// A tenant's row, or `NotFound`.
 pub(super) fn tenant_row(c: &Connection, t: &str) -> Result<TenantInfo> {
     c.query_row(
-        "SELECT id, created_ms, deleting_ms FROM tenants WHERE id = ?1",
+        "SELECT id, created_ms, deleting_ms, quotas FROM tenants WHERE id = ?1",
         params![t],
         |r| {
             Ok(TenantInfo {
                 name: r.get(0)?,
                 created_ms: r.get::<_, i64>(1)? as u64,
                 deleting_ms: r.get::<_, Option<i64>>(2)?.map(|v| v as u64),
+                quotas: Quotas::from_column(r.get::<_, Option<String>>(3)?.as_deref()),
             })
         },
     )

@@ -228,6 +228,9 @@ impl Catalog for LossyCatalog {
     async fn get_tenant(&self, tenant: &str) -> Result<TenantInfo> {
         self.inner.get_tenant(tenant).await
     }
+    async fn set_quotas(&self, tenant: &str, q: &Quotas) -> Result<()> {
+        self.inner.set_quotas(tenant, q).await
+    }
     async fn begin_tenant_delete(&self, tenant: &str) -> Result<()> {
         self.inner.begin_tenant_delete(tenant).await
     }
