@@ -250,6 +250,7 @@ impl Daemon {
                 // An export of a fenced or failed volume serves nothing: replace it.
                 d.stop_export(&t, &ws).await;
             }
+            let _quota = d.attach_quota(&t, &ws).await?;
             let was_attached = d.engine.volume(&t, &ws).is_some();
             let vol = d.engine.attach(&t, &ws).await?;
             match d.export(&t, &ws, vol, req) {

@@ -387,6 +387,11 @@ impl Daemon {
         again: bool,
     ) -> Result<MountInfo, ApiError> {
         let (t, ws) = (info.tenant.clone(), info.workspace.clone());
+        let _quota = match again {
+            // A remount after a restart brings back what was already counted.
+            true => None,
+            false => self.attach_quota(&t, &ws).await?,
+        };
         let was_attached = self.engine.volume(&t, &ws).is_some();
         let vol = self.engine.attach(&t, &ws).await?;
         match self.bring_up(info, vol, mkfs, again).await {

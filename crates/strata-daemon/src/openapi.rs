@@ -40,6 +40,8 @@ use crate::{relay_api, routes, template_api, tokens, workspace_api};
         tokens::list_own,
         tokens::create_own,
         tokens::revoke_own,
+        tokens::set_quotas,
+        tokens::usage,
         routes::list_templates,
         routes::show_template,
         routes::delete_template,

@@ -57,6 +57,11 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/tokens", get(tokens::list_own).post(tokens::create_own))
         .route("/v1/tokens/{id}", axum::routing::delete(tokens::revoke_own))
         .route(
+            "/v1/tenants/{name}/quotas",
+            axum::routing::put(tokens::set_quotas),
+        )
+        .route("/v1/usage", get(tokens::usage))
+        .route(
             "/v1/templates",
             get(list_templates).post(template_api::import_template),
         )

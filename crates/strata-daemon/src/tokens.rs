@@ -7,7 +7,7 @@
 //! | scope          | may                                                               |
 //! |----------------|-------------------------------------------------------------------|
 //! | (none)         | everything of its tenant, including managing its tokens           |
-//! | `read`         | `GET` of workspaces, templates, mounts and relay files            |
+//! | `read`         | `GET` of workspaces, templates, mounts, relay files and usage     |
 //! | `attach`       | attach and detach a workspace, and read workspaces                |
 //! | `relay`        | every relay route (streams, stream tokens, files)                 |
 //! | `relay:STREAM` | add files to that one stream (`PUT`)                              |
@@ -75,9 +75,15 @@ impl Scope {
         match self {
             Scope::Full => true,
             Scope::Read => {
-                get && ["/v1/workspaces", "/v1/templates", "/v1/mounts", "/v1/relay"]
-                    .iter()
-                    .any(|p| route.starts_with(p))
+                get && [
+                    "/v1/workspaces",
+                    "/v1/templates",
+                    "/v1/mounts",
+                    "/v1/relay",
+                    "/v1/usage",
+                ]
+                .iter()
+                .any(|p| route.starts_with(p))
             }
             Scope::Attach => {
                 (get && matches!(route, "/v1/workspaces" | "/v1/workspaces/{name}"))
@@ -475,6 +481,144 @@ pub(crate) async fn revoke_tenant_token(
     check_tenant_name(&name)?;
     check_token_id(&id)?;
     Ok(Json(d.engine.catalog().revoke_token(&name, &id).await?))
+}
+
+/// A tenant's usage on what the catalog and this node know, with its quotas.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Usage {
+    pub tenant: String,
+    pub workspaces: u64,
+    /// The sum of its workspaces' disk sizes (what `disk_bytes` limits).
+    pub disk_bytes: u64,
+    /// Its workspaces attached on this node.
+    pub attached_here: u64,
+    /// Journal bytes its attached workspaces hold on this node's disk.
+    pub local_journal_bytes: u64,
+    pub quotas: strata_catalog::Quotas,
+}
+
+#[utoipa::path(
+    put,
+    path = "/v1/tenants/{name}/quotas",
+    summary = "Set a tenant's quotas, replacing them (absent: no limit; admin token). This node applies a journal quota at once, other nodes at their next attach of the tenant's workspaces",
+    params(("name" = String, Path, description = "Tenant name")),
+    request_body = strata_catalog::Quotas,
+    responses((status = 200, description = "The tenant with its quotas", body = TenantInfo)),
+    tag = "tenants",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn set_quotas(
+    _: Admin,
+    State(d): D,
+    Path(name): Path<String>,
+    b: Result<Json<strata_catalog::Quotas>, JsonRejection>,
+) -> R<TenantInfo> {
+    check_tenant_name(&name)?;
+    let q = crate::auth::body(b)?;
+    let cat = d.engine.catalog();
+    cat.set_quotas(&name, &q).await?;
+    d.engine
+        .set_local_journal_quota(&name, q.local_journal_bytes);
+    Ok(Json(cat.get_tenant(&name).await?))
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/usage",
+    summary = "This tenant's usage (workspaces, disk bytes, what it holds on this node) and quotas",
+    responses((status = 200, description = "Usage", body = Usage)),
+    tag = "tenants",
+    security(("bearer" = [])),
+)]
+pub(crate) async fn usage(Tenant(t): Tenant, State(d): D) -> R<Usage> {
+    Ok(Json(d.usage(&t).await?))
+}
+
+impl Daemon {
+    pub(crate) async fn usage(&self, t: &str) -> Result<Usage, ApiError> {
+        let cat = self.engine.catalog();
+        let quotas = cat.get_tenant(t).await?.quotas;
+        let ws = cat.list_workspaces(t).await?;
+        Ok(Usage {
+            tenant: t.into(),
+            workspaces: ws.len() as u64,
+            disk_bytes: ws.iter().map(|w| w.disk_size).sum(),
+            attached_here: self.attached_here(t),
+            local_journal_bytes: self.engine.local_journal_usage(t).0,
+            quotas,
+        })
+    }
+
+    fn attached_here(&self, t: &str) -> u64 {
+        self.engine
+            .attached()
+            .iter()
+            .filter(|v| v.tenant() == t)
+            .count() as u64
+    }
+
+    /// Refuses a new attachment of `ws` past the tenant's `attached_per_node` quota. With a
+    /// quota, the returned guard (the tenant's own op lock) is held through the attach, so
+    /// attaches racing for the last place are counted one at a time.
+    pub(crate) async fn attach_quota(
+        &self,
+        t: &str,
+        ws: &str,
+    ) -> Result<Option<tokio::sync::OwnedMutexGuard<()>>, ApiError> {
+        if self.engine.volume(t, ws).is_some() {
+            return Ok(None);
+        }
+        let q = match self.engine.catalog().get_tenant(t).await {
+            Ok(i) => i.quotas,
+            Err(strata_catalog::CatalogError::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let Some(max) = q.attached_per_node else {
+            return Ok(None);
+        };
+        // Workspace names are never empty: this key is the tenant's own.
+        let guard = self
+            .op_lock(&(t.to_string(), String::new()))
+            .lock_owned()
+            .await;
+        let n = self.attached_here(t);
+        if n >= max {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "quota",
+                format!("quota exceeded: tenant {t:?} may have {max} workspaces attached on a node; {n} are attached here"),
+            ));
+        }
+        Ok(Some(guard))
+    }
+
+    /// Refuses growing `ws` to `size` past the tenant's `disk_bytes` quota.
+    pub(crate) async fn resize_quota(&self, t: &str, ws: &str, size: u64) -> Result<(), ApiError> {
+        let cat = self.engine.catalog();
+        let Some(max) = cat.get_tenant(t).await?.quotas.disk_bytes else {
+            return Ok(());
+        };
+        let total: u64 = cat
+            .list_workspaces(t)
+            .await?
+            .iter()
+            .map(|w| {
+                if w.name == ws {
+                    size.max(w.disk_size)
+                } else {
+                    w.disk_size
+                }
+            })
+            .sum();
+        if total > max {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "quota",
+                format!("quota exceeded: tenant {t:?} may have {max} bytes of workspace disks in all; this would make {total}"),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Store keys deleted per listing (the listing starts over after each batch).

@@ -320,6 +320,7 @@ pub(crate) async fn resize(
 ) -> R<crate::mount::resize::Resized> {
     let b = body(b)?;
     d.engine.workspace(&t, &name).await?;
+    d.resize_quota(&t, &name, b.size).await?;
     Ok(Json(d.resize_workspace(&t, &name, b.size).await?))
 }
 

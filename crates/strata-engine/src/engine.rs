@@ -68,6 +68,9 @@ pub struct Engine {
     reader: Arc<ObjectReader>,
     slots: std::sync::Mutex<HashMap<Key, Slot>>,
     space: Arc<crate::space::SpaceGuard>,
+    /// Each tenant's journal quota on this node (entries are never removed: one per tenant
+    /// seen, a few bytes each).
+    budgets: std::sync::Mutex<HashMap<String, Arc<crate::space::TenantBudget>>>,
     /// Attached volumes, for lookups: changed only by the holder of the workspace's slot.
     live: std::sync::RwLock<HashMap<Key, Arc<Volume>>>,
     /// The node's lease renewal (one catalog call for every attached volume), started at the
@@ -144,6 +147,7 @@ impl Engine {
             reader,
             slots: Default::default(),
             live: Default::default(),
+            budgets: Default::default(),
             space,
             renewer: Default::default(),
         }))
@@ -202,6 +206,28 @@ impl Engine {
     }
 
     /// Creates the tenant if it does not exist.
+    /// The tenant's journal budget on this node.
+    pub(crate) fn budget(&self, tenant: &str) -> Arc<crate::space::TenantBudget> {
+        self.budgets
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(tenant.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Sets the tenant's `local_journal_bytes` quota on this node now (attaches read it from
+    /// the catalog too).
+    pub fn set_local_journal_quota(&self, tenant: &str, limit: Option<u64>) {
+        self.budget(tenant).set_limit(limit);
+    }
+
+    /// Journal bytes the tenant's attached workspaces hold on this node, and its quota.
+    pub fn local_journal_usage(&self, tenant: &str) -> (u64, Option<u64>) {
+        let b = self.budget(tenant);
+        (b.used(), b.limit())
+    }
+
     pub async fn ensure_tenant(&self, tenant: &str) -> Result<()> {
         name::validate("tenant name", tenant)?;
         match self.catalog.create_tenant(tenant).await {

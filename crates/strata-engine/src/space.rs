@@ -68,3 +68,77 @@ impl SpaceGuard {
         Ok(())
     }
 }
+
+/// One tenant's journal bytes on this node against its `local_journal_bytes` quota: a guest
+/// write that would take the tenant past it gets ENOSPC (that request only; the tenant's other
+/// writes and every other tenant go on) until uploads retire published segments. Writes racing
+/// on several of the tenant's volumes may pass it by at most one request each.
+pub struct TenantBudget {
+    /// `u64::MAX`: no limit.
+    limit: std::sync::atomic::AtomicU64,
+    /// Each attached volume's journal size (`Journal::held`).
+    held: Mutex<Vec<std::sync::Weak<std::sync::atomic::AtomicU64>>>,
+}
+
+impl Default for TenantBudget {
+    fn default() -> Self {
+        TenantBudget {
+            limit: std::sync::atomic::AtomicU64::new(u64::MAX),
+            held: Mutex::default(),
+        }
+    }
+}
+
+impl TenantBudget {
+    pub fn set_limit(&self, limit: Option<u64>) {
+        self.limit.store(
+            limit.unwrap_or(u64::MAX),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    pub fn limit(&self) -> Option<u64> {
+        Some(self.limit.load(std::sync::atomic::Ordering::Relaxed)).filter(|l| *l != u64::MAX)
+    }
+
+    /// Counts a volume's journal from now on (until the volume is gone).
+    pub fn register(&self, held: &Arc<std::sync::atomic::AtomicU64>) {
+        let mut h = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        h.retain(|w| w.strong_count() > 0);
+        h.push(Arc::downgrade(held));
+    }
+
+    /// Journal bytes the tenant's attached volumes hold on this node.
+    pub fn used(&self) -> u64 {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .map(|a| a.load(std::sync::atomic::Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Whether the tenant holds half its quota or more: its volumes then publish without
+    /// waiting for their upload interval, and each cut seals the journal's active segment so
+    /// that the publish can retire it (a segment is otherwise retired only once full, which a
+    /// quota smaller than a segment would never let it be).
+    pub fn pressed(&self) -> bool {
+        self.limit()
+            .is_some_and(|l| self.used().saturating_mul(2) >= l)
+    }
+
+    /// Admits a guest write of `bytes`, or refuses it with [`Error::NoSpace`].
+    pub fn admit(&self, bytes: u64) -> Result<()> {
+        let Some(limit) = self.limit() else {
+            return Ok(());
+        };
+        let used = self.used();
+        if used.saturating_add(bytes) > limit {
+            return Err(Error::NoSpace(format!(
+                "the tenant's local journal quota: {used} of {limit} bytes are held on this node until uploads free them"
+            )));
+        }
+        Ok(())
+    }
+}

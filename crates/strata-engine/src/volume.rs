@@ -222,6 +222,7 @@ pub struct Volume {
     reader: Arc<ObjectReader>,
     catalog: Arc<dyn Catalog>,
     space: Arc<crate::space::SpaceGuard>,
+    budget: Arc<crate::space::TenantBudget>,
     lease: Mutex<LeaseGrant>,
     /// Local, monotonic end of the lease: measured from *before* the acquire or renewal that
     /// granted it and shortened by a safety margin, so it always falls before the catalog's
@@ -303,6 +304,8 @@ pub(crate) struct VolumeParts {
     pub lease_asked: Instant,
     pub opts: VolumeOptions,
     pub space: Arc<crate::space::SpaceGuard>,
+    /// The tenant's journal quota on this node.
+    pub budget: Arc<crate::space::TenantBudget>,
     /// A live fork's start, taken from its source instead of a replay (see `layers.rs`).
     pub inherit: Option<layers::Inheritance>,
 }

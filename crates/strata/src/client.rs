@@ -357,6 +357,32 @@ pub async fn run(h: &Client, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
                 .await?;
             print(json_out, View::Revoked, &v);
         }
+        Cmd::Tenant(TenantCmd::Quota {
+            name,
+            workspaces,
+            disk_bytes,
+            attached_per_node,
+            local_journal_bytes,
+        }) => {
+            let body = json!({
+                "workspaces": workspaces,
+                "disk_bytes": disk_bytes.map(|s| s.0),
+                "attached_per_node": attached_per_node,
+                "local_journal_bytes": local_journal_bytes.map(|s| s.0),
+            });
+            let v = h
+                .call(
+                    M::PUT,
+                    &format!("/v1/tenants/{}/quotas", seg(&name)),
+                    Some(body),
+                )
+                .await?;
+            print(json_out, View::Quotas, &v);
+        }
+        Cmd::Usage => {
+            let v = h.call(M::GET, "/v1/usage", None).await?;
+            print(json_out, View::Usage, &v);
+        }
         Cmd::Token(TokenCmd::Create { opts }) => {
             let v = h.call(M::POST, "/v1/tokens", Some(opts.body())).await?;
             print(json_out, View::Token, &v);

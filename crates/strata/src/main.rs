@@ -78,6 +78,8 @@ enum Cmd {
     /// Your tenant's tokens: issue scoped or expiring ones, list, revoke.
     #[command(subcommand)]
     Token(TokenCmd),
+    /// Your tenant's usage (workspaces, disk bytes, what it holds on this node) and quotas.
+    Usage,
     /// Garbage collection: expire checkpoints by retention, delete unreferenced data (admin
     /// token through the daemon). Deletion is two-phase: data is deleted by a pass at least the
     /// grace period after one that found it unreferenced.
@@ -109,6 +111,22 @@ enum TenantCmd {
     Tokens { name: String },
     /// Revokes one of a tenant's tokens by id.
     Revoke { name: String, id: String },
+    /// Sets a tenant's quotas, replacing them (a limit left out is no limit).
+    Quota {
+        name: String,
+        /// Workspaces it may have.
+        #[arg(long)]
+        workspaces: Option<u64>,
+        /// The sum of its workspaces' disk sizes (e.g. 100GiB).
+        #[arg(long)]
+        disk_bytes: Option<units::Size>,
+        /// Its workspaces attached at once on one node.
+        #[arg(long)]
+        attached_per_node: Option<u64>,
+        /// Journal bytes it may hold on one node's disk; writes past it get ENOSPC.
+        #[arg(long)]
+        local_journal_bytes: Option<units::Size>,
+    },
 }
 
 /// Your tenant's own tokens (a full tenant token in STRATA_TOKEN).

@@ -38,6 +38,8 @@ pub enum View {
     Revoked,
     Tenants,
     TenantDeleted,
+    Quotas,
+    Usage,
     Gc,
     Nodes,
     Written,
@@ -73,6 +75,20 @@ fn workspace_line(w: &Value) -> String {
 }
 
 /// A publish receipt (`Published`): version, state, bytes uploaded.
+fn quotas(q: &Value) -> String {
+    let parts: Vec<String> = q
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter_map(|(k, v)| Some(format!("{k} {}", v.as_u64()?)))
+        .collect();
+    if parts.is_empty() {
+        "no quotas".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
 /// An instant as its distance from now ("in 3h", "5m ago").
 fn fmt_time(ms: u64) -> String {
     let now = strata_format::now_ms();
@@ -232,6 +248,31 @@ pub fn human(view: View, v: &Value) -> String {
                 }
             )
         }),
+        View::Quotas => format!("tenant {}: {}", s(v, "name"), quotas(&v["quotas"])),
+        View::Usage => {
+            let q = &v["quotas"];
+            let of = |used: String, k: &str, size: bool| match q[k].as_u64() {
+                Some(l) if size => format!("{used} of {}", fmt_size(l)),
+                Some(l) => format!("{used} of {l}"),
+                None => used,
+            };
+            format!(
+                "tenant {}\nworkspaces: {}\ndisk bytes: {}\nattached here: {}\njournal here: {}",
+                s(v, "tenant"),
+                of(n(v, "workspaces").to_string(), "workspaces", false),
+                of(fmt_size(n(v, "disk_bytes")), "disk_bytes", true),
+                of(
+                    n(v, "attached_here").to_string(),
+                    "attached_per_node",
+                    false
+                ),
+                of(
+                    fmt_size(n(v, "local_journal_bytes")),
+                    "local_journal_bytes",
+                    true
+                ),
+            )
+        }
         View::TenantDeleted => format!(
             "tenant {} deleted: {} workspaces, {} templates, {} relay streams, {} objects ({})",
             s(v, "tenant"),

@@ -606,3 +606,185 @@ async fn deleting_a_tenant_removes_everything_it_owns_and_no_one_elses() {
         assert_eq!(leftovers(&data, &name), Vec::<String>::new());
     }
 }
+
+/// Writes `mib` MiB in 1 MiB writes from `at`, a flush after each 8; the MiB/s.
+async fn write_mib(c: &mut Client<tokio::net::UnixStream>, at: u64, mib: u64) -> f64 {
+    let buf = vec![0xabu8; 1 << 20];
+    let t = std::time::Instant::now();
+    for i in 0..mib {
+        c.write(at + (i << 20), &buf, false).await.unwrap();
+        if i % 8 == 7 {
+            c.flush().await.unwrap();
+        }
+    }
+    c.flush().await.unwrap();
+    mib as f64 / t.elapsed().as_secs_f64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_at_its_quota_gets_enospc_and_the_other_writes_on() {
+    use strata_nbd::client::ClientError;
+    let d = tempfile::tempdir().unwrap();
+    // No background publish during the test: the journal only shrinks when asked.
+    let daemon = serve(
+        &d.path().join("data"),
+        &["--upload-interval", "1h", "--upload-max-bytes", "1GiB"],
+    );
+    let url = daemon.url.clone();
+    let admin = Api::new(&url, ADMIN);
+    let small = tenant(&url, "small").await;
+    let big = tenant(&url, "big").await;
+    let (s, v) = admin
+        .call(
+            Method::PUT,
+            "/v1/tenants/small/quotas",
+            Some(json!({"local_journal_bytes": 8u64 << 20, "workspaces": 2,
+                        "disk_bytes": 512u64 << 20, "attached_per_node": 1})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["quotas"]["local_journal_bytes"], 8u64 << 20);
+    let mut socks = vec![];
+    for t in [&small, &big] {
+        let (s, v) = t
+            .post("/v1/workspaces", json!({"name": "w", "size": 256u64 << 20}))
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        let (s, att) = t.post("/v1/workspaces/w/attach", json!({})).await;
+        assert_eq!(s, StatusCode::OK, "{att}");
+        socks.push(att["socket"].as_str().unwrap().to_string());
+    }
+    let mut sc = Client::connect_unix(Path::new(&socks[0]), "w")
+        .await
+        .unwrap();
+    let mut bc = Client::connect_unix(Path::new(&socks[1]), "w")
+        .await
+        .unwrap();
+
+    // The other quotas: a second workspace fits the count but not the disk bytes; it could
+    // not be attached beside the first.
+    let (s, v) = small
+        .post("/v1/workspaces", json!({"name": "x", "size": 512u64 << 20}))
+        .await;
+    assert_eq!(
+        (s, v["error"]["kind"].as_str()),
+        (StatusCode::FORBIDDEN, Some("quota")),
+        "{v}"
+    );
+    let (s, v) = small
+        .post("/v1/workspaces", json!({"name": "x", "size": 64u64 << 20}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (s, v) = small.post("/v1/workspaces/x/attach", json!({})).await;
+    assert_eq!(
+        (s, v["error"]["kind"].as_str()),
+        (StatusCode::FORBIDDEN, Some("quota")),
+        "{v}"
+    );
+    let (s, v) = small
+        .post("/v1/workspaces/x/resize", json!({"size": 300u64 << 20}))
+        .await;
+    assert_eq!(
+        (s, v["error"]["kind"].as_str()),
+        (StatusCode::FORBIDDEN, Some("quota")),
+        "{v}"
+    );
+    let (s, v) = small
+        .post("/v1/workspaces", json!({"name": "y", "size": 4096}))
+        .await;
+    assert_eq!(
+        (s, v["error"]["kind"].as_str()),
+        (StatusCode::FORBIDDEN, Some("quota")),
+        "{v}"
+    );
+
+    // Big's speed alone.
+    let alone = write_mib(&mut bc, 0, 64).await;
+
+    // Small fills its quota: ENOSPC for the write that would pass it, nothing else.
+    let buf = vec![0x11u8; 1 << 20];
+    let mut written = 0u64;
+    let refused = loop {
+        match sc.write(written << 20, &buf, false).await {
+            Ok(()) => written += 1,
+            Err(ClientError::Nbd { errno, .. }) => break errno,
+            Err(e) => panic!("{e}"),
+        }
+        assert!(written <= 9, "no ENOSPC after {written} MiB");
+    };
+    assert_eq!(refused, 28, "ENOSPC");
+    assert!((7..=8).contains(&written), "{written} MiB before the quota");
+    sc.flush().await.unwrap();
+
+    // Big writes on at full speed while small keeps hitting its quota.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let hammer = tokio::spawn(async move {
+        // Refused at its quota; let through again as its publishes (started by the refusals,
+        // not by the hour-long upload interval) free its journal.
+        let (mut refusals, mut accepted) = (0u64, 0u64);
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+            match sc.write(200 << 20, &vec![0x22u8; 1 << 20], false).await {
+                Err(ClientError::Nbd { errno: 28, .. }) => refusals += 1,
+                Ok(()) => accepted += 1,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        (sc, refusals, accepted)
+    });
+    let during = write_mib(&mut bc, 64 << 20, 64).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (mut sc, refusals, accepted) = hammer.await.unwrap();
+    println!(
+        "quota: big alone {alone:.0} MiB/s, while small is held at its quota {during:.0} MiB/s ({:.2}x); small: {refusals} writes refused, {accepted} accepted",
+        during / alone
+    );
+    assert!(refusals > 0);
+    assert!(
+        during > 0.5 * alone,
+        "big slowed to {during:.0} from {alone:.0} MiB/s"
+    );
+
+    // Usage against a recount: the workspaces, their sizes, and the journals the volumes
+    // report.
+    let (s, u) = small.get("/v1/usage").await;
+    assert_eq!(s, StatusCode::OK, "{u}");
+    let (_, list) = small.get("/v1/workspaces").await;
+    let list = list.as_array().unwrap();
+    assert_eq!(u["workspaces"], list.len());
+    let disk: u64 = list.iter().map(|w| w["disk_size"].as_u64().unwrap()).sum();
+    assert_eq!(u["disk_bytes"], disk);
+    assert_eq!(u["attached_here"], 1);
+    let (_, view) = small.get("/v1/workspaces/w").await;
+    let journal = view["stats"]["journal_bytes"].as_u64().unwrap();
+    let (_, u2) = small.get("/v1/usage").await;
+    assert!(
+        u["local_journal_bytes"] == journal || u2["local_journal_bytes"] == journal,
+        "{u} {view}"
+    );
+    assert!(journal <= (8 << 20) + (1 << 20), "{journal}");
+    let (_, bu) = big.get("/v1/usage").await;
+    assert!(bu["local_journal_bytes"].as_u64() > Some(120 << 20), "{bu}");
+    assert!(bu["quotas"].as_object().unwrap().is_empty(), "{bu}");
+
+    // Its publishes free the journal; small writes again, and what it wrote reads back.
+    let mut ok = false;
+    for _ in 0..100 {
+        if sc.write(written << 20, &buf, false).await.is_ok() {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        ok,
+        "small's journal was not freed by its publish: {:?}",
+        small.get("/v1/usage").await
+    );
+    sc.flush().await.unwrap();
+    assert_eq!(sc.read(0, 4096).await.unwrap(), vec![0x11u8; 4096]);
+    assert_eq!(
+        sc.read(written << 20, 4096).await.unwrap(),
+        vec![0x11u8; 4096]
+    );
+}

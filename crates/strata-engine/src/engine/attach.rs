@@ -80,6 +80,11 @@ impl Engine {
             .catalog
             .acquire_lease(tenant, ws, &self.node, ttl)
             .await?;
+        let budget = self.budget(tenant);
+        // The quota as the catalog has it now (a row this version cannot read: as before).
+        if let Ok(t) = self.catalog.get_tenant(tenant).await {
+            budget.set_limit(t.quotas.local_journal_bytes);
+        }
         let opened = Volume::open(VolumeParts {
             lease_asked,
             tenant: tenant.into(),
@@ -91,6 +96,7 @@ impl Engine {
             lease: lease.clone(),
             opts: self.opts(),
             space: self.space.clone(),
+            budget,
             inherit,
         })
         .await;

@@ -226,7 +226,9 @@ impl Volume {
             // the overlay taken here, none after it.
             let mut j = self.journal_whole().await?;
             let cut = j.last_seq();
-            let rotated = if spec.rotate {
+            // Under its tenant's journal quota, the publish of this cut must be able to free
+            // the records it covers (see `TenantBudget::pressed`).
+            let rotated = if spec.rotate || self.budget.pressed() {
                 match j.rotate() {
                     Ok(r) => Some(r),
                     Err(e) if crate::error::is_no_space(&e) => {

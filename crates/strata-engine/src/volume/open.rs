@@ -252,6 +252,10 @@ impl Volume {
             reader: p.reader,
             catalog: p.catalog,
             space: p.space,
+            budget: {
+                p.budget.register(&journal.held());
+                p.budget
+            },
             lease: Mutex::new(p.lease),
             lease_deadline: Mutex::new(super::lease::lease_deadline(
                 p.lease_asked,

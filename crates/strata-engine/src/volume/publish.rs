@@ -88,7 +88,7 @@ impl Volume {
                 && (w.bytes >= self.opts.upload_max_bytes
                     || w.since
                         .is_some_and(|s| s.elapsed() >= self.opts.upload_interval))
-        };
+        } || (self.budget.pressed() && lock(&self.window).bytes > 0);
         if !due || self.mode == Mode::Ephemeral {
             return Ok(None);
         }

@@ -108,6 +108,11 @@ impl Volume {
             let mut j = self.writer.lock().await;
             self.writable()?;
             self.space.admit(data.len() as u64)?;
+            if let Err(e) = self.budget.admit(data.len() as u64) {
+                // Uploads free room: one now, not at the next interval.
+                self.upload_due.notify_one();
+                return Err(e);
+            }
             let lba = offset / BLOCK_SIZE;
             let end = (offset + data.len() as u64).div_ceil(BLOCK_SIZE);
             let n = end - lba;

@@ -236,6 +236,17 @@ fn error_reply(structured: bool, req: &Request, errno: u32, msg: &str) -> Vec<u8
     }
 }
 
+/// Whether an ENOSPC reply may be logged now (at most one a second).
+fn enospc_log_due() -> bool {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let last = LAST.load(Relaxed);
+    now != last && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok()
+}
+
 async fn execute(
     dev: &dyn BlockDevice,
     export: &str,
@@ -248,7 +259,11 @@ async fn execute(
     let done = |r: Result<(), DevError>| match r {
         Ok(()) => simple_reply(0, req.cookie, &[]),
         Err(e) => {
-            tracing::warn!(export, errno = e.errno, error = %e.msg, "nbd request failed");
+            // A guest at its quota or on a full disk may retry in a tight loop: its ENOSPC
+            // replies are logged at most once a second per process, not once each.
+            if e.errno != ENOSPC || enospc_log_due() {
+                tracing::warn!(export, errno = e.errno, error = %e.msg, "nbd request failed");
+            }
             error_reply(structured, req, e.errno, &e.msg)
         }
     };
