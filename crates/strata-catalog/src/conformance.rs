@@ -69,6 +69,7 @@ pub async fn run_all(cat: Arc<dyn Catalog>, time: &Time) {
     retention_and_gc_state(&*cat, time).await;
     token_lifecycle(&*cat).await;
     quotas_limit_creates(&*cat).await;
+    store_usage_follows_references(&*cat).await;
     tenant_deletion(&*cat, time).await;
 }
 
@@ -182,6 +183,59 @@ async fn quotas_limit_creates(cat: &dyn Catalog) {
     cat.set_quotas("quota", &Quotas::default()).await.unwrap();
     cat.create_workspace(&sized("c", 4096)).await.unwrap();
     assert_eq!(cat.list_workspaces("quota").await.unwrap().len(), 3);
+}
+
+async fn store_usage_follows_references(cat: &dyn Catalog) {
+    cat.create_tenant("use").await.unwrap();
+    assert_eq!(cat.store_usage("use").await.unwrap(), StoreUsage::default());
+    let o = |n: u8, len: u64| ObjectRef {
+        id: h(100 + n),
+        data_len: len,
+    };
+    let (m1, m2, m3) = (h(90), h(91), h(92));
+    cat.record_manifest("use", m1, &[o(1, 100), o(2, 200)])
+        .await
+        .unwrap();
+    cat.record_manifest("use", m2, &[o(2, 200), o(3, 300)])
+        .await
+        .unwrap();
+    cat.record_manifest("use", m3, &[o(4, 50)]).await.unwrap();
+    // Another tenant's identical object ids are its own.
+    cat.create_tenant("use2").await.unwrap();
+    cat.record_manifest("use2", m1, &[o(1, 100), o(2, 200)])
+        .await
+        .unwrap();
+    cat.create_workspace(&new_ws("use2", "z", m1))
+        .await
+        .unwrap();
+    cat.create_workspace(&new_ws("use", "a", m1)).await.unwrap();
+    cat.create_workspace(&new_ws("use", "b", m2)).await.unwrap();
+    cat.create_template(&Template {
+        tenant: "use".into(),
+        name: "t".into(),
+        manifest: m3,
+        disk_size: 4096,
+        stored_bytes: 50,
+        created_ms: 1,
+    })
+    .await
+    .unwrap();
+    let u = cat.store_usage("use").await.unwrap();
+    assert_eq!(
+        (u.live_objects, u.live_bytes),
+        (4, 650),
+        "the object a and b share counts once: {u:?}"
+    );
+    let per: Vec<(&str, u64, u64)> = u
+        .workspaces
+        .iter()
+        .map(|w| (w.workspace.as_str(), w.live_objects, w.live_bytes))
+        .collect();
+    assert_eq!(per, vec![("a", 2, 300), ("b", 2, 500)]);
+    cat.delete_workspace("use", "b").await.unwrap();
+    let u = cat.store_usage("use").await.unwrap();
+    assert_eq!((u.live_objects, u.live_bytes), (3, 350), "{u:?}");
+    assert_eq!(cat.store_usage("use2").await.unwrap().live_bytes, 300);
 }
 
 async fn tenant_deletion(cat: &dyn Catalog, time: &Time) {

@@ -180,6 +180,31 @@ impl CatalogError {
 
 pub use strata_format::io_retryable;
 
+/// The tenant's live objects, deduplicated: `?1`/`$1` is the tenant (the same SQL runs on
+/// both backends with the placeholder swapped).
+pub(crate) const TENANT_LIVE_SQL: &str = "
+WITH refs(manifest) AS (
+    SELECT manifest FROM checkpoints WHERE tenant = ?1 AND expired_ms IS NULL
+    UNION SELECT head_manifest FROM workspaces WHERE tenant = ?1
+    UNION SELECT manifest FROM templates WHERE tenant = ?1),
+objs(object) AS (
+    SELECT DISTINCT mo.object FROM manifest_objects mo JOIN refs r ON mo.manifest = r.manifest
+    WHERE mo.tenant = ?1)
+SELECT count(*), coalesce(sum(o.data_len), 0) FROM objs JOIN objects o
+    ON o.tenant = ?1 AND o.id = objs.object";
+
+/// Per workspace: the objects its head and retained checkpoints reference.
+pub(crate) const WORKSPACE_LIVE_SQL: &str = "
+WITH refs(ws, manifest) AS (
+    SELECT workspace, manifest FROM checkpoints WHERE tenant = ?1 AND expired_ms IS NULL
+    UNION SELECT name, head_manifest FROM workspaces WHERE tenant = ?1),
+objs(ws, object) AS (
+    SELECT DISTINCT r.ws, mo.object FROM manifest_objects mo JOIN refs r ON mo.manifest = r.manifest
+    WHERE mo.tenant = ?1)
+SELECT objs.ws, count(*), coalesce(sum(o.data_len), 0) FROM objs JOIN objects o
+    ON o.tenant = ?1 AND o.id = objs.object
+GROUP BY objs.ws ORDER BY objs.ws";
+
 /// Tables with a `tenant` column, in the order a tenant's purge empties them (tokens before
 /// the tenant row PostgreSQL's foreign key names).
 pub(crate) const TENANT_TABLES: &[&str] = &[
@@ -260,6 +285,8 @@ pub trait Catalog: Send + Sync + 'static {
     async fn revoke_token(&self, tenant: &str, id: &str) -> Result<TokenInfo>;
     /// One tenant.
     async fn get_tenant(&self, tenant: &str) -> Result<TenantInfo>;
+    /// What the tenant's live data takes in the object store (see [`StoreUsage`]).
+    async fn store_usage(&self, tenant: &str) -> Result<StoreUsage>;
     /// Sets a tenant's quotas (replacing all of them; `None` fields: no limit).
     async fn set_quotas(&self, tenant: &str, q: &Quotas) -> Result<()>;
     /// Marks a tenant as being deleted, atomically with checking that none of its workspaces

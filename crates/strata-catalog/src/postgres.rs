@@ -145,6 +145,44 @@ impl Catalog for PostgresCatalog {
         tenant_row(&c, tenant, "").await
     }
 
+    async fn store_usage(&self, tenant: &str) -> Result<StoreUsage> {
+        let mut c = self.conn().await?;
+        // One snapshot: the total and the per-workspace figures agree.
+        let tx = c
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .await
+            .map_err(be)?;
+        let pg = |sql: &str| {
+            sql.replace("?1", "$1")
+                .replace("sum(o.data_len), 0)", "sum(o.data_len), 0)::BIGINT")
+        };
+        let r = tx
+            .query_one(&pg(TENANT_LIVE_SQL), &[&tenant])
+            .await
+            .map_err(be)?;
+        let (n, b): (i64, i64) = (r.get(0), r.get(1));
+        let workspaces = tx
+            .query(&pg(WORKSPACE_LIVE_SQL), &[&tenant])
+            .await
+            .map_err(be)?
+            .iter()
+            .map(|r| WorkspaceStoreUsage {
+                workspace: r.get(0),
+                live_objects: r.get::<_, i64>(1) as u64,
+                live_bytes: r.get::<_, i64>(2) as u64,
+            })
+            .collect();
+        tx.commit().await.map_err(be)?;
+        Ok(StoreUsage {
+            live_objects: n as u64,
+            live_bytes: b as u64,
+            workspaces,
+        })
+    }
+
     async fn set_quotas(&self, tenant: &str, q: &Quotas) -> Result<()> {
         let c = self.conn().await?;
         let n = c

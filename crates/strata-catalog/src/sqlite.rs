@@ -142,6 +142,36 @@ impl Catalog for SqliteCatalog {
         self.run(move |c| tenant_row(c, &t)).await
     }
 
+    async fn store_usage(&self, tenant: &str) -> Result<StoreUsage> {
+        let t = tenant.to_string();
+        self.run(move |c| {
+            // One read transaction: the total and the per-workspace figures agree.
+            let tx = c.transaction().map_err(be)?;
+            let (n, b): (i64, i64) = tx
+                .query_row(TENANT_LIVE_SQL, params![t], |r| Ok((r.get(0)?, r.get(1)?)))
+                .map_err(be)?;
+            let mut s = tx.prepare(WORKSPACE_LIVE_SQL).map_err(be)?;
+            let rows = s
+                .query_map(params![t], |r| {
+                    Ok(WorkspaceStoreUsage {
+                        workspace: r.get(0)?,
+                        live_objects: r.get::<_, i64>(1)? as u64,
+                        live_bytes: r.get::<_, i64>(2)? as u64,
+                    })
+                })
+                .map_err(be)?;
+            let workspaces = rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)?;
+            drop(s);
+            tx.commit().map_err(be)?;
+            Ok(StoreUsage {
+                live_objects: n as u64,
+                live_bytes: b as u64,
+                workspaces,
+            })
+        })
+        .await
+    }
+
     async fn set_quotas(&self, tenant: &str, q: &Quotas) -> Result<()> {
         let (t, col) = (tenant.to_string(), q.to_column());
         self.run(move |c| {

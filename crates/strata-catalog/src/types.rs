@@ -330,3 +330,23 @@ impl Quotas {
             .unwrap_or_default()
     }
 }
+
+/// What a tenant's live data takes in the object store, from the catalog's reference graph
+/// (workspace heads, checkpoints retention keeps, templates → manifests → objects), never by
+/// listing the bucket. Bytes are the objects' data bytes (before their frame tables).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct StoreUsage {
+    /// Distinct live objects of the tenant: a block shared by forks counts once.
+    pub live_objects: u64,
+    pub live_bytes: u64,
+    /// Per workspace: what its head and retained checkpoints reference (shared objects count
+    /// in each workspace that references them).
+    pub workspaces: Vec<WorkspaceStoreUsage>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct WorkspaceStoreUsage {
+    pub workspace: String,
+    pub live_objects: u64,
+    pub live_bytes: u64,
+}

@@ -494,6 +494,10 @@ pub struct Usage {
     pub attached_here: u64,
     /// Journal bytes its attached workspaces hold on this node's disk.
     pub local_journal_bytes: u64,
+    /// Relay files on this node's disk not yet in the object store.
+    pub relay_pending_bytes: u64,
+    /// Its live data in the object store, from the catalog's reference graph.
+    pub store: strata_catalog::StoreUsage,
     pub quotas: strata_catalog::Quotas,
 }
 
@@ -545,6 +549,14 @@ impl Daemon {
             disk_bytes: ws.iter().map(|w| w.disk_size).sum(),
             attached_here: self.attached_here(t),
             local_journal_bytes: self.engine.local_journal_usage(t).0,
+            relay_pending_bytes: self
+                .relay
+                .lag()
+                .iter()
+                .filter(|((tenant, _), _)| tenant == t)
+                .map(|(_, l)| l.pending_bytes)
+                .sum(),
+            store: cat.store_usage(t).await?,
             quotas,
         })
     }

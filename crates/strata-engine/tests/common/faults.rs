@@ -228,6 +228,9 @@ impl Catalog for LossyCatalog {
     async fn get_tenant(&self, tenant: &str) -> Result<TenantInfo> {
         self.inner.get_tenant(tenant).await
     }
+    async fn store_usage(&self, tenant: &str) -> Result<StoreUsage> {
+        self.inner.store_usage(tenant).await
+    }
     async fn set_quotas(&self, tenant: &str, q: &Quotas) -> Result<()> {
         self.inner.set_quotas(tenant, q).await
     }
