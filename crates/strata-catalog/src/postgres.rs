@@ -122,13 +122,13 @@ impl Catalog for PostgresCatalog {
         let c = self.conn().await?;
         c.execute(
             "UPDATE tokens SET revoked_ms = $3
-             WHERE tenant = $1 AND id = $2 AND revoked_ms IS NULL",
+             WHERE tenant = $1 AND coalesce(id, substr(hash, 1, 16)) = $2 AND revoked_ms IS NULL",
             &[&tenant, &id, &(now_ms() as i64)],
         )
         .await
         .map_err(be)?;
         c.query_opt(
-            &format!("SELECT {TOKEN_COLS} FROM tokens k WHERE k.tenant = $1 AND k.id = $2"),
+            &format!("SELECT {TOKEN_COLS} FROM tokens k WHERE k.tenant = $1 AND coalesce(k.id, substr(k.hash, 1, 16)) = $2"),
             &[&tenant, &id],
         )
         .await
@@ -270,6 +270,7 @@ impl Catalog for PostgresCatalog {
     ) -> Result<()> {
         let mut c = self.conn().await?;
         let tx = c.transaction().await.map_err(be)?;
+        live_tenant(&tx, tenant, " FOR SHARE").await?;
         let now = now_ms() as i64;
         let m = manifest.to_hex();
         tx.execute(
@@ -303,7 +304,9 @@ impl Catalog for PostgresCatalog {
     }
 
     async fn create_template(&self, t: &Template) -> Result<()> {
-        let c = self.conn().await?;
+        let mut c = self.conn().await?;
+        let c = c.transaction().await.map_err(be)?;
+        live_tenant(&c, &t.tenant, " FOR SHARE").await?;
         c.execute(
             &format!("INSERT INTO templates ({TPL_COLS}) VALUES ($1, $2, $3, $4, $5, $6)"),
             &[
@@ -317,7 +320,7 @@ impl Catalog for PostgresCatalog {
         )
         .await
         .map_err(exists_or_backend("template", &t.name))?;
-        Ok(())
+        c.commit().await.map_err(be)
     }
 
     async fn get_template(&self, tenant: &str, name: &str) -> Result<Template> {
@@ -401,12 +404,7 @@ impl Catalog for PostgresCatalog {
         let m = w.manifest.to_hex();
         // The tenant row's lock orders creates against each other (quotas) and against a
         // deletion's mark.
-        let quotas = match tenant_row(&tx, &w.tenant, " FOR UPDATE").await {
-            Ok(t) if t.deleting_ms.is_some() => return Err(deleting(&w.tenant)),
-            Ok(t) => Some(t.quotas),
-            Err(CatalogError::NotFound { .. }) => None,
-            Err(e) => return Err(e),
-        };
+        let quotas = live_tenant(&tx, &w.tenant, " FOR UPDATE").await?.quotas;
         tx.execute(
             &format!(
                 "INSERT INTO workspaces ({WS_COLS}) VALUES ($1, $2, $3, $4, 1, $5, $6, $7, $8)"
@@ -430,7 +428,7 @@ impl Catalog for PostgresCatalog {
         )
         .await
         .map_err(be)?;
-        if let Some(q) = quotas.filter(|q| q.workspaces.is_some() || q.disk_bytes.is_some()) {
+        if quotas.workspaces.is_some() || quotas.disk_bytes.is_some() {
             let r = tx
                 .query_one(
                     "SELECT count(*), coalesce(sum(disk_size), 0)::BIGINT FROM workspaces WHERE tenant = $1",
@@ -439,7 +437,7 @@ impl Catalog for PostgresCatalog {
                 .await
                 .map_err(be)?;
             let (n, bytes): (i64, i64) = (r.get(0), r.get(1));
-            check_workspace_quotas(&w.tenant, &q, n as u64, bytes as u64)?;
+            check_workspace_quotas(&w.tenant, &quotas, n as u64, bytes as u64)?;
         }
         let ws = get_ws(&tx, &w.tenant, &w.name, false).await?;
         tx.commit().await.map_err(be)?;
@@ -777,14 +775,16 @@ impl Catalog for PostgresCatalog {
     }
 
     async fn create_stream(&self, st: &RelayStream) -> Result<()> {
-        let c = self.conn().await?;
-        c.execute(
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(be)?;
+        live_tenant(&tx, &st.tenant, " FOR SHARE").await?;
+        tx.execute(
             "INSERT INTO relay_streams (tenant, name, sync, created_ms) VALUES ($1, $2, $3, $4)",
             &[&st.tenant, &st.name, &st.sync, &(st.created_ms as i64)],
         )
         .await
         .map_err(exists_or_backend("relay stream", &st.name))?;
-        Ok(())
+        tx.commit().await.map_err(be)
     }
 
     async fn get_stream(&self, tenant: &str, name: &str) -> Result<RelayStream> {

@@ -115,13 +115,13 @@ impl Catalog for SqliteCatalog {
                 .map_err(be)?;
             tx.execute(
                 "UPDATE tokens SET revoked_ms = ?3
-                     WHERE tenant = ?1 AND id = ?2 AND revoked_ms IS NULL",
+                     WHERE tenant = ?1 AND coalesce(id, substr(hash, 1, 16)) = ?2 AND revoked_ms IS NULL",
                 params![t, id, clock.now_ms() as i64],
             )
             .map_err(be)?;
             let info = tx
                 .query_row(
-                    &format!("SELECT {TOKEN_COLS} FROM tokens k WHERE k.tenant = ?1 AND k.id = ?2"),
+                    &format!("SELECT {TOKEN_COLS} FROM tokens k WHERE k.tenant = ?1 AND coalesce(k.id, substr(k.hash, 1, 16)) = ?2"),
                     params![t, id],
                     token_row,
                 )
@@ -280,7 +280,10 @@ impl Catalog for SqliteCatalog {
         let objects = objects.to_vec();
         let clock = self.clock.clone();
         self.run(move |c| {
-            let tx = c.transaction().map_err(be)?;
+            let tx = c
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(be)?;
+            live_tenant(&tx, &t)?;
             let now = clock.now_ms() as i64;
             let m = manifest.to_hex();
             tx.execute(
@@ -309,12 +312,16 @@ impl Catalog for SqliteCatalog {
     async fn create_template(&self, tpl: &Template) -> Result<()> {
         let tpl = tpl.clone();
         self.run(move |c| {
-            c.execute(
+            let tx = c
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(be)?;
+            live_tenant(&tx, &tpl.tenant)?;
+            tx.execute(
                 "INSERT INTO templates (tenant, name, manifest, disk_size, stored_bytes, created_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
                 params![tpl.tenant, tpl.name, tpl.manifest.to_hex(), tpl.disk_size as i64, tpl.stored_bytes as i64, tpl.created_ms as i64],
             )
             .map_err(exists_or_backend("template", &tpl.name))?;
-            Ok(())
+            tx.commit().map_err(be)
         })
         .await
     }
@@ -381,12 +388,7 @@ impl Catalog for SqliteCatalog {
         self.run(move |c| {
             let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
             let now = clock.now_ms() as i64;
-            let quotas = match tenant_row(&tx, &w.tenant) {
-                Ok(t) if t.deleting_ms.is_some() => return Err(deleting(&w.tenant)),
-                Ok(t) => Some(t.quotas),
-                Err(CatalogError::NotFound { .. }) => None,
-                Err(e) => return Err(e),
-            };
+            let quotas = live_tenant(&tx, &w.tenant)?.quotas;
             tx.execute(
                 &format!("INSERT INTO workspaces ({WS_COLS}) VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?8)"),
                 params![w.tenant, w.name, w.mode.as_str(), w.disk_size as i64, w.manifest.to_hex(), w.source, now, w.ttl_ms.map(|v| v as i64)],
@@ -399,7 +401,7 @@ impl Catalog for SqliteCatalog {
                 params![w.tenant, w.name, w.manifest.to_hex(), w.kind.as_str(), now],
             )
             .map_err(be)?;
-            if let Some(q) = quotas.filter(|q| q.workspaces.is_some() || q.disk_bytes.is_some()) {
+            if quotas.workspaces.is_some() || quotas.disk_bytes.is_some() {
                 let (n, bytes): (i64, i64) = tx
                     .query_row(
                         "SELECT count(*), coalesce(sum(disk_size), 0) FROM workspaces WHERE tenant = ?1",
@@ -407,7 +409,7 @@ impl Catalog for SqliteCatalog {
                         |r| Ok((r.get(0)?, r.get(1)?)),
                     )
                     .map_err(be)?;
-                check_workspace_quotas(&w.tenant, &q, n as u64, bytes as u64)?;
+                check_workspace_quotas(&w.tenant, &quotas, n as u64, bytes as u64)?;
             }
             let ws = get_ws(&tx, &w.tenant, &w.name)?;
             tx.commit().map_err(be)?;
@@ -695,12 +697,16 @@ impl Catalog for SqliteCatalog {
     async fn create_stream(&self, st: &RelayStream) -> Result<()> {
         let st = st.clone();
         self.run(move |c| {
-            c.execute(
+            let tx = c
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(be)?;
+            live_tenant(&tx, &st.tenant)?;
+            tx.execute(
                 "INSERT INTO relay_streams (tenant, name, sync, created_ms) VALUES (?1, ?2, ?3, ?4)",
                 params![st.tenant, st.name, st.sync as i64, st.created_ms as i64],
             )
             .map_err(exists_or_backend("relay stream", &st.name))?;
-            Ok(())
+            tx.commit().map_err(be)
         })
         .await
     }

@@ -65,8 +65,9 @@ ALTER TABLE tenants ADD COLUMN quotas TEXT;
 "#,
 ];
 
+/// A row written by a node of an older version has no id: it is derived the same way.
 pub(super) const TOKEN_COLS: &str =
-    "k.id, k.tenant, k.scope, k.created_ms, k.expires_ms, k.revoked_ms, k.label";
+    "coalesce(k.id, substr(k.hash, 1, 16)), k.tenant, k.scope, k.created_ms, k.expires_ms, k.revoked_ms, k.label";
 
 pub(super) fn token_row(r: &Row) -> TokenInfo {
     TokenInfo {
@@ -78,6 +79,16 @@ pub(super) fn token_row(r: &Row) -> TokenInfo {
         revoked_ms: r.get::<_, Option<i64>>(5).map(|v| v as u64),
         label: r.get(6),
     }
+}
+
+/// A tenant that may gain rows (see the SQLite twin), its row locked `FOR SHARE` (or as
+/// `lock` says) against a deletion's mark.
+pub(super) async fn live_tenant(c: &impl GenericClient, t: &str, lock: &str) -> Result<TenantInfo> {
+    let info = tenant_row(c, t, lock).await?;
+    if info.deleting_ms.is_some() {
+        return Err(deleting(t));
+    }
+    Ok(info)
 }
 
 /// A tenant's row (`lock`: "", " FOR SHARE" or " FOR UPDATE"), or `NotFound`.

@@ -67,8 +67,9 @@ ALTER TABLE tenants ADD COLUMN quotas TEXT;
 "#,
 ];
 
+/// A row written by a node of an older version has no id: it is derived the same way.
 pub(super) const TOKEN_COLS: &str =
-    "k.id, k.tenant, k.scope, k.created_ms, k.expires_ms, k.revoked_ms, k.label";
+    "coalesce(k.id, substr(k.hash, 1, 16)), k.tenant, k.scope, k.created_ms, k.expires_ms, k.revoked_ms, k.label";
 
 pub(super) fn token_row(r: &rusqlite::Row) -> rusqlite::Result<TokenInfo> {
     Ok(TokenInfo {
@@ -80,6 +81,17 @@ pub(super) fn token_row(r: &rusqlite::Row) -> rusqlite::Result<TokenInfo> {
         revoked_ms: r.get::<_, Option<i64>>(5)?.map(|v| v as u64),
         label: r.get(6)?,
     })
+}
+
+/// A tenant that may gain rows: it exists (`NotFound`) and is not being deleted (`InUse`).
+/// Every insert of a tenant's data checks this in its transaction, so a request admitted
+/// before a deletion's mark adds nothing after it.
+pub(super) fn live_tenant(c: &Connection, t: &str) -> Result<TenantInfo> {
+    let info = tenant_row(c, t)?;
+    if info.deleting_ms.is_some() {
+        return Err(deleting(t));
+    }
+    Ok(info)
 }
 
 /// A tenant's row, or `NotFound`.
