@@ -18,8 +18,40 @@ use crate::error::ApiError;
 use crate::tokens::{live_token, Scope};
 use crate::{observe, token_hash, Daemon};
 
-/// The caller's tenant, from `Authorization: Bearer TOKEN`.
-pub struct Tenant(pub String);
+/// The caller's tenant, from `Authorization: Bearer TOKEN`, and what else is known of the
+/// caller.
+pub struct Tenant(pub String, pub Caller);
+
+/// A tenant's caller for the length of its request.
+pub struct Caller {
+    /// When the caller's token stops working: tokens it mints expire no later.
+    pub(crate) expires_ms: Option<u64>,
+    /// Held while the request runs: a deletion of the tenant waits for it (see
+    /// [`Daemon::tenant_gate`]).
+    _gate: tokio::sync::OwnedRwLockReadGuard<bool>,
+}
+
+impl Caller {
+    /// Enters the tenant's gate, or refuses a tenant being deleted on this node.
+    pub(crate) async fn enter(
+        d: &Daemon,
+        tenant: &str,
+        expires_ms: Option<u64>,
+    ) -> Result<Caller, ApiError> {
+        let gate = d.tenant_gate(tenant).read_owned().await;
+        if *gate {
+            return Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                format!("tenant {tenant:?} is being deleted"),
+            ));
+        }
+        Ok(Caller {
+            expires_ms,
+            _gate: gate,
+        })
+    }
+}
 /// The caller holds the admin token.
 pub struct Admin;
 
@@ -57,7 +89,8 @@ impl FromRequestParts<Arc<Daemon>> for Tenant {
     async fn from_request_parts(parts: &mut Parts, d: &Arc<Daemon>) -> Result<Self, ApiError> {
         if let Some(l) = local(parts) {
             observe::record_tenant(&l.tenant);
-            return Ok(Tenant(l.tenant.clone()));
+            let caller = Caller::enter(d, &l.tenant, None).await?;
+            return Ok(Tenant(l.tenant.clone(), caller));
         }
         let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
         let info = live_token(d, token).await?;
@@ -71,7 +104,8 @@ impl FromRequestParts<Arc<Daemon>> for Tenant {
             return Err(scope.refusal(&parts.method, route));
         }
         observe::record_tenant(&info.tenant);
-        Ok(Tenant(info.tenant))
+        let caller = Caller::enter(d, &info.tenant, info.expires_ms).await?;
+        Ok(Tenant(info.tenant, caller))
     }
 }
 

@@ -108,6 +108,10 @@ pub struct Daemon {
     /// Mount operations (mount, umount, reattach, remount) running now: a stop waits for them
     /// (`mount::MountOp`), so none serves a volume after the stop has closed it.
     pub(crate) mount_ops: tokio::sync::watch::Sender<usize>,
+    /// One gate per tenant: every request of the tenant holds it shared; a deletion of the
+    /// tenant takes it exclusively (waiting for the requests admitted before its mark) and
+    /// sets it (`true`) while it runs, so no request of the tenant runs beside it.
+    pub(crate) tenant_gates: std::sync::Mutex<HashMap<String, Arc<tokio::sync::RwLock<bool>>>>,
     /// One lock per workspace: its attach, detach and delete never interleave.
     pub(crate) ops: std::sync::Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
     /// This node's API address, as reported to the `nodes` view.
@@ -153,6 +157,16 @@ pub fn new_token() -> String {
 }
 
 impl Daemon {
+    /// The tenant's gate (see [`Daemon::tenant_gates`]).
+    pub(crate) fn tenant_gate(&self, tenant: &str) -> Arc<tokio::sync::RwLock<bool>> {
+        self.tenant_gates
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(tenant.to_string())
+            .or_default()
+            .clone()
+    }
+
     /// A daemon over `engine`; fails if the relay directory cannot be opened or the run
     /// directory is too long for socket paths.
     pub fn new(engine: Arc<Engine>, cfg: DaemonConfig) -> std::io::Result<Arc<Daemon>> {
@@ -195,6 +209,7 @@ impl Daemon {
             mounts_stopping: Default::default(),
             mount_ops: tokio::sync::watch::Sender::new(0),
             ops: Default::default(),
+            tenant_gates: Default::default(),
             url: std::sync::Mutex::new(None),
             relay,
             gc: GcState::default(),
@@ -371,11 +386,17 @@ impl Daemon {
                 let _ = d.run_gc(false).await;
             }
         });
-        // The relay's uploader stops with the relay (the daemon holds the only strong ref).
-        drop(
-            self.relay
-                .spawn_uploader(std::time::Duration::from_millis(250)),
-        );
+        // The relay's uploader stops with the daemon. Before each pass, files of tenants that
+        // are gone or being deleted (perhaps by another node) are dropped, never uploaded.
+        let up = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+                let Some(d) = up.upgrade() else { return };
+                d.forget_deleted_relay_tenants().await;
+                d.relay.upload_pending().await;
+            }
+        });
         tokio::spawn(async move {
             loop {
                 let Some(d) = beat.upgrade() else { return };

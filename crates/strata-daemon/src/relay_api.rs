@@ -24,6 +24,7 @@ use crate::{new_token, token_hash, Daemon};
 pub struct RelayCaller {
     tenant: String,
     scope: Scope,
+    _caller: crate::auth::Caller,
 }
 
 impl FromRequestParts<Arc<Daemon>> for RelayCaller {
@@ -33,6 +34,7 @@ impl FromRequestParts<Arc<Daemon>> for RelayCaller {
         let i = live_token(d, token).await?;
         Ok(RelayCaller {
             scope: Scope::of(i.scope.as_deref()),
+            _caller: crate::auth::Caller::enter(d, &i.tenant, i.expires_ms).await?,
             tenant: i.tenant,
         })
     }
@@ -62,11 +64,18 @@ impl RelayCaller {
     }
 }
 
-fn stream_token_of(tenant: &str, stream: &str, token: &str) -> strata_catalog::NewToken {
+/// A stream token, expiring no later than the token that asked for it.
+fn stream_token_of(
+    tenant: &str,
+    stream: &str,
+    token: &str,
+    expires_ms: Option<u64>,
+) -> strata_catalog::NewToken {
     strata_catalog::NewToken {
         tenant: tenant.into(),
         hash: token_hash(token),
         scope: Some(format!("relay:{stream}")),
+        expires_ms,
         ..Default::default()
     }
 }
@@ -86,7 +95,7 @@ fn check_stream_name(stream: &str) -> Result<(), ApiError> {
     security(("bearer" = [])),
 )]
 pub(crate) async fn create_stream(
-    Tenant(t): Tenant,
+    Tenant(t, caller): Tenant,
     State(d): D,
     b: Result<Json<CreateStream>, JsonRejection>,
 ) -> Result<(StatusCode, Json<StreamToken>), ApiError> {
@@ -96,6 +105,7 @@ pub(crate) async fn create_stream(
     // Both steps in a task of their own: a client that leaves (or a request timeout) between
     // them would leave a stream without a token.
     let (cat, name, sync) = (d.engine.catalog().clone(), b.name.clone(), b.sync);
+    let expires = caller.expires_ms;
     let token = crate::exports::own_task(async move {
         cat.create_stream(&RelayStream {
             tenant: t.clone(),
@@ -105,7 +115,8 @@ pub(crate) async fn create_stream(
         })
         .await?;
         let token = new_token();
-        cat.add_token(&stream_token_of(&t, &name, &token)).await?;
+        cat.add_token(&stream_token_of(&t, &name, &token, expires))
+            .await?;
         Ok(token)
     })
     .await?;
@@ -130,7 +141,7 @@ pub(crate) async fn create_stream(
     security(("bearer" = [])),
 )]
 pub(crate) async fn stream_token(
-    Tenant(t): Tenant,
+    Tenant(t, caller): Tenant,
     State(d): D,
     Path(stream): Path<String>,
 ) -> Result<(StatusCode, Json<StreamToken>), ApiError> {
@@ -139,7 +150,7 @@ pub(crate) async fn stream_token(
     let token = new_token();
     d.engine
         .catalog()
-        .add_token(&stream_token_of(&t, &stream, &token))
+        .add_token(&stream_token_of(&t, &stream, &token, caller.expires_ms))
         .await?;
     Ok((
         StatusCode::CREATED,
@@ -159,7 +170,7 @@ pub(crate) async fn stream_token(
     tag = "relay",
     security(("bearer" = [])),
 )]
-pub(crate) async fn list_streams(Tenant(t): Tenant, State(d): D) -> R<serde_json::Value> {
+pub(crate) async fn list_streams(Tenant(t, _caller): Tenant, State(d): D) -> R<serde_json::Value> {
     let lag = d.relay.lag();
     let streams = d.engine.catalog().list_streams(&t).await?;
     Ok(Json(serde_json::Value::Array(

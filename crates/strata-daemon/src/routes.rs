@@ -215,7 +215,7 @@ pub(crate) async fn create_tenant(
     tag = "templates",
     security(("bearer" = [])),
 )]
-pub(crate) async fn list_templates(Tenant(t): Tenant, State(d): D) -> R<Vec<Template>> {
+pub(crate) async fn list_templates(Tenant(t, _caller): Tenant, State(d): D) -> R<Vec<Template>> {
     Ok(Json(d.engine.catalog().list_templates(&t).await?))
 }
 
@@ -229,7 +229,7 @@ pub(crate) async fn list_templates(Tenant(t): Tenant, State(d): D) -> R<Vec<Temp
     security(("bearer" = [])),
 )]
 pub(crate) async fn show_template(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
 ) -> R<Template> {
@@ -246,7 +246,7 @@ pub(crate) async fn show_template(
     security(("bearer" = [])),
 )]
 pub(crate) async fn delete_template(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {

@@ -87,7 +87,7 @@ async fn check_new(d: &Daemon, t: &str, name: &str) -> Result<(), ApiError> {
     security(("bearer" = [])),
 )]
 pub(crate) async fn upload_template(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
     Query(q): Query<UploadTemplate>,
@@ -179,7 +179,7 @@ async fn spool(d: &Daemon, content: Body, file: &FsPath, max: u64) -> Result<(),
     security(("bearer" = [])),
 )]
 pub(crate) async fn import_template(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     b: Result<Json<BuildTemplate>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Template>), ApiError> {

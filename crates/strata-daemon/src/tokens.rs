@@ -179,20 +179,30 @@ impl AdminTokens {
         }
         let Some(f) = &self.file else { return false };
         let mut c = self.lock();
-        // A file being replaced may be missing or half-written for a moment: the last set
-        // read stays in force until a complete one is read.
         match stamp(f) {
-            Ok(s) if c.stamp != Some(s) => match read_tokens(f) {
-                Ok(h) => {
-                    tracing::info!(tokens = h.len(), "admin token file reloaded");
-                    c.hashes = h;
-                    c.stamp = Some(s);
+            Ok(s) if c.stamp != Some(s) => {
+                c.stamp = Some(s);
+                match read_tokens(f) {
+                    Ok(h) => {
+                        tracing::info!(tokens = h.len(), "admin token file reloaded");
+                        c.hashes = h;
+                    }
+                    // A malformed file (say a bad blake3 line) keeps the set read before, so
+                    // a typo does not lock the admin out; it is said once per change.
+                    Err(e) => {
+                        tracing::warn!(error = %e, "admin token file not reloaded; keeping the tokens read before")
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "admin token file unreadable; keeping the tokens read before")
-                }
-            },
+            }
             Ok(_) => {}
+            // No file: no tokens from it (removing the file revokes them). Replace it by
+            // rename, never by rewriting in place.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if c.stamp.take().is_some() {
+                    tracing::warn!("admin token file removed: its tokens no longer work");
+                }
+                c.hashes.clear();
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "admin token file unreadable; keeping the tokens read before")
             }
@@ -269,8 +279,14 @@ pub struct TenantDeleted {
 
 const MAX_TTL_SECONDS: u64 = 10 * 366 * 24 * 3600;
 
-/// Checks a token request and records the token; the token itself is returned once.
-async fn issue(d: &Daemon, tenant: &str, b: CreateToken) -> Result<TenantToken, ApiError> {
+/// Checks a token request and records the token; the token itself is returned once. A
+/// token minted by an expiring token expires no later (`cap`).
+async fn issue(
+    d: &Daemon,
+    tenant: &str,
+    b: CreateToken,
+    cap: Option<u64>,
+) -> Result<TenantToken, ApiError> {
     let scope = match b.scope.as_deref() {
         None | Some("full") => None,
         Some(s @ ("read" | "attach" | "relay")) => Some(s.to_string()),
@@ -295,6 +311,10 @@ async fn issue(d: &Daemon, tenant: &str, b: CreateToken) -> Result<TenantToken, 
             return Err(ApiError::invalid("ttl_seconds is at most ten years"))
         }
         Some(s) => Some(strata_format::now_ms() + s * 1000),
+    };
+    let expires_ms = match (expires_ms, cap) {
+        (Some(e), Some(c)) => Some(e.min(c)),
+        (e, c) => e.or(c),
     };
     if let Some(l) = &b.label {
         if l.chars().count() > 100 || l.chars().any(char::is_control) {
@@ -338,7 +358,7 @@ fn check_token_id(id: &str) -> Result<(), ApiError> {
     tag = "tokens",
     security(("bearer" = [])),
 )]
-pub(crate) async fn list_own(Tenant(t): Tenant, State(d): D) -> R<Vec<TokenInfo>> {
+pub(crate) async fn list_own(Tenant(t, _caller): Tenant, State(d): D) -> R<Vec<TokenInfo>> {
     Ok(Json(d.engine.catalog().list_tokens(&t).await?))
 }
 
@@ -352,12 +372,15 @@ pub(crate) async fn list_own(Tenant(t): Tenant, State(d): D) -> R<Vec<TokenInfo>
     security(("bearer" = [])),
 )]
 pub(crate) async fn create_own(
-    Tenant(t): Tenant,
+    Tenant(t, caller): Tenant,
     State(d): D,
     b: Result<Json<CreateToken>, JsonRejection>,
 ) -> Result<(StatusCode, Json<TenantToken>), ApiError> {
     let b = optional_body(b)?;
-    Ok((StatusCode::CREATED, Json(issue(&d, &t, b).await?)))
+    Ok((
+        StatusCode::CREATED,
+        Json(issue(&d, &t, b, caller.expires_ms).await?),
+    ))
 }
 
 #[utoipa::path(
@@ -370,7 +393,7 @@ pub(crate) async fn create_own(
     security(("bearer" = [])),
 )]
 pub(crate) async fn revoke_own(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(id): Path<String>,
 ) -> R<TokenInfo> {
@@ -458,7 +481,7 @@ pub(crate) async fn create_tenant_token(
 ) -> Result<(StatusCode, Json<TenantToken>), ApiError> {
     check_tenant_name(&name)?;
     let b = optional_body(b)?;
-    Ok((StatusCode::CREATED, Json(issue(&d, &name, b).await?)))
+    Ok((StatusCode::CREATED, Json(issue(&d, &name, b, None).await?)))
 }
 
 #[utoipa::path(
@@ -534,11 +557,35 @@ pub(crate) async fn set_quotas(
     tag = "tenants",
     security(("bearer" = [])),
 )]
-pub(crate) async fn usage(Tenant(t): Tenant, State(d): D) -> R<Usage> {
+pub(crate) async fn usage(Tenant(t, _caller): Tenant, State(d): D) -> R<Usage> {
     Ok(Json(d.usage(&t).await?))
 }
 
 impl Daemon {
+    /// Drops this node's relay files of tenants that no longer exist or are being deleted
+    /// (a deletion on another node cannot reach this node's disk).
+    pub(crate) async fn forget_deleted_relay_tenants(&self) {
+        let tenants: std::collections::BTreeSet<String> =
+            self.relay.lag().into_keys().map(|(t, _)| t).collect();
+        for t in tenants {
+            let gone = match self.engine.catalog().get_tenant(&t).await {
+                Ok(i) => i.deleting_ms.is_some(),
+                Err(strata_catalog::CatalogError::NotFound { .. }) => true,
+                Err(_) => false, // unknown now: asked again at the next pass
+            };
+            if gone {
+                match self.relay.forget_tenant(&t).await {
+                    Ok(()) => {
+                        tracing::info!(tenant = %t, "relay files of a deleted tenant dropped")
+                    }
+                    Err(e) => {
+                        tracing::warn!(tenant = %t, error = %e, "dropping a deleted tenant's relay files failed")
+                    }
+                }
+            }
+        }
+    }
+
     pub(crate) async fn usage(&self, t: &str) -> Result<Usage, ApiError> {
         let cat = self.engine.catalog();
         let quotas = cat.get_tenant(t).await?.quotas;
@@ -650,6 +697,21 @@ impl Daemon {
             // Atomically: no workspace attached anywhere, and from now on none can be, and
             // the tenant's tokens speak for nobody.
             cat.begin_tenant_delete(&t).await?;
+            // The tenant's requests admitted before the mark finish first; none runs beside
+            // the deletion (their tokens no longer pass, the gate refuses the rest).
+            let gate = d.tenant_gate(&t);
+            *gate.write().await = true;
+            let out = d.delete_marked_tenant(&t).await;
+            *gate.write().await = false;
+            out
+        })
+        .await
+    }
+
+    async fn delete_marked_tenant(self: &Arc<Self>, t: &str) -> Result<TenantDeleted, ApiError> {
+        let (d, t) = (self, t.to_string());
+        {
+            let cat = d.engine.catalog().clone();
             // No GC pass of this node works on the tenant meanwhile.
             let _gc = d.gc.lock.lock().await;
             let mut out = TenantDeleted {
@@ -663,12 +725,19 @@ impl Daemon {
                     break;
                 }
                 for w in ws {
-                    d.delete_workspace(&t, &w.name).await?;
+                    match d.delete_workspace(&t, &w.name).await {
+                        // Another deletion of the tenant (or of the workspace) got it first.
+                        Err(e) if e.status == StatusCode::NOT_FOUND => {}
+                        r => r?,
+                    }
                     out.workspaces += 1;
                 }
             }
             for tpl in cat.list_templates(&t).await? {
-                cat.delete_template(&t, &tpl.name).await?;
+                match cat.delete_template(&t, &tpl.name).await {
+                    Err(strata_catalog::CatalogError::NotFound { .. }) => {}
+                    r => r?,
+                }
                 out.templates += 1;
             }
             out.streams = cat.list_streams(&t).await?.len() as u64;
@@ -694,7 +763,9 @@ impl Daemon {
                     .await
                     .into_iter()
                     .collect::<Result<_, _>>()
-                    .map_err(|e| ApiError::internal(format!("listing the tenant's objects: {e}")))?;
+                    .map_err(|e| {
+                        ApiError::internal(format!("listing the tenant's objects: {e}"))
+                    })?;
                 if batch.is_empty() {
                     break;
                 }
@@ -702,10 +773,7 @@ impl Daemon {
                     match store.delete(&m.location).await {
                         Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                         Err(e) => {
-                            return Err(ApiError::internal(format!(
-                                "deleting {}: {e}",
-                                m.location
-                            )))
+                            return Err(ApiError::internal(format!("deleting {}: {e}", m.location)))
                         }
                     }
                     out.store_keys += 1;
@@ -715,7 +783,6 @@ impl Daemon {
             cat.purge_tenant(&t).await?;
             tracing::info!(tenant = %t, workspaces = out.workspaces, store_keys = out.store_keys, "tenant deleted");
             Ok(out)
-        })
-        .await
+        }
     }
 }

@@ -29,7 +29,7 @@ use strata_format::now_ms;
     tag = "workspaces",
     security(("bearer" = [])),
 )]
-pub(crate) async fn list_workspaces(Tenant(t): Tenant, State(d): D) -> R<Vec<Workspace>> {
+pub(crate) async fn list_workspaces(Tenant(t, _caller): Tenant, State(d): D) -> R<Vec<Workspace>> {
     Ok(Json(d.engine.list_workspaces(&t).await?))
 }
 
@@ -43,7 +43,7 @@ pub(crate) async fn list_workspaces(Tenant(t): Tenant, State(d): D) -> R<Vec<Wor
     security(("bearer" = [])),
 )]
 pub(crate) async fn create_workspace(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     b: Result<Json<CreateWorkspace>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Workspace>), ApiError> {
@@ -102,7 +102,7 @@ pub(crate) async fn create_workspace(
     security(("bearer" = [])),
 )]
 pub(crate) async fn show_workspace(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
 ) -> R<WorkspaceView> {
@@ -129,7 +129,7 @@ pub(crate) async fn show_workspace(
     security(("bearer" = [])),
 )]
 pub(crate) async fn delete_workspace(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
@@ -149,7 +149,7 @@ pub(crate) async fn delete_workspace(
     security(("bearer" = [])),
 )]
 pub(crate) async fn attach(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
     b: Result<Json<crate::AttachRequest>, JsonRejection>,
@@ -169,7 +169,7 @@ pub(crate) async fn attach(
     security(("bearer" = [])),
 )]
 pub(crate) async fn detach(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
 ) -> R<Option<Published>> {
@@ -188,7 +188,7 @@ pub(crate) async fn detach(
     security(("bearer" = [])),
 )]
 pub(crate) async fn checkpoint(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
     b: Result<Json<CheckpointRequest>, JsonRejection>,
@@ -223,7 +223,7 @@ pub(crate) async fn checkpoint(
     security(("bearer" = [])),
 )]
 pub(crate) async fn fork(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
     b: Result<Json<ForkRequest>, JsonRejection>,
@@ -263,7 +263,7 @@ pub(crate) async fn fork(
     security(("bearer" = [])),
 )]
 pub(crate) async fn rollback(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
     b: Result<Json<RollbackRequest>, JsonRejection>,
@@ -292,7 +292,7 @@ pub(crate) async fn rollback(
     security(("bearer" = [])),
 )]
 pub(crate) async fn mount(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
     b: Result<Json<crate::mount::MountRequest>, JsonRejection>,
@@ -313,7 +313,7 @@ pub(crate) async fn mount(
     security(("bearer" = [])),
 )]
 pub(crate) async fn resize(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
     b: Result<Json<crate::mount::resize::ResizeRequest>, JsonRejection>,
@@ -334,7 +334,7 @@ pub(crate) async fn resize(
     security(("bearer" = [])),
 )]
 pub(crate) async fn umount(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
 ) -> R<Option<Published>> {
@@ -350,7 +350,10 @@ pub(crate) async fn umount(
     tag = "workspaces",
     security(("bearer" = [])),
 )]
-pub(crate) async fn list_mounts(Tenant(t): Tenant, State(d): D) -> R<Vec<crate::mount::MountInfo>> {
+pub(crate) async fn list_mounts(
+    Tenant(t, _caller): Tenant,
+    State(d): D,
+) -> R<Vec<crate::mount::MountInfo>> {
     Ok(Json(d.mounts_of(&t)))
 }
 
@@ -364,7 +367,7 @@ pub(crate) async fn list_mounts(Tenant(t): Tenant, State(d): D) -> R<Vec<crate::
     security(("bearer" = [])),
 )]
 pub(crate) async fn log(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
 ) -> R<Vec<Checkpoint>> {
@@ -384,7 +387,7 @@ pub(crate) async fn log(
     security(("bearer" = [])),
 )]
 pub(crate) async fn expire_checkpoint(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path((name, version)): Path<(String, u64)>,
 ) -> Result<StatusCode, ApiError> {
@@ -443,7 +446,7 @@ async fn attached_volume(
     security(("bearer" = [])),
 )]
 pub(crate) async fn freeze(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
 ) -> R<serde_json::Value> {
@@ -465,7 +468,7 @@ pub(crate) async fn freeze(
     security(("bearer" = [])),
 )]
 pub(crate) async fn thaw(
-    Tenant(t): Tenant,
+    Tenant(t, _caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
 ) -> R<serde_json::Value> {

@@ -223,11 +223,16 @@ impl Engine {
             opts.dry_run,
         ) {
             for tenant in self.catalog().list_tenants().await? {
-                self.compact_detached(&tenant, t, after, &mut report)
-                    .await?;
+                if self.live_tenant(&tenant).await? {
+                    self.compact_detached(&tenant, t, after, &mut report)
+                        .await?;
+                }
             }
         }
         for tenant in self.catalog().list_tenants().await? {
+            if !self.live_tenant(&tenant).await? {
+                continue;
+            }
             report.tenants += 1;
             if !self
                 .gc_tenant(&tenant, opts, &mut steps, &mut report)
@@ -239,6 +244,16 @@ impl Engine {
         }
         report.duration_ms = started.elapsed().as_millis() as u64;
         Ok(report)
+    }
+
+    /// Whether GC may work on the tenant: it exists and is not being deleted (here or on
+    /// another node; a pass racing the purge would find its references unreadable).
+    async fn live_tenant(&self, tenant: &str) -> Result<bool> {
+        match self.catalog().get_tenant(tenant).await {
+            Ok(t) => Ok(t.deleting_ms.is_none()),
+            Err(strata_catalog::CatalogError::NotFound { .. }) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Compacts the tenant's workspaces that are detached everywhere (see

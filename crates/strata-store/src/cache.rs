@@ -132,7 +132,7 @@ impl NodeCache {
     /// Drops every entry of `tenant` (a deleted tenant's data leaves the node). An insert
     /// racing this may leave a file that only costs space until evicted or the next open.
     pub fn forget_tenant(&self, tenant: &str) -> std::io::Result<()> {
-        {
+        let gone: Vec<Key> = {
             let mut ix = self.lock();
             let gone: Vec<Key> = ix
                 .map
@@ -140,17 +140,29 @@ impl NodeCache {
                 .filter(|k| k.tenant == tenant)
                 .cloned()
                 .collect();
-            for k in gone {
-                if let Some(e) = ix.map.remove(&k) {
+            for k in &gone {
+                if let Some(e) = ix.map.remove(k) {
                     ix.used -= e.len;
                     ix.lru.remove(&e.tick);
                 }
             }
+            gone
+        };
+        for k in &gone {
+            match std::fs::remove_file(self.path(k)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
         }
-        match std::fs::remove_dir_all(self.dir.join(tenant)) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-            _ => Ok(()),
+        // The tenant's directory too, unless it is the cache's own temp directory (a tenant
+        // may be named `tmp`).
+        if tenant != "tmp" {
+            match std::fs::remove_dir_all(self.dir.join(tenant)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
         }
+        Ok(())
     }
 
     /// Bytes currently held.

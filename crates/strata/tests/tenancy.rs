@@ -365,23 +365,45 @@ async fn tokens_are_listed_scoped_revoked_expired_and_admin_tokens_rotate() {
         "{v}"
     );
 
-    // Expiry.
+    // Expiry; a token minted by an expiring one (a tenant token or a stream token) expires
+    // no later.
     let (_, e) = a.post("/v1/tokens", json!({"ttl_seconds": 1})).await;
     let e = Api::new(&url, e["token"].as_str().unwrap());
+    let (s, child) = e.post("/v1/tokens", json!({})).await;
+    assert_eq!(s, StatusCode::CREATED, "{child}");
+    let child = Api::new(&url, child["token"].as_str().unwrap());
+    let (s, st) = e.post("/v1/relay", json!({"name": "short"})).await;
+    assert_eq!(s, StatusCode::CREATED, "{st}");
+    let stream_tok = st["token"].as_str().unwrap().to_string();
     assert_eq!(e.get("/v1/workspaces").await.0, StatusCode::OK);
+    assert_eq!(child.get("/v1/workspaces").await.0, StatusCode::OK);
     tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
-    let (s, v) = e.get("/v1/workspaces").await;
-    assert_eq!(s, StatusCode::UNAUTHORIZED);
-    assert!(
-        v["error"]["message"].as_str().unwrap().contains("expired"),
-        "{v}"
+    for (who, api) in [("token", &e), ("its child", &child)] {
+        let (s, v) = api.get("/v1/workspaces").await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{who}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("expired"),
+            "{who}: {v}"
+        );
+    }
+    let r = reqwest::Client::new()
+        .put(format!("{url}/v1/relay/short/f"))
+        .bearer_auth(&stream_tok)
+        .body("x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        StatusCode::UNAUTHORIZED,
+        "the stream token expired too"
     );
 
     // The admin's view of alpha's tokens, and its revocation.
     let admin = Api::new(&url, ADMIN);
     let (s, list) = admin.get("/v1/tenants/alpha/tokens").await;
     assert_eq!(s, StatusCode::OK);
-    assert_eq!(list.as_array().unwrap().len(), 3, "{list}");
+    assert_eq!(list.as_array().unwrap().len(), 5, "{list}");
     let (s, issued) = admin
         .post("/v1/tenants/alpha/tokens", json!({"scope": "attach"}))
         .await;
@@ -427,11 +449,18 @@ async fn tokens_are_listed_scoped_revoked_expired_and_admin_tokens_rotate() {
         Api::new(&url, three).get("/v1/tenants").await.0,
         StatusCode::OK
     );
-    // A file that goes missing keeps the tokens read before.
-    std::fs::remove_file(&admin_file).unwrap();
+    // A malformed file keeps the tokens read before (a typo does not lock the admin out);
+    // removing the file revokes its tokens.
+    std::fs::write(&tmp, "blake3:nothex\n").unwrap();
+    std::fs::rename(&tmp, &admin_file).unwrap();
     assert_eq!(
         Api::new(&url, three).get("/v1/tenants").await.0,
         StatusCode::OK
+    );
+    std::fs::remove_file(&admin_file).unwrap();
+    assert_eq!(
+        Api::new(&url, three).get("/v1/tenants").await.0,
+        StatusCode::UNAUTHORIZED
     );
     assert_eq!(admin.get("/v1/tenants").await.0, StatusCode::OK);
 
@@ -584,6 +613,43 @@ async fn deleting_a_tenant_removes_everything_it_owns_and_no_one_elses() {
         g2.get("/v1/relay/logs/a.txt").await.0,
         StatusCode::NOT_FOUND
     );
+
+    // A deletion waits for the tenant's requests already running: a template upload whose
+    // body trickles in for over a second either lands before the deletion takes anything,
+    // or is refused; either way nothing of it outlives the tenant.
+    let slow = tenant(&url, "slow").await;
+    let body = futures::stream::unfold(0u32, |i| async move {
+        if i == 8 {
+            return None;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        Some((Ok::<_, std::io::Error>(vec![0x33u8; 128 << 10]), i + 1))
+    });
+    let up_url = format!("{url}/v1/templates/late?format=raw");
+    let up_token = slow.token.clone();
+    let upload = tokio::spawn(async move {
+        reqwest::Client::new()
+            .put(up_url)
+            .bearer_auth(up_token)
+            .body(reqwest::Body::wrap_stream(body))
+            .send()
+            .await
+            .map(|r| r.status())
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let started = std::time::Instant::now();
+    let (s, v) = admin.delete("/v1/tenants/slow").await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let up = upload.await.unwrap();
+    println!(
+        "tenant deletion waited {:?} for an upload in flight ({up:?}); deleted {} templates",
+        started.elapsed(),
+        v["templates"]
+    );
+    assert!(started.elapsed() > std::time::Duration::from_millis(900));
+    assert_eq!(leftovers(&data, "slow"), Vec::<String>::new());
+    let again = tenant(&url, "slow").await;
+    assert_eq!(again.get("/v1/templates").await.1, json!([]));
 
     // A delete racing an attach: never both.
     for round in 0..4 {
