@@ -413,7 +413,7 @@ impl Campaign {
             if s != StatusCode::OK || t != StatusCode::OK {
                 self.fail(format!("freeze/thaw of {name}: {s} {t}"));
             }
-        } else if roll < 72 {
+        } else if roll < 68 {
             self.count("gc pass (grace 2s, compaction)");
             // A pass lists and deletes through the store: give it longer than other calls.
             let t0 = Instant::now();
@@ -424,6 +424,9 @@ impl Campaign {
             } else if t0.elapsed() > Duration::from_secs(10) {
                 eprintln!("nemesis: a gc pass took {:?}: {v}", t0.elapsed());
             }
+        } else if roll < 72 {
+            self.count("delete a busy tenant");
+            self.delete_busy_tenant().await;
         } else if roll < 80 {
             self.count("kill -9 and restart");
             if self.rng.random_bool(0.5) {
@@ -502,6 +505,73 @@ impl Campaign {
             self.s_on_b = false;
             *lock(&w.socket) = attach(&self.a.api(&self.token), "s", Duration::from_secs(20)).await;
             w.epoch.fetch_add(1, SeqCst);
+        }
+    }
+
+    /// Another tenant on node A writes, checkpoints and is deleted while its detach is in
+    /// flight (the deletion is refused while attached and retried): the campaign's tenant,
+    /// writing throughout, must lose nothing, and nothing of the other may remain.
+    async fn delete_busy_tenant(&mut self) {
+        self.n += 1;
+        let t = format!("gone{}", self.n);
+        let admin = Api::with_timeout(&self.a.url, ADMIN, Duration::from_secs(120));
+        let (s, v) = admin.post("/v1/tenants", json!({ "name": t })).await;
+        if s != StatusCode::CREATED {
+            return self.fail(format!("creating tenant {t}: {s} {v}"));
+        }
+        let api = Api::new(&self.a.url, v["token"].as_str().unwrap_or_default());
+        let (s, v) = api
+            .post("/v1/workspaces", json!({"name": "w", "size": 8u64 << 20}))
+            .await;
+        if s != StatusCode::CREATED {
+            return self.fail(format!("{t}: create: {s} {v}"));
+        }
+        let Some(sock) = attach(&api, "w", Duration::from_secs(20)).await else {
+            return self.fail(format!("{t}: attach"));
+        };
+        match Client::connect_unix(Path::new(&sock), "w").await {
+            Ok(mut c) => {
+                let wrote = async {
+                    c.write(0, &vec![0x77u8; 256 << 10], false).await?;
+                    c.flush().await
+                };
+                if let Err(e) = wrote.await {
+                    return self.fail(format!("{t}: write: {e}"));
+                }
+            }
+            Err(e) => return self.fail(format!("{t}: connect: {e}")),
+        }
+        let (s, v) = api
+            .post("/v1/workspaces/w/checkpoint", json!({"wait": true}))
+            .await;
+        if s != StatusCode::OK {
+            return self.fail(format!("{t}: checkpoint: {s} {v}"));
+        }
+        let path = format!("/v1/tenants/{t}");
+        let deleted = async {
+            for _ in 0..200 {
+                let (s, v) = admin.delete(&path).await;
+                match s {
+                    StatusCode::OK => return Ok(v),
+                    StatusCode::CONFLICT => tokio::time::sleep(Duration::from_millis(50)).await,
+                    _ => return Err(format!("{s} {v}")),
+                }
+            }
+            Err("still attached after 10 s".to_string())
+        };
+        let (detached, deleted) =
+            tokio::join!(api.post("/v1/workspaces/w/detach", json!({})), deleted);
+        if detached.0 != StatusCode::OK {
+            return self.fail(format!("{t}: detach: {detached:?}"));
+        }
+        match deleted {
+            Ok(v) if v["workspaces"] == 1 => {}
+            Ok(v) => return self.fail(format!("{t}: deleted {v}")),
+            Err(e) => return self.fail(format!("{t}: delete: {e}")),
+        }
+        let (_, list) = admin.get("/v1/tenants").await;
+        if list.to_string().contains(&format!("\"{t}\"")) {
+            self.fail(format!("{t} still listed: {list}"));
         }
     }
 
