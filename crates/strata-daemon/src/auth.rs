@@ -28,7 +28,7 @@ pub struct Caller {
     pub(crate) expires_ms: Option<u64>,
     /// Held while the request runs: a deletion of the tenant waits for it (see
     /// [`Daemon::tenant_gate`]).
-    _gate: tokio::sync::OwnedRwLockReadGuard<bool>,
+    _gate: tokio::sync::OwnedRwLockReadGuard<u32>,
 }
 
 impl Caller {
@@ -39,7 +39,7 @@ impl Caller {
         expires_ms: Option<u64>,
     ) -> Result<Caller, ApiError> {
         let gate = d.tenant_gate(tenant).read_owned().await;
-        if *gate {
+        if *gate > 0 {
             return Err(ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",

@@ -110,8 +110,8 @@ pub struct Daemon {
     pub(crate) mount_ops: tokio::sync::watch::Sender<usize>,
     /// One gate per tenant: every request of the tenant holds it shared; a deletion of the
     /// tenant takes it exclusively (waiting for the requests admitted before its mark) and
-    /// sets it (`true`) while it runs, so no request of the tenant runs beside it.
-    pub(crate) tenant_gates: std::sync::Mutex<HashMap<String, Arc<tokio::sync::RwLock<bool>>>>,
+    /// counts itself in it while it runs, so no request of the tenant runs beside it.
+    pub(crate) tenant_gates: std::sync::Mutex<HashMap<String, Arc<tokio::sync::RwLock<u32>>>>,
     /// One lock per workspace: its attach, detach and delete never interleave.
     pub(crate) ops: std::sync::Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
     /// This node's API address, as reported to the `nodes` view.
@@ -158,7 +158,7 @@ pub fn new_token() -> String {
 
 impl Daemon {
     /// The tenant's gate (see [`Daemon::tenant_gates`]).
-    pub(crate) fn tenant_gate(&self, tenant: &str) -> Arc<tokio::sync::RwLock<bool>> {
+    pub(crate) fn tenant_gate(&self, tenant: &str) -> Arc<tokio::sync::RwLock<u32>> {
         self.tenant_gates
             .lock()
             .unwrap_or_else(|p| p.into_inner())

@@ -87,7 +87,7 @@ async fn check_new(d: &Daemon, t: &str, name: &str) -> Result<(), ApiError> {
     security(("bearer" = [])),
 )]
 pub(crate) async fn upload_template(
-    Tenant(t, _caller): Tenant,
+    Tenant(t, caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
     Query(q): Query<UploadTemplate>,
@@ -115,6 +115,9 @@ pub(crate) async fn upload_template(
     let tpl = own_task(async move {
         let _tmp = tmp; // removed once the build is done, whatever happens to the request
         let _permit = permit;
+        // The tenant's gate goes with the build: a deletion waits for it even if the client
+        // left or the request timed out.
+        let _caller = caller;
         let e = &d.engine;
         let r = match format.as_str() {
             "tar" => {
@@ -179,7 +182,7 @@ async fn spool(d: &Daemon, content: Body, file: &FsPath, max: u64) -> Result<(),
     security(("bearer" = [])),
 )]
 pub(crate) async fn import_template(
-    Tenant(t, _caller): Tenant,
+    Tenant(t, caller): Tenant,
     State(d): D,
     b: Result<Json<BuildTemplate>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Template>), ApiError> {
@@ -201,6 +204,7 @@ pub(crate) async fn import_template(
     let permit = build_slot(&d).await?;
     let tpl = own_task(async move {
         let _permit = permit;
+        let _caller = caller;
         let e = &d.engine;
         let r = if src.is_dir() {
             e.build_template_from_dir(&t, &b.name, &src, b.size, &|_, _| {})

@@ -700,9 +700,9 @@ impl Daemon {
             // The tenant's requests admitted before the mark finish first; none runs beside
             // the deletion (their tokens no longer pass, the gate refuses the rest).
             let gate = d.tenant_gate(&t);
-            *gate.write().await = true;
+            *gate.write().await += 1;
             let out = d.delete_marked_tenant(&t).await;
-            *gate.write().await = false;
+            *gate.write().await -= 1;
             out
         })
         .await

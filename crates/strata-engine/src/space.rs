@@ -69,9 +69,14 @@ impl SpaceGuard {
     }
 }
 
+/// How long a guest write past its tenant's journal quota waits for uploads to free room
+/// before it gets ENOSPC.
+pub const QUOTA_WAIT: Duration = Duration::from_secs(1);
+
 /// One tenant's journal bytes on this node against its `local_journal_bytes` quota: a guest
-/// write that would take the tenant past it gets ENOSPC (that request only; the tenant's other
-/// writes and every other tenant go on) until uploads retire published segments. Writes racing
+/// write that would take the tenant past it waits up to [`QUOTA_WAIT`] for uploads to retire
+/// published segments, then gets ENOSPC (that request only; the tenant's other writes and
+/// every other tenant go on). Writes racing
 /// on several of the tenant's volumes may pass it by at most one request each.
 pub struct TenantBudget {
     /// `u64::MAX`: no limit.

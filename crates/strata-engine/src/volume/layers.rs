@@ -231,6 +231,9 @@ impl Volume {
             let rotated = if spec.rotate || self.budget.pressed() {
                 match j.rotate() {
                     Ok(r) => Some(r),
+                    // A rotation only the quota asked for never fails a cut (a FLUSH in sync
+                    // mode, a detach) on a full disk: the cut is taken unrotated.
+                    Err(e) if crate::error::is_no_space(&e) && !spec.rotate => None,
                     Err(e) if crate::error::is_no_space(&e) => {
                         return Err(Error::NoSpace(format!("a new journal segment: {e}")))
                     }

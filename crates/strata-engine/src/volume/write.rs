@@ -12,6 +12,7 @@ use strata_format::BLOCK_SIZE;
 use super::{lock, SegFile, Volume};
 use crate::journal::Journal;
 use crate::overlay::Loc;
+use crate::space::QUOTA_WAIT;
 use crate::{Error, Result};
 
 impl Volume {
@@ -96,6 +97,16 @@ impl Volume {
         w.since.get_or_insert_with(Instant::now);
     }
 
+    /// Waits up to [`QUOTA_WAIT`] for the tenant's journal quota to admit `bytes`, asking for
+    /// a publish (which frees what it covers) while it waits.
+    async fn await_budget(&self, bytes: u64) {
+        let until = Instant::now() + QUOTA_WAIT;
+        while self.budget.admit(bytes).is_err() && Instant::now() < until {
+            self.upload_due.notify_one();
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
     /// Writes `data` at `offset`. Partial blocks are read, merged and rewritten whole. With `fua`
     /// the call returns only once the write is as durable as a FLUSH would make it.
     pub async fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
@@ -103,16 +114,20 @@ impl Volume {
         if data.is_empty() {
             return Ok(());
         }
+        // Past the tenant's journal quota the write waits (no lock held) for its uploads to
+        // free room, up to `QUOTA_WAIT`: a burst faster than uploads is slowed, not failed.
+        self.await_budget(data.len() as u64).await;
         {
             let _gate = self.gate.read().await;
             let mut j = self.writer.lock().await;
             self.writable()?;
-            self.space.admit(data.len() as u64)?;
+            // The quota first: a write it refuses must not take from the node's free-space
+            // estimate, which every tenant's writes share.
             if let Err(e) = self.budget.admit(data.len() as u64) {
-                // Uploads free room: one now, not at the next interval.
                 self.upload_due.notify_one();
                 return Err(e);
             }
+            self.space.admit(data.len() as u64)?;
             let lba = offset / BLOCK_SIZE;
             let end = (offset + data.len() as u64).div_ceil(BLOCK_SIZE);
             let n = end - lba;
