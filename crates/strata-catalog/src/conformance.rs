@@ -69,7 +69,7 @@ pub async fn run_all(cat: Arc<dyn Catalog>, time: &Time) {
     retention_and_gc_state(&*cat, time).await;
     token_lifecycle(&*cat).await;
     quotas_limit_creates(&*cat).await;
-    store_usage_follows_references(&*cat).await;
+    store_usage_follows_references(&*cat, time).await;
     tenant_deletion(&*cat, time).await;
 }
 
@@ -185,7 +185,7 @@ async fn quotas_limit_creates(cat: &dyn Catalog) {
     assert_eq!(cat.list_workspaces("quota").await.unwrap().len(), 3);
 }
 
-async fn store_usage_follows_references(cat: &dyn Catalog) {
+async fn store_usage_follows_references(cat: &dyn Catalog, time: &Time) {
     cat.create_tenant("use").await.unwrap();
     assert_eq!(cat.store_usage("use").await.unwrap(), StoreUsage::default());
     let o = |n: u8, len: u64| ObjectRef {
@@ -235,6 +235,22 @@ async fn store_usage_follows_references(cat: &dyn Catalog) {
     cat.delete_workspace("use", "b").await.unwrap();
     let u = cat.store_usage("use").await.unwrap();
     assert_eq!((u.live_objects, u.live_bytes), (3, 350), "{u:?}");
+    // Metering: each reading adds the previous one's bytes times the time since it.
+    let m0 = cat.meter_usage("use", 1000).await.unwrap();
+    assert_eq!((m0.byte_seconds, m0.since_ms), (0.0, m0.last_ms));
+    time.pass(std::time::Duration::from_millis(400)).await;
+    let m1 = cat.meter_usage("use", 10).await.unwrap();
+    let secs = (m1.last_ms - m0.last_ms) as f64 / 1000.0;
+    assert!(secs >= 0.4, "{m0:?} {m1:?}");
+    assert!((m1.byte_seconds - 1000.0 * secs).abs() < 1e-6, "{m1:?}");
+    time.pass(std::time::Duration::from_millis(200)).await;
+    let m2 = cat.meter_usage("use", 10).await.unwrap();
+    let more = 10.0 * (m2.last_ms - m1.last_ms) as f64 / 1000.0;
+    assert!(
+        (m2.byte_seconds - m1.byte_seconds - more).abs() < 1e-6,
+        "{m2:?}"
+    );
+    assert_eq!(m2.since_ms, m0.since_ms);
     assert_eq!(cat.store_usage("use2").await.unwrap().live_bytes, 300);
 }
 

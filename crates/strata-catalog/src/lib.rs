@@ -208,6 +208,7 @@ GROUP BY objs.ws ORDER BY objs.ws";
 /// Tables with a `tenant` column, in the order a tenant's purge empties them (tokens before
 /// the tenant row PostgreSQL's foreign key names).
 pub(crate) const TENANT_TABLES: &[&str] = &[
+    "usage_meter",
     "gc_condemned",
     "relay_streams",
     "manifest_objects",
@@ -253,6 +254,28 @@ pub(crate) fn check_workspace_quotas(
     Ok(())
 }
 
+/// The meter after a reading of `live` bytes at `now` (the first reading starts it).
+pub(crate) fn advance_meter(prev: Option<Meter>, live: u64, now: u64) -> Meter {
+    match prev {
+        None => Meter {
+            live_bytes: live,
+            byte_seconds: 0.0,
+            since_ms: now,
+            last_ms: now,
+        },
+        Some(m) => {
+            let now = now.max(m.last_ms);
+            Meter {
+                live_bytes: live,
+                byte_seconds: m.byte_seconds
+                    + m.live_bytes as f64 * (now - m.last_ms) as f64 / 1000.0,
+                since_ms: m.since_ms,
+                last_ms: now,
+            }
+        }
+    }
+}
+
 /// A purge needs the tenant marked as being deleted and its workspaces gone.
 pub(crate) fn purge_check(tenant: &str, info: &TenantInfo, workspaces: u64) -> Result<()> {
     if info.deleting_ms.is_none() {
@@ -287,6 +310,8 @@ pub trait Catalog: Send + Sync + 'static {
     async fn get_tenant(&self, tenant: &str) -> Result<TenantInfo>;
     /// What the tenant's live data takes in the object store (see [`StoreUsage`]).
     async fn store_usage(&self, tenant: &str) -> Result<StoreUsage>;
+    /// Records a reading of the tenant's live bytes (see [`Meter`]) and returns the meter.
+    async fn meter_usage(&self, tenant: &str, live_bytes: u64) -> Result<Meter>;
     /// Sets a tenant's quotas (replacing all of them; `None` fields: no limit).
     async fn set_quotas(&self, tenant: &str, q: &Quotas) -> Result<()>;
     /// Marks a tenant as being deleted, atomically with checking that none of its workspaces

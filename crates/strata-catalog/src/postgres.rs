@@ -183,6 +183,44 @@ impl Catalog for PostgresCatalog {
         })
     }
 
+    async fn meter_usage(&self, tenant: &str, live_bytes: u64) -> Result<Meter> {
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(be)?;
+        // The tenant row's lock orders readings from several nodes.
+        live_tenant(&tx, tenant, " FOR UPDATE").await?;
+        let now = server_now(&tx).await?;
+        let prev = tx
+            .query_opt(
+                "SELECT live_bytes, byte_seconds, since_ms, last_ms FROM usage_meter WHERE tenant = $1",
+                &[&tenant],
+            )
+            .await
+            .map_err(be)?
+            .map(|r| Meter {
+                live_bytes: r.get::<_, i64>(0) as u64,
+                byte_seconds: r.get(1),
+                since_ms: r.get::<_, i64>(2) as u64,
+                last_ms: r.get::<_, i64>(3) as u64,
+            });
+        let m = advance_meter(prev, live_bytes, now);
+        tx.execute(
+            "INSERT INTO usage_meter (tenant, live_bytes, byte_seconds, since_ms, last_ms)
+             VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (tenant) DO UPDATE SET live_bytes = $2, byte_seconds = $3, last_ms = $5",
+            &[
+                &tenant,
+                &(m.live_bytes as i64),
+                &m.byte_seconds,
+                &(m.since_ms as i64),
+                &(m.last_ms as i64),
+            ],
+        )
+        .await
+        .map_err(be)?;
+        tx.commit().await.map_err(be)?;
+        Ok(m)
+    }
+
     async fn set_quotas(&self, tenant: &str, q: &Quotas) -> Result<()> {
         let c = self.conn().await?;
         let n = c

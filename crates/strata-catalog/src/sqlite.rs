@@ -172,6 +172,43 @@ impl Catalog for SqliteCatalog {
         .await
     }
 
+    async fn meter_usage(&self, tenant: &str, live_bytes: u64) -> Result<Meter> {
+        let t = tenant.to_string();
+        let clock = self.clock.clone();
+        self.run(move |c| {
+            let tx = c
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(be)?;
+            live_tenant(&tx, &t)?;
+            let prev = tx
+                .query_row(
+                    "SELECT live_bytes, byte_seconds, since_ms, last_ms FROM usage_meter WHERE tenant = ?1",
+                    params![t],
+                    |r| {
+                        Ok(Meter {
+                            live_bytes: r.get::<_, i64>(0)? as u64,
+                            byte_seconds: r.get(1)?,
+                            since_ms: r.get::<_, i64>(2)? as u64,
+                            last_ms: r.get::<_, i64>(3)? as u64,
+                        })
+                    },
+                )
+                .optional()
+                .map_err(be)?;
+            let m = advance_meter(prev, live_bytes, clock.now_ms());
+            tx.execute(
+                "INSERT INTO usage_meter (tenant, live_bytes, byte_seconds, since_ms, last_ms)
+                 VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT (tenant) DO UPDATE SET live_bytes = ?2, byte_seconds = ?3, last_ms = ?5",
+                params![t, m.live_bytes as i64, m.byte_seconds, m.since_ms as i64, m.last_ms as i64],
+            )
+            .map_err(be)?;
+            tx.commit().map_err(be)?;
+            Ok(m)
+        })
+        .await
+    }
+
     async fn set_quotas(&self, tenant: &str, q: &Quotas) -> Result<()> {
         let (t, col) = (tenant.to_string(), q.to_column());
         self.run(move |c| {

@@ -350,3 +350,16 @@ pub struct WorkspaceStoreUsage {
     pub live_objects: u64,
     pub live_bytes: u64,
 }
+
+/// A tenant's metered storage: live bytes integrated over time, for billing. Each reading
+/// adds the previous reading's live bytes times the time since it (catalog clock), so any
+/// node may meter at any moment and no interval is counted twice.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Meter {
+    /// Live bytes at the last reading.
+    pub live_bytes: u64,
+    /// Byte-seconds since metering began.
+    pub byte_seconds: f64,
+    pub since_ms: u64,
+    pub last_ms: u64,
+}

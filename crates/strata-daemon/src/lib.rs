@@ -137,6 +137,9 @@ pub(crate) struct GcState {
     pub lock: tokio::sync::Mutex<()>,
 }
 
+/// How often each node meters every tenant's live bytes (byte-seconds for billing).
+pub const METER_EVERY: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// Default size limit of one relayed file.
 pub const RELAY_MAX_BYTES: u64 = 256 << 20;
 
@@ -384,6 +387,14 @@ impl Daemon {
                 tokio::time::sleep(every).await;
                 let Some(d) = gc.upgrade() else { return };
                 let _ = d.run_gc(false).await;
+            }
+        });
+        let meter = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(METER_EVERY).await;
+                let Some(d) = meter.upgrade() else { return };
+                d.meter_all().await;
             }
         });
         // The relay's uploader stops with the daemon. Before each pass, files of tenants that

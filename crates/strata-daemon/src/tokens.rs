@@ -521,6 +521,9 @@ pub struct Usage {
     pub relay_pending_bytes: u64,
     /// Its live data in the object store, from the catalog's reference graph.
     pub store: strata_catalog::StoreUsage,
+    /// Live bytes over time (byte-seconds), metered at this reading and every
+    /// [`crate::METER_EVERY`] by each node.
+    pub meter: strata_catalog::Meter,
     pub quotas: strata_catalog::Quotas,
 }
 
@@ -562,6 +565,25 @@ pub(crate) async fn usage(Tenant(t, _caller): Tenant, State(d): D) -> R<Usage> {
 }
 
 impl Daemon {
+    /// Meters every tenant's live bytes (see [`strata_catalog::Meter`]).
+    pub(crate) async fn meter_all(&self) {
+        let cat = self.engine.catalog();
+        let Ok(tenants) = cat.list_tenants().await else {
+            return;
+        };
+        for t in tenants {
+            let metered = async {
+                let live = cat.store_usage(&t).await?.live_bytes;
+                cat.meter_usage(&t, live).await
+            };
+            match metered.await {
+                Ok(_) | Err(strata_catalog::CatalogError::NotFound { .. }) => {}
+                Err(strata_catalog::CatalogError::InUse(_)) => {} // being deleted
+                Err(e) => tracing::warn!(tenant = %t, error = %e, "metering usage failed"),
+            }
+        }
+    }
+
     /// Drops this node's relay files of tenants that no longer exist or are being deleted
     /// (a deletion on another node cannot reach this node's disk).
     pub(crate) async fn forget_deleted_relay_tenants(&self) {
@@ -590,6 +612,8 @@ impl Daemon {
         let cat = self.engine.catalog();
         let quotas = cat.get_tenant(t).await?.quotas;
         let ws = cat.list_workspaces(t).await?;
+        let store = cat.store_usage(t).await?;
+        let meter = cat.meter_usage(t, store.live_bytes).await?;
         Ok(Usage {
             tenant: t.into(),
             workspaces: ws.len() as u64,
@@ -603,7 +627,8 @@ impl Daemon {
                 .filter(|((tenant, _), _)| tenant == t)
                 .map(|(_, l)| l.pending_bytes)
                 .sum(),
-            store: cat.store_usage(t).await?,
+            store,
+            meter,
             quotas,
         })
     }

@@ -257,7 +257,7 @@ pub fn human(view: View, v: &Value) -> String {
                 None => used,
             };
             format!(
-                "tenant {}\nworkspaces: {}\ndisk bytes: {}\nattached here: {}\njournal here: {}",
+                "tenant {}\nworkspaces: {}\ndisk bytes: {}\nattached here: {}\njournal here: {}\nlive in the store: {} in {} objects\nmetered: {:.0} byte-seconds",
                 s(v, "tenant"),
                 of(n(v, "workspaces").to_string(), "workspaces", false),
                 of(fmt_size(n(v, "disk_bytes")), "disk_bytes", true),
@@ -271,6 +271,9 @@ pub fn human(view: View, v: &Value) -> String {
                     "local_journal_bytes",
                     true
                 ),
+                fmt_size(n(&v["store"], "live_bytes")),
+                n(&v["store"], "live_objects"),
+                v["meter"]["byte_seconds"].as_f64().unwrap_or(0.0),
             )
         }
         View::TenantDeleted => format!(

@@ -874,4 +874,17 @@ async fn a_tenant_at_its_quota_gets_enospc_and_the_other_writes_on() {
     assert!(bu["local_journal_bytes"].as_u64() > Some(32 << 20), "{bu}");
     assert!(bu["quotas"].as_object().unwrap().is_empty(), "{bu}");
     assert_eq!(sc.read(0, 4096).await.unwrap(), vec![0x11u8; 4096]);
+
+    // Live bytes in the store (w's published 24 MiB) and their meter: each reading adds the
+    // previous one's bytes times the time since it.
+    let live = u["store"]["live_bytes"].as_u64().unwrap();
+    assert!(live >= 24 << 20, "{u}");
+    let before = u["meter"]["byte_seconds"].as_f64().unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let (_, later) = small.get("/v1/usage").await;
+    let gained = later["meter"]["byte_seconds"].as_f64().unwrap() - before;
+    assert!(
+        gained >= live as f64 * 0.29 && gained <= live as f64 * 2.0,
+        "{gained} byte-seconds over 0.3 s of {live} bytes: {later}"
+    );
 }

@@ -62,6 +62,8 @@ UPDATE tokens SET id = substr(hash, 1, 16);
 CREATE INDEX tokens_tenant_id ON tokens (tenant, id);
 ALTER TABLE tenants ADD COLUMN deleting_ms BIGINT;
 ALTER TABLE tenants ADD COLUMN quotas TEXT;
+CREATE TABLE usage_meter (tenant TEXT PRIMARY KEY, live_bytes BIGINT NOT NULL,
+    byte_seconds DOUBLE PRECISION NOT NULL, since_ms BIGINT NOT NULL, last_ms BIGINT NOT NULL);
 "#,
 ];
 

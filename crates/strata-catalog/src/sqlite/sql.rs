@@ -64,6 +64,8 @@ UPDATE tokens SET id = substr(hash, 1, 16);
 CREATE INDEX tokens_tenant_id ON tokens (tenant, id);
 ALTER TABLE tenants ADD COLUMN deleting_ms INTEGER;
 ALTER TABLE tenants ADD COLUMN quotas TEXT;
+CREATE TABLE usage_meter (tenant TEXT PRIMARY KEY, live_bytes INTEGER NOT NULL,
+    byte_seconds REAL NOT NULL, since_ms INTEGER NOT NULL, last_ms INTEGER NOT NULL);
 "#,
 ];
 

@@ -231,6 +231,9 @@ impl Catalog for LossyCatalog {
     async fn store_usage(&self, tenant: &str) -> Result<StoreUsage> {
         self.inner.store_usage(tenant).await
     }
+    async fn meter_usage(&self, tenant: &str, live_bytes: u64) -> Result<Meter> {
+        self.inner.meter_usage(tenant, live_bytes).await
+    }
     async fn set_quotas(&self, tenant: &str, q: &Quotas) -> Result<()> {
         self.inner.set_quotas(tenant, q).await
     }
