@@ -274,6 +274,42 @@ impl Collector for Scrape {
             lag.iter().map(|(k, l)| (by_stream(k), seconds(l.lag_ms))),
         )?;
 
+        // Tenants on this node: attached workspaces, journal bytes against their quota.
+        let mut tenants: std::collections::BTreeMap<String, u64> = Default::default();
+        for v in d.engine.attached() {
+            *tenants.entry(v.tenant().to_string()).or_default() += 1;
+        }
+        let by_tenant = |t: &String| [("tenant", t.clone())];
+        family(
+            e,
+            "strata_tenant_attached",
+            "A tenant's workspaces attached on this node",
+            None,
+            tenants.iter().map(|(t, n)| (by_tenant(t), gauge(*n))),
+        )?;
+        let journals: Vec<(String, (u64, Option<u64>))> = tenants
+            .keys()
+            .map(|t| (t.clone(), d.engine.local_journal_usage(t)))
+            .collect();
+        family(
+            e,
+            "strata_tenant_journal",
+            "Journal bytes a tenant's workspaces hold on this node",
+            Some(Unit::Bytes),
+            journals
+                .iter()
+                .map(|(t, (used, _))| (by_tenant(t), gauge(*used))),
+        )?;
+        family(
+            e,
+            "strata_tenant_journal_quota",
+            "A tenant's local_journal_bytes quota (tenants with one and an attached workspace)",
+            Some(Unit::Bytes),
+            journals
+                .iter()
+                .filter_map(|(t, (_, q))| Some((by_tenant(t), gauge((*q)?)))),
+        )?;
+
         // vhost-user exports.
         let vs = d.vhost_stats();
         let by_ws = |(t, w): &(String, String)| -> Labels {

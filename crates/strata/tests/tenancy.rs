@@ -875,6 +875,17 @@ async fn a_tenant_at_its_quota_gets_enospc_and_the_other_writes_on() {
     assert!(bu["quotas"].as_object().unwrap().is_empty(), "{bu}");
     assert_eq!(sc.read(0, 4096).await.unwrap(), vec![0x11u8; 4096]);
 
+    // The node's metrics name the tenant's journal against its quota.
+    let (_, m) = admin.get("/metrics").await;
+    let m = m.as_str().unwrap_or_default().to_string();
+    for line in [
+        "strata_tenant_journal_quota_bytes{tenant=\"small\"} 8388608",
+        "strata_tenant_attached{tenant=\"small\"} 1",
+        &format!("strata_tenant_journal_bytes{{tenant=\"small\"}} {journal}"),
+    ] {
+        assert!(m.contains(line), "{line} not in {m}");
+    }
+
     // Live bytes in the store (w's published 24 MiB) and their meter: each reading adds the
     // previous one's bytes times the time since it.
     let live = u["store"]["live_bytes"].as_u64().unwrap();
