@@ -25,6 +25,7 @@ pub use strata_relay as relay;
 mod relay_api;
 mod routes;
 mod template_api;
+mod tenants;
 mod tokens;
 mod workspace_api;
 

@@ -14,7 +14,7 @@ use utoipa::openapi::{ContentBuilder, RefOr, Response, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
 
 use crate::api::*;
-use crate::{relay_api, routes, template_api, tokens, workspace_api};
+use crate::{relay_api, routes, template_api, tenants, tokens, workspace_api};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -32,16 +32,16 @@ use crate::{relay_api, routes, template_api, tokens, workspace_api};
         routes::list_nodes,
         routes::run_gc,
         routes::create_tenant,
-        tokens::list_tenants,
-        tokens::delete_tenant,
+        tenants::list_tenants,
+        tenants::delete_tenant,
         tokens::list_tenant_tokens,
         tokens::create_tenant_token,
         tokens::revoke_tenant_token,
         tokens::list_own,
         tokens::create_own,
         tokens::revoke_own,
-        tokens::set_quotas,
-        tokens::usage,
+        tenants::set_quotas,
+        tenants::usage,
         routes::list_templates,
         routes::show_template,
         routes::delete_template,

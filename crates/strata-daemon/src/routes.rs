@@ -17,7 +17,7 @@ use crate::auth::{body, optional_body, Admin, Scraper, Tenant};
 use crate::error::ApiError;
 use crate::exports::own_task;
 use crate::workspace_api::*;
-use crate::{new_token, observe, relay_api, template_api, token_hash, tokens, Daemon};
+use crate::{new_token, observe, relay_api, template_api, tenants, token_hash, tokens, Daemon};
 
 pub(crate) type D = State<Arc<Daemon>>;
 pub(crate) type R<T> = Result<Json<T>, ApiError>;
@@ -41,10 +41,13 @@ pub fn router(d: Arc<Daemon>) -> Router {
             "/v1/relay/{stream}/{name}",
             axum::routing::put(relay_api::put_relay_file).get(relay_api::get_relay_file),
         )
-        .route("/v1/tenants", get(tokens::list_tenants).post(create_tenant))
+        .route(
+            "/v1/tenants",
+            get(tenants::list_tenants).post(create_tenant),
+        )
         .route(
             "/v1/tenants/{name}",
-            axum::routing::delete(tokens::delete_tenant),
+            axum::routing::delete(tenants::delete_tenant),
         )
         .route(
             "/v1/tenants/{name}/tokens",
@@ -58,9 +61,9 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/tokens/{id}", axum::routing::delete(tokens::revoke_own))
         .route(
             "/v1/tenants/{name}/quotas",
-            axum::routing::put(tokens::set_quotas),
+            axum::routing::put(tenants::set_quotas),
         )
-        .route("/v1/usage", get(tokens::usage))
+        .route("/v1/usage", get(tenants::usage))
         .route(
             "/v1/templates",
             get(list_templates).post(template_api::import_template),

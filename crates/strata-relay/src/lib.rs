@@ -22,8 +22,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Mutex;
 
 use bytes::Bytes;
 use futures::StreamExt;
@@ -775,18 +774,6 @@ impl Relay {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
             _ => Ok(()),
         }
-    }
-
-    /// Runs [`Relay::upload_pending`] every `every` until the relay is dropped.
-    pub fn spawn_uploader(self: &Arc<Self>, every: Duration) -> tokio::task::JoinHandle<()> {
-        let r = Arc::downgrade(self);
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(every).await;
-                let Some(r) = r.upgrade() else { return };
-                r.upload_pending().await;
-            }
-        })
     }
 }
 
