@@ -292,6 +292,10 @@ async fn tenant_deletion(cat: &dyn Catalog, time: &Time) {
     let g = cat.acquire_lease("doomed", "w", "n1", 100).await.unwrap();
     time.pass(std::time::Duration::from_millis(300)).await;
     cat.begin_tenant_delete("doomed").await.unwrap();
+    assert!(
+        cat.renew_lease("doomed", "w", &g, 60_000).await.is_err(),
+        "a lease that ran out is not renewed back under the deletion"
+    );
     cat.begin_tenant_delete("doomed").await.unwrap();
     assert!(cat
         .get_tenant("doomed")

@@ -270,6 +270,14 @@ impl Catalog for PostgresCatalog {
         )
         .await
         .map_err(be)?;
+        // Leases that ran out are taken away with the mark: a late renewal (it matches holder
+        // and epoch only) can no longer bring one back under the deletion.
+        tx.execute(
+            "UPDATE leases SET holder = NULL, expires_ms = 0 WHERE tenant = $1 AND holder IS NOT NULL",
+            &[&tenant],
+        )
+        .await
+        .map_err(be)?;
         tx.commit().await.map_err(be)
     }
 

@@ -259,6 +259,13 @@ impl Catalog for SqliteCatalog {
                 params![t, now as i64],
             )
             .map_err(be)?;
+            // Leases that ran out are taken away with the mark: a late renewal (it matches
+            // holder and epoch only) can no longer bring one back under the deletion.
+            tx.execute(
+                "UPDATE leases SET holder = NULL, expires_ms = 0 WHERE tenant = ?1 AND holder IS NOT NULL",
+                params![t],
+            )
+            .map_err(be)?;
             tx.commit().map_err(be)
         })
         .await

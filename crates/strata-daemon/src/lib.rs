@@ -402,10 +402,11 @@ impl Daemon {
         // are gone or being deleted (perhaps by another node) are dropped, never uploaded.
         let up = Arc::downgrade(self);
         tokio::spawn(async move {
-            loop {
+            for pass in 0u64.. {
                 tokio::time::sleep(std::time::Duration::from_millis(250)).await;
                 let Some(d) = up.upgrade() else { return };
-                d.forget_deleted_relay_tenants().await;
+                // Every pass: tenants with files to upload; every minute: all on this disk.
+                d.forget_deleted_relay_tenants(pass % 240 == 0).await;
                 d.relay.upload_pending().await;
             }
         });

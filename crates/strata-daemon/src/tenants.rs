@@ -167,9 +167,15 @@ impl Daemon {
 
     /// Drops this node's relay files of tenants that no longer exist or are being deleted
     /// (a deletion on another node cannot reach this node's disk).
-    pub(crate) async fn forget_deleted_relay_tenants(&self) {
-        let tenants: std::collections::BTreeSet<String> =
+    /// With `all`, every tenant with files on this disk, uploaded ones too (a node may hold
+    /// an uploaded file of a tenant deleted through another node, which a new tenant of the
+    /// same name must never be served); else only those with files still to upload.
+    pub(crate) async fn forget_deleted_relay_tenants(&self, all: bool) {
+        let mut tenants: std::collections::BTreeSet<String> =
             self.relay.lag().into_keys().map(|(t, _)| t).collect();
+        if all {
+            tenants.extend(self.relay.local_tenants());
+        }
         for t in tenants {
             let gone = match self.engine.catalog().get_tenant(&t).await {
                 Ok(i) => i.deleting_ms.is_some(),

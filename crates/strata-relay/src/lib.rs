@@ -762,6 +762,17 @@ impl Relay {
         }
     }
 
+    /// The tenants with files on this node's disk (uploaded or not).
+    pub fn local_tenants(&self) -> Vec<String> {
+        std::fs::read_dir(&self.root)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|t| !t.starts_with('.'))
+            .collect()
+    }
+
     /// Forgets a tenant being deleted: nothing of it is uploaded any more (an upload under
     /// way finishes first) and its files leave this node's disk. `tenant` is a validated name.
     pub async fn forget_tenant(&self, tenant: &str) -> std::io::Result<()> {
