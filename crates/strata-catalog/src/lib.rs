@@ -170,8 +170,20 @@ impl CatalogError {
         retryable: bool,
         source: impl std::error::Error + Send + Sync + 'static,
     ) -> Self {
+        // The whole chain: a TLS failure's reason (an unknown issuer, a name the certificate
+        // does not hold) is two sources down.
+        let mut message = format!("{context}: {source}");
+        let mut next = source.source();
+        while let Some(s) = next {
+            let s_text = s.to_string();
+            if !message.ends_with(&s_text) {
+                message.push_str(": ");
+                message.push_str(&s_text);
+            }
+            next = s.source();
+        }
         CatalogError::Backend {
-            message: format!("{context}: {source}"),
+            message,
             retryable,
             source: Some(std::sync::Arc::new(source)),
         }

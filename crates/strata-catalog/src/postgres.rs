@@ -22,6 +22,7 @@ pub struct PostgresCatalog {
 
 mod sql;
 mod sweep;
+mod tls;
 
 use sql::*;
 pub use sql::{create_database, pg_retryable};

@@ -109,3 +109,95 @@ async fn postgres_errors_say_whether_a_retry_can_help() {
         .expect("nothing listens there");
     assert!(e.is_retryable(), "{e}");
 }
+
+/// `sslmode` as libpq means it, against a server that offers TLS with a certificate from a
+/// throwaway CA naming `localhost` only (`.ci/postgres.sh`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_over_tls_checks_the_server_as_sslmode_says() {
+    let Some(url) = fresh_db("tls").await else {
+        return;
+    };
+    let ca = match std::env::var("STRATA_TEST_PG_CA") {
+        Ok(c) if !c.is_empty() => c,
+        _ => {
+            assert!(
+                std::env::var("STRATA_REQUIRE_PG").as_deref() != Ok("1"),
+                "STRATA_REQUIRE_PG=1 but STRATA_TEST_PG_CA is not set (.ci/postgres.sh sets both)"
+            );
+            eprintln!("SKIPPED: catalog TLS (set STRATA_TEST_PG_CA, as .ci/postgres.sh does)");
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("other-ca.pem");
+    let ok = std::process::Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+        ])
+        .args(["-nodes", "-days", "1", "-subj", "/CN=someone-else"])
+        .arg("-keyout")
+        .arg(dir.path().join("other.key"))
+        .arg("-out")
+        .arg(&other)
+        .output()
+        .expect("openssl (apt-get install openssl)")
+        .status
+        .success();
+    assert!(ok, "openssl made no CA");
+    let local = url.replacen("127.0.0.1", "localhost", 1);
+    let other = other.display();
+    let with = |u: &str, q: &str| format!("{u}?{q}");
+    let encrypted = |u: String| async move {
+        let c = PostgresCatalog::connect(&u, 1)
+            .await
+            .unwrap_or_else(|e| panic!("{u}: {e}"));
+        c.encrypted().await.unwrap()
+    };
+    let refused = |u: String| async move {
+        match PostgresCatalog::connect(&u, 1).await {
+            Ok(_) => panic!("{u} connected"),
+            Err(e) => {
+                let msg = e.to_string();
+                eprintln!("refused as it must be: {u}: {msg}");
+                msg
+            }
+        }
+    };
+    assert!(!encrypted(with(&url, "sslmode=disable")).await);
+    // libpq's default, prefer: TLS when offered, the certificate not checked.
+    assert!(encrypted(url.clone()).await);
+    assert!(encrypted(with(&url, "sslmode=require")).await);
+    assert!(encrypted(with(&url, &format!("sslmode=verify-ca&sslrootcert={ca}"))).await);
+    assert!(
+        encrypted(with(
+            &local,
+            &format!("sslmode=verify-full&sslrootcert={ca}")
+        ))
+        .await
+    );
+    // The certificate names localhost, not 127.0.0.1.
+    let m = refused(with(&url, &format!("sslmode=verify-full&sslrootcert={ca}"))).await;
+    assert!(m.to_lowercase().contains("certificate"), "{m}");
+    // Another CA's roots: neither verify-ca nor require-with-a-root accepts the server.
+    for q in [
+        format!("sslmode=verify-ca&sslrootcert={other}"),
+        format!("sslmode=require&sslrootcert={other}"),
+        format!("sslmode=verify-full&sslrootcert={other}"),
+    ] {
+        let m = refused(with(&local, &q)).await;
+        assert!(m.to_lowercase().contains("certificate"), "{m}");
+    }
+    let m = refused(with(&url, "sslmode=verify-full")).await;
+    assert!(m.contains("sslrootcert"), "{m}");
+    let m = refused(with(
+        &url,
+        "sslmode=verify-ca&sslrootcert=/nonexistent/ca.pem",
+    ))
+    .await;
+    assert!(m.contains("/nonexistent/ca.pem"), "{m}");
+}

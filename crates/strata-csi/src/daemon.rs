@@ -79,16 +79,34 @@ fn ws_path(name: &str, tail: &str) -> String {
 impl Daemon {
     pub fn new(url: &str, token: &str) -> Daemon {
         Daemon {
-            // A mount of a large template, or a checkpoint of a busy disk, can take minutes;
-            // a daemon that stops answering altogether is given up on after 10.
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(600))
-                .connect_timeout(Duration::from_secs(5))
-                .build()
-                .expect("an HTTP client"),
+            http: Self::builder().build().expect("an HTTP client"),
             url: url.trim_end_matches('/').to_string(),
             token: token.to_string(),
         }
+    }
+
+    /// A client of an `https://` daemon whose certificate chains to one of the CA certificates
+    /// in `ca_pem` (and to nothing else).
+    pub fn with_ca(url: &str, token: &str, ca_pem: &[u8]) -> anyhow::Result<Daemon> {
+        let certs = reqwest::Certificate::from_pem_bundle(ca_pem)
+            .map_err(|e| anyhow::anyhow!("the CA certificate: {e}"))?;
+        anyhow::ensure!(
+            !certs.is_empty(),
+            "the CA certificate file holds no certificate"
+        );
+        Ok(Daemon {
+            http: Self::builder().tls_certs_only(certs).build()?,
+            url: url.trim_end_matches('/').to_string(),
+            token: token.to_string(),
+        })
+    }
+
+    fn builder() -> reqwest::ClientBuilder {
+        // A mount of a large template, or a checkpoint of a busy disk, can take minutes; a
+        // daemon that stops answering altogether is given up on after 10.
+        reqwest::Client::builder()
+            .timeout(Duration::from_secs(600))
+            .connect_timeout(Duration::from_secs(5))
     }
 
     pub async fn call(

@@ -51,6 +51,9 @@ pub struct Config {
     pub staging_dir: PathBuf,
     /// The mount backend the daemon uses (`fuse` or `nbd`).
     pub backend: String,
+    /// With an `https://` daemon: the CA certificates (PEM) its certificate is checked against,
+    /// instead of the system's roots.
+    pub ca_cert: Option<PathBuf>,
 }
 
 /// `INVALID_ARGUMENT` with a message.
@@ -168,7 +171,14 @@ pub async fn serve(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e.into()),
     }
-    let daemon = daemon::Daemon::new(&cfg.daemon_url, &cfg.token);
+    let daemon = match &cfg.ca_cert {
+        None => daemon::Daemon::new(&cfg.daemon_url, &cfg.token),
+        Some(p) => {
+            let pem = std::fs::read(p)
+                .map_err(|e| anyhow::anyhow!("reading the CA certificate {}: {e}", p.display()))?;
+            daemon::Daemon::with_ca(&cfg.daemon_url, &cfg.token, &pem)?
+        }
+    };
     let mut router =
         tonic::transport::Server::builder().add_service(pb::identity_server::IdentityServer::new(
             identity::Identity::new(daemon.clone(), cfg.controller),

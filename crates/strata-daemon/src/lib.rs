@@ -26,6 +26,7 @@ mod relay_api;
 mod routes;
 mod template_api;
 mod tenants;
+pub mod tls;
 mod tokens;
 mod workspace_api;
 
@@ -313,6 +314,11 @@ impl Daemon {
 
     pub fn router(self: &Arc<Self>) -> axum::Router {
         routes::router(self.clone())
+    }
+
+    /// The relay routes alone, for a separate address that sandboxes reach (`--relay-listen`).
+    pub fn relay_router(self: &Arc<Self>) -> axum::Router {
+        routes::relay_router(self.clone())
     }
 
     /// Attaches a workspace and serves it over NBD (what `POST …/attach` does); returns the

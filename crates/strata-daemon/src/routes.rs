@@ -22,13 +22,10 @@ use crate::{new_token, observe, relay_api, template_api, tenants, token_hash, to
 pub(crate) type D = State<Arc<Daemon>>;
 pub(crate) type R<T> = Result<Json<T>, ApiError>;
 
-pub fn router(d: Arc<Daemon>) -> Router {
+/// The relay's routes (and health): all that the relay address serves.
+fn relay_routes() -> Router<Arc<Daemon>> {
     Router::new()
         .route("/v1/health", get(health))
-        .route("/v1/openapi.json", get(openapi_json))
-        .route("/metrics", get(metrics))
-        .route("/v1/nodes", get(list_nodes))
-        .route("/v1/gc", post(run_gc))
         .route(
             "/v1/relay",
             get(relay_api::list_streams).post(relay_api::create_stream),
@@ -41,6 +38,24 @@ pub fn router(d: Arc<Daemon>) -> Router {
             "/v1/relay/{stream}/{name}",
             axum::routing::put(relay_api::put_relay_file).get(relay_api::get_relay_file),
         )
+}
+
+/// What `--relay-listen` serves: the relay routes only, for the address sandboxes reach. Every
+/// other path is 404 there, admin routes included, whatever the token.
+pub fn relay_router(d: Arc<Daemon>) -> Router {
+    layered(
+        relay_routes(),
+        d,
+        "the relay address serves /v1/relay/… only",
+    )
+}
+
+pub fn router(d: Arc<Daemon>) -> Router {
+    let r = relay_routes()
+        .route("/v1/openapi.json", get(openapi_json))
+        .route("/metrics", get(metrics))
+        .route("/v1/nodes", get(list_nodes))
+        .route("/v1/gc", post(run_gc))
         .route(
             "/v1/tenants",
             get(tenants::list_tenants).post(create_tenant),
@@ -97,27 +112,32 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/workspaces/{name}/freeze", post(freeze))
         .route("/v1/workspaces/{name}/mount", post(mount).delete(umount))
         .route("/v1/mounts", get(list_mounts))
-        .route("/v1/workspaces/{name}/thaw", post(thaw))
-        .route_layer(axum::middleware::from_fn_with_state(
-            d.clone(),
-            observe::time_route,
-        ))
-        .fallback(|| async { ApiError::not_found("no such endpoint (see /v1/openapi.json)") })
-        .layer(DefaultBodyLimit::max(64 * 1024))
-        // Outermost last: a client's over-long request id is dropped, one is made, the
-        // request runs in its span, and the id goes back on the response.
-        .layer(
-            tower_http::trace::TraceLayer::new_for_http()
-                .make_span_with(observe::span)
-                // Server errors are logged once, where they are made (`ApiError`).
-                .on_failure(()),
-        )
-        .layer(tower_http::request_id::PropagateRequestIdLayer::x_request_id())
-        .layer(tower_http::request_id::SetRequestIdLayer::x_request_id(
-            observe::Ids::default(),
-        ))
-        .layer(axum::middleware::from_fn(observe::bound_client_id))
-        .with_state(d)
+        .route("/v1/workspaces/{name}/thaw", post(thaw));
+    layered(r, d, "no such endpoint (see /v1/openapi.json)")
+}
+
+/// The layers every listener's routes run under; `missing` answers unknown paths.
+fn layered(r: Router<Arc<Daemon>>, d: Arc<Daemon>, missing: &'static str) -> Router {
+    r.route_layer(axum::middleware::from_fn_with_state(
+        d.clone(),
+        observe::time_route,
+    ))
+    .fallback(move || async move { ApiError::not_found(missing) })
+    .layer(DefaultBodyLimit::max(64 * 1024))
+    // Outermost last: a client's over-long request id is dropped, one is made, the
+    // request runs in its span, and the id goes back on the response.
+    .layer(
+        tower_http::trace::TraceLayer::new_for_http()
+            .make_span_with(observe::span)
+            // Server errors are logged once, where they are made (`ApiError`).
+            .on_failure(()),
+    )
+    .layer(tower_http::request_id::PropagateRequestIdLayer::x_request_id())
+    .layer(tower_http::request_id::SetRequestIdLayer::x_request_id(
+        observe::Ids::default(),
+    ))
+    .layer(axum::middleware::from_fn(observe::bound_client_id))
+    .with_state(d)
 }
 
 /// Every node sharing this catalog: what it serves, its remote windows, and whether it is alive

@@ -41,12 +41,25 @@ enum Body {
 }
 
 impl Client {
-    pub fn http(url: &str) -> Client {
-        Client::Http {
-            c: reqwest::Client::new(),
+    /// A client of the daemon at `url`; with `STRATA_CA_CERT` set, an `https://` daemon's
+    /// certificate must chain to one of the CA certificates in that file (PEM), and to nothing
+    /// else.
+    pub fn http(url: &str) -> anyhow::Result<Client> {
+        use anyhow::Context;
+        let mut b = reqwest::Client::builder();
+        if let Some(ca) = std::env::var_os("STRATA_CA_CERT").filter(|v| !v.is_empty()) {
+            let pem = std::fs::read(&ca)
+                .with_context(|| format!("reading STRATA_CA_CERT {}", ca.to_string_lossy()))?;
+            let certs = reqwest::Certificate::from_pem_bundle(&pem)
+                .with_context(|| format!("parsing STRATA_CA_CERT {}", ca.to_string_lossy()))?;
+            anyhow::ensure!(!certs.is_empty(), "STRATA_CA_CERT holds no certificate");
+            b = b.tls_certs_only(certs);
+        }
+        Ok(Client::Http {
+            c: b.build()?,
             url: url.trim_end_matches('/').to_string(),
             token: std::env::var("STRATA_TOKEN").unwrap_or_default(),
-        }
+        })
     }
 
     /// The daemon's router over the engine of a local data directory, acting as `tenant`.

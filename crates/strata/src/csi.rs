@@ -18,6 +18,9 @@ pub struct CsiArgs {
     /// The node's strata daemon.
     #[arg(long, env = "STRATA_URL", default_value = "http://127.0.0.1:7420")]
     daemon_url: String,
+    /// With an https:// daemon: its CA certificates (PEM), trusted instead of the system's.
+    #[arg(long, env = "STRATA_CA_CERT")]
+    ca_cert: Option<PathBuf>,
     /// The token of the tenant this driver serves.
     #[arg(long, env = "STRATA_TOKEN", hide_env_values = true, default_value = "")]
     token: String,
@@ -65,6 +68,7 @@ pub async fn run(a: CsiArgs) -> anyhow::Result<()> {
         state_dir: a.state_dir,
         staging_dir,
         backend: a.backend,
+        ca_cert: a.ca_cert,
     };
     let stop = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

@@ -483,7 +483,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         // Every other verb is a request to the API: to a daemon, or to the same router here.
         cmd => {
             let c = match &url {
-                Some(u) => client::Client::http(u),
+                Some(u) => client::Client::http(u)?,
                 None => client::Client::in_process(g).await?,
             };
             let r = client::run(&c, g.json, cmd).await;

@@ -206,6 +206,17 @@ pub struct Settings {
     /// HTTP listen address.
     #[arg(long, env = "STRATA_LISTEN")]
     listen: Option<String>,
+    /// Also serve the relay routes (and only them) on this address: the one sandboxes reach,
+    /// apart from the admin API. Same TLS as `listen`.
+    #[arg(long, env = "STRATA_RELAY_LISTEN")]
+    relay_listen: Option<String>,
+    /// Serve HTTPS: the certificate chain (PEM), re-read when the file changes (replace it by
+    /// rename, the key too). Needs `tls_key`.
+    #[arg(long, env = "STRATA_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long, env = "STRATA_TLS_KEY")]
+    tls_key: Option<PathBuf>,
     /// Catalog: sqlite:PATH (default DATA/catalog.db) or postgres://user@host:port/db (shared
     /// by several nodes).
     #[arg(long, env = "STRATA_CATALOG")]
@@ -454,29 +465,57 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
         daemon.set_relay_max_bytes(n);
     }
     daemon.set_gc_interval(gc_interval);
+    let tls = match (&s.tls_cert, &s.tls_key) {
+        (Some(c), Some(k)) => Some(
+            strata_daemon::tls::ReloadingCert::open(c, k)
+                .and_then(|r| r.server_config())
+                .map_err(|e| anyhow::anyhow!("TLS: {e}"))?,
+        ),
+        (None, None) => None,
+        _ => anyhow::bail!("tls_cert and tls_key go together"),
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let resumed = daemon.resume().await;
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .with_context(|| format!("binding {listen}"))?;
     let addr = listener.local_addr()?;
-    daemon.set_url(&format!("http://{addr}"));
-    owner.say(&format!("pid {}, http://{addr}", std::process::id()))?;
+    let relay_listener = match &s.relay_listen {
+        Some(r) => Some(
+            tokio::net::TcpListener::bind(r)
+                .await
+                .with_context(|| format!("binding {r}"))?,
+        ),
+        None => None,
+    };
+    let relay_addr = relay_listener
+        .as_ref()
+        .map(|l| l.local_addr())
+        .transpose()?;
+    daemon.set_url(&format!("{scheme}://{addr}"));
+    owner.say(&format!("pid {}, {scheme}://{addr}", std::process::id()))?;
     let _background = daemon.spawn_background();
     if g.json {
         println!(
             "{}",
-            serde_json::json!({"listening": addr.to_string(), "node": daemon_node(&daemon), "resumed": resumed})
+            serde_json::json!({"listening": addr.to_string(), "url": format!("{scheme}://{addr}"),
+                "relay_listening": relay_addr.map(|a| a.to_string()),
+                "node": daemon_node(&daemon), "resumed": resumed})
         );
     } else {
         println!(
-            "strata listening on http://{addr} (node {}, {} workspace(s) resumed)",
+            "strata listening on {scheme}://{addr} (node {}, {} workspace(s) resumed)",
             daemon_node(&daemon),
             resumed.len()
         );
+        if let Some(r) = relay_addr {
+            println!("relay listening on {scheme}://{r}");
+        }
     }
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    let shutdown = async {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
         let mut term =
             match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
                 Ok(t) => t,
@@ -486,10 +525,33 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
         }
-    };
-    axum::serve(listener, daemon.router())
-        .with_graceful_shutdown(shutdown)
-        .await?;
+        let _ = stop_tx.send(true);
+    });
+    let mut servers = tokio::task::JoinSet::new();
+    for (l, router) in std::iter::once((listener, daemon.router()))
+        .chain(relay_listener.map(|l| (l, daemon.relay_router())))
+    {
+        let mut stop = stop_rx.clone();
+        let stopped = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        match &tls {
+            Some(cfg) => {
+                let l = strata_daemon::tls::TlsListener::new(l, cfg.clone())?;
+                servers.spawn(async move {
+                    axum::serve(l, router).with_graceful_shutdown(stopped).await
+                });
+            }
+            None => {
+                servers.spawn(async move {
+                    axum::serve(l, router).with_graceful_shutdown(stopped).await
+                });
+            }
+        }
+    }
+    while let Some(r) = servers.join_next().await {
+        r??;
+    }
     daemon.shutdown().await;
     // Held until the process has ended, not only this function: the runtime's teardown may
     // still wait on blocking work touching the directory.

@@ -3,7 +3,7 @@
 use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Pool, RecyclingMethod};
 use strata_format::Hash;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{NoTls, Row};
+use tokio_postgres::Row;
 
 use super::PostgresCatalog;
 use crate::*;
@@ -278,9 +278,7 @@ impl PostgresCatalog {
     /// Connects to `postgres://user[:password]@host[:port]/dbname[?options]` (or the key=value
     /// form) and applies any pending migrations. `pool_size` bounds the open connections.
     pub async fn connect(url: &str, pool_size: usize) -> Result<PostgresCatalog> {
-        let mut cfg: tokio_postgres::Config = url
-            .parse()
-            .map_err(|e| CatalogError::from_source("bad PostgreSQL URL", false, e))?;
+        let (mut cfg, tls) = super::tls::config(url)?;
         // A node paused or cut off inside a transaction (SIGSTOP, a partition) must not hold
         // its row locks until it wakes up: the server ends such a transaction after a few
         // seconds, so another node can take the workspace over; and no statement waits on a
@@ -293,7 +291,7 @@ impl PostgresCatalog {
         cfg.options(&opts);
         let mgr = Manager::from_config(
             cfg,
-            NoTls,
+            tls,
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },
@@ -351,6 +349,20 @@ impl PostgresCatalog {
         tx.commit().await.map_err(be)
     }
 
+    /// Whether this node's connections to the catalog are encrypted (what the server says of
+    /// one of them), for the startup log and the tests.
+    pub async fn encrypted(&self) -> Result<bool> {
+        let c = self.conn().await?;
+        let r = c
+            .query_opt(
+                "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+                &[],
+            )
+            .await
+            .map_err(be)?;
+        Ok(r.is_some_and(|r| r.get::<_, bool>(0)))
+    }
+
     pub(super) async fn conn(&self) -> Result<deadpool_postgres::Object> {
         self.pool.get().await.map_err(pool_err)
     }
@@ -366,9 +378,8 @@ pub async fn create_database(admin_url: &str, name: &str) -> Result<String> {
     {
         return Err(CatalogError::backend(format!("bad database name {name:?}")));
     }
-    let (client, conn) = tokio_postgres::connect(admin_url, NoTls)
-        .await
-        .map_err(be)?;
+    let (cfg, tls) = super::tls::config(admin_url)?;
+    let (client, conn) = cfg.connect(tls).await.map_err(be)?;
     let task = tokio::spawn(conn);
     client
         .batch_execute(&format!("CREATE DATABASE {name}"))
