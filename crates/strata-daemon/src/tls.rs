@@ -51,15 +51,18 @@ pub fn load_pair(cert: &Path, key: &Path) -> Result<Arc<CertifiedKey>, String> {
     }
     let der = PrivateKeyDer::from_pem_file(key)
         .map_err(|e| format!("reading the private key in {}: {e}", key.display()))?;
-    let ck = CertifiedKey::from_der(chain, der, &provider())
-        .map_err(|e| format!("{} and {}: {e}", cert.display(), key.display()))?;
-    ck.keys_match().map_err(|e| {
+    let mismatch = |e| {
         format!(
             "the key in {} does not match the certificate in {}: {e}",
             key.display(),
             cert.display()
         )
+    };
+    let ck = CertifiedKey::from_der(chain, der, &provider()).map_err(|e| match e {
+        rustls::Error::InconsistentKeys(_) => mismatch(e),
+        e => format!("{} and {}: {e}", cert.display(), key.display()),
     })?;
+    ck.keys_match().map_err(mismatch)?;
     Ok(Arc::new(ck))
 }
 

@@ -118,10 +118,16 @@ impl Client {
                             .body(reqwest::Body::from(f))
                     }
                 };
-                let resp = r
-                    .send()
-                    .await
-                    .map_err(|e| anyhow::anyhow!("cannot reach the daemon at {url}: {e}"))?;
+                let resp = r.send().await.map_err(|e| {
+                    // The cause is down the chain (refused, a certificate not trusted).
+                    let mut m = format!("cannot reach the daemon at {url}: {e}");
+                    let mut s = std::error::Error::source(&e);
+                    while let Some(x) = s {
+                        m.push_str(&format!(": {x}"));
+                        s = x.source();
+                    }
+                    anyhow::anyhow!(m)
+                })?;
                 (resp.status().as_u16(), resp.text().await?)
             }
             Client::InProcess { router, caller, .. } => {

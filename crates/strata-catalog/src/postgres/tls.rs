@@ -85,9 +85,11 @@ impl Params {
                     "require" => Mode::Require,
                     "verify-ca" => Mode::VerifyCa,
                     "verify-full" => Mode::VerifyFull,
-                    v => return Err(bad(format!(
+                    v => {
+                        return Err(bad(format!(
                         "sslmode={v}: expected disable, prefer, require, verify-ca or verify-full"
-                    ))),
+                    )))
+                    }
                 })
             }
             "sslrootcert" => self.root = Some(value),

@@ -18,6 +18,8 @@ pub struct Daemon {
     pub child: Child,
     pub url: String,
     pub node: String,
+    /// `--relay-listen`'s address, when given.
+    pub relay_url: Option<String>,
 }
 
 impl Drop for Daemon {
@@ -92,9 +94,14 @@ fn serve_to(
         .read_line(&mut line)
         .unwrap();
     let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    let url = v["url"].as_str().unwrap().to_string();
+    let scheme = &url[..url.find("://").unwrap()];
     Daemon {
         child,
-        url: format!("http://{}", v["listening"].as_str().unwrap()),
+        relay_url: v["relay_listening"]
+            .as_str()
+            .map(|a| format!("{scheme}://{a}")),
+        url,
         node: v["node"].as_str().unwrap_or("").to_string(),
     }
 }
@@ -108,6 +115,14 @@ pub struct Api {
 impl Api {
     pub fn new(url: &str, token: &str) -> Api {
         Api::with_timeout(url, token, std::time::Duration::from_secs(120))
+    }
+    /// A client of `url` through `http` (one that trusts a test CA, say).
+    pub fn with_http(http: reqwest::Client, url: &str, token: &str) -> Api {
+        Api {
+            http,
+            url: url.into(),
+            token: token.into(),
+        }
     }
     /// A client whose every request gives up after `t`.
     pub fn with_timeout(url: &str, token: &str, t: std::time::Duration) -> Api {
