@@ -307,7 +307,11 @@ pub type Result<T, E = CatalogError> = std::result::Result<T, E>;
 
 #[async_trait]
 pub trait Catalog: Send + Sync + 'static {
-    async fn create_tenant(&self, tenant: &str) -> Result<()>;
+    async fn create_tenant(&self, tenant: &str) -> Result<()> {
+        self.create_tenant_placed(tenant, None).await
+    }
+    /// Creates a tenant whose data is placed in the named store `store` (`None`: the default).
+    async fn create_tenant_placed(&self, tenant: &str, store: Option<&str>) -> Result<()>;
     async fn tenant_exists(&self, tenant: &str) -> Result<bool>;
     /// Records an API token (by its hash, never the token itself) for a tenant.
     async fn add_token(&self, token: &NewToken) -> Result<TokenInfo>;

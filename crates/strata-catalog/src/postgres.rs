@@ -29,11 +29,11 @@ pub use sql::{create_database, pg_retryable};
 
 #[async_trait]
 impl Catalog for PostgresCatalog {
-    async fn create_tenant(&self, tenant: &str) -> Result<()> {
+    async fn create_tenant_placed(&self, tenant: &str, store: Option<&str>) -> Result<()> {
         let c = self.conn().await?;
         c.execute(
-            "INSERT INTO tenants (id, created_ms) VALUES ($1, $2)",
-            &[&tenant, &(now_ms() as i64)],
+            "INSERT INTO tenants (id, created_ms, store) VALUES ($1, $2, $3)",
+            &[&tenant, &(now_ms() as i64), &store],
         )
         .await
         .map_err(exists_or_backend("tenant", tenant))?;

@@ -20,13 +20,14 @@ use sql::*;
 
 #[async_trait]
 impl Catalog for SqliteCatalog {
-    async fn create_tenant(&self, tenant: &str) -> Result<()> {
+    async fn create_tenant_placed(&self, tenant: &str, store: Option<&str>) -> Result<()> {
         let t = tenant.to_string();
+        let store = store.map(str::to_string);
         let clock = self.clock.clone();
         self.run(move |c| {
             c.execute(
-                "INSERT INTO tenants (id, created_ms) VALUES (?1, ?2)",
-                params![t, clock.now_ms() as i64],
+                "INSERT INTO tenants (id, created_ms, store) VALUES (?1, ?2, ?3)",
+                params![t, clock.now_ms() as i64, store],
             )
             .map_err(exists_or_backend("tenant", &t))?;
             Ok(())

@@ -284,6 +284,10 @@ pub struct TenantInfo {
     /// cannot be attached.
     pub deleting_ms: Option<u64>,
     pub quotas: Quotas,
+    /// The named store its data is placed in (its own bucket and credentials, configured on
+    /// every node); absent: the default store. Fixed when the tenant is created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store: Option<String>,
 }
 
 /// A tenant's limits, set by the admin; an absent field is no limit.

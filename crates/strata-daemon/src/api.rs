@@ -9,6 +9,10 @@ use strata_engine::VolumeStats;
 #[serde(deny_unknown_fields)]
 pub struct CreateTenant {
     pub name: String,
+    /// The named store (from the nodes' configuration, `[stores.NAME]`) its data goes to: its
+    /// own bucket and credentials. Absent: the default store. Fixed for the tenant's life.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store: Option<String>,
 }
 
 #[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]

@@ -210,11 +210,25 @@ pub(crate) async fn create_tenant(
     let b = body(b)?;
     strata_format::name::validate("tenant name", &b.name)
         .map_err(|e| ApiError::invalid(e.to_string()))?;
+    // A store by name only: its URL and credentials are the node's configuration, never a
+    // request's.
+    let store = d.engine.reader().store().clone();
+    if let Some(s) = &b.store {
+        if !store.has_named(s) {
+            return Err(ApiError::invalid(format!(
+                "no store named {s:?} on this node (configured: {:?})",
+                store.named()
+            )));
+        }
+    }
     // Both steps in a task of their own: a client that leaves (or a request timeout) between
     // them would leave a tenant without a token, and a retry would get 409.
-    let (cat, name) = (d.engine.catalog().clone(), b.name.clone());
+    let (cat, name, placed) = (d.engine.catalog().clone(), b.name.clone(), b.store);
     let issued = own_task(async move {
-        cat.create_tenant(&name).await?;
+        cat.create_tenant_placed(&name, placed.as_deref()).await?;
+        store
+            .bind(&name, placed.as_deref())
+            .map_err(|e| strata_catalog::CatalogError::backend(e.to_string()))?;
         let token = new_token();
         let info = cat
             .add_token(&strata_catalog::NewToken {

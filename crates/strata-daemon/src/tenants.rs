@@ -365,7 +365,13 @@ impl Daemon {
                 .cache()
                 .forget_tenant(&t)
                 .map_err(local("removing the tenant's cached objects"))?;
-            let store = d.engine.reader().store().inner().clone();
+            let store = d
+                .engine
+                .reader()
+                .store()
+                .inner_for(&t)
+                .await
+                .map_err(|e| ApiError::internal(format!("the tenant's store: {e}")))?;
             let prefix = object_store::path::Path::from(format!("t/{t}"));
             loop {
                 let batch: Vec<_> = store
@@ -393,6 +399,8 @@ impl Daemon {
                 }
             }
             cat.purge_tenant(&t).await?;
+            // A new tenant of this name may be placed elsewhere.
+            d.engine.reader().store().unbind(&t);
             tracing::info!(tenant = %t, workspaces = out.workspaces, store_keys = out.store_keys, "tenant deleted");
             Ok(out)
         }

@@ -20,7 +20,7 @@ const T: &str = "bench";
 
 async fn manifest_bytes(store: &Store, id: &strata_format::Hash) -> u64 {
     store
-        .inner()
+        .default_inner()
         .head(&Store::manifest_key(T, id))
         .await
         .map(|m| m.size)

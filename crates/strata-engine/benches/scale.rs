@@ -109,7 +109,8 @@ fn slow(store: &Store, lat: Duration) -> Store {
         wait_list_with_delimiter_per_call: lat,
         ..Default::default()
     };
-    let inner: Arc<dyn ObjectStore> = Arc::new(ThrottledStore::new(store.inner().clone(), cfg));
+    let inner: Arc<dyn ObjectStore> =
+        Arc::new(ThrottledStore::new(store.default_inner().clone(), cfg));
     Store::from_object_store(inner, store.url())
 }
 

@@ -132,6 +132,20 @@ impl Engine {
         };
         let cache = NodeCache::open(&cfg.data_dir.join("cache"), cfg.cache_capacity)
             .map_err(Error::io("opening node cache"))?;
+        // Each tenant's keys go to the store the catalog places it in (read once per tenant):
+        // a tenant this node cannot place reaches no store.
+        let cat = catalog.clone();
+        store.set_resolver(Arc::new(move |tenant: String| {
+            let cat = cat.clone();
+            Box::pin(async move {
+                cat.get_tenant(&tenant).await.map(|t| t.store).map_err(|e| {
+                    strata_store::StoreError::Placement {
+                        retryable: e.is_retryable(),
+                        message: format!("placing tenant {tenant:?}: {e}"),
+                    }
+                })
+            })
+        }));
         let reader = Arc::new(ObjectReader::new(store, cache, cfg.fetch_unit));
         reader.set_readahead(cfg.readahead_units);
         let space = Arc::new(crate::space::SpaceGuard::new(

@@ -381,7 +381,11 @@ impl Engine {
         let cutoff = chrono_cutoff(opts.grace);
         let mut unreferenced: HashMap<String, u64> = HashMap::new();
         let prefix = object_store::path::Path::from(format!("t/{tenant}"));
-        let mut listing = store.inner().list(Some(&prefix));
+        let tenant_store = store
+            .inner_for(tenant)
+            .await
+            .map_err(|e| Error::Invalid(format!("GC of tenant {tenant:?}: {e}")))?;
+        let mut listing = tenant_store.list(Some(&prefix));
         while let Some(meta) = listing.next().await {
             let meta = meta.map_err(|e| Error::Invalid(format!("listing the store: {e}")))?;
             let key = meta.location.to_string();
@@ -446,7 +450,7 @@ impl Engine {
                         return Ok(false);
                     }
                     let path = object_store::path::Path::from(key.as_str());
-                    match store.inner().delete(&path).await {
+                    match tenant_store.delete(&path).await {
                         Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                         Err(e) => {
                             cat.gc_forget(tenant, &deleted).await?;

@@ -139,7 +139,7 @@ async fn no_garbage(c: &Cluster) {
     let prefix = object_store::path::Path::from(format!("t/{TENANT}"));
     let keys: Vec<String> = c
         .store
-        .inner()
+        .default_inner()
         .list(Some(&prefix))
         .map(|m| m.unwrap().location.to_string())
         .collect()

@@ -335,7 +335,7 @@ async fn corrupt_objects_and_manifests_are_errors_not_data() {
     let key = strata_store::Store::object_key(TENANT, &obj.id);
     let mut raw = c
         .store
-        .inner()
+        .default_inner()
         .get(&key)
         .await
         .unwrap()
@@ -345,7 +345,7 @@ async fn corrupt_objects_and_manifests_are_errors_not_data() {
         .to_vec();
     raw[100] ^= 1;
     c.store
-        .inner()
+        .default_inner()
         .put(&key, PutPayload::from(raw))
         .await
         .unwrap();
@@ -363,7 +363,7 @@ async fn corrupt_objects_and_manifests_are_errors_not_data() {
     let mkey = strata_store::Store::manifest_key(TENANT, &head.head_manifest);
     let mut mraw = c
         .store
-        .inner()
+        .default_inner()
         .get(&mkey)
         .await
         .unwrap()
@@ -374,7 +374,7 @@ async fn corrupt_objects_and_manifests_are_errors_not_data() {
     let n = mraw.len();
     mraw[n - 40] ^= 1;
     c.store
-        .inner()
+        .default_inner()
         .put(&mkey, PutPayload::from(mraw))
         .await
         .unwrap();

@@ -327,10 +327,13 @@ impl Relay {
         stream: &str,
         name: &str,
     ) -> Result<Option<(RelayFile, Option<Vec<String>>)>, RelayError> {
+        let key = Self::meta_key(tenant, stream, name);
         match self
             .store
-            .inner()
-            .get(&Self::meta_key(tenant, stream, name))
+            .inner_for_key(&key)
+            .await
+            .map_err(store_err)?
+            .get(&key)
             .await
         {
             Ok(r) => {
@@ -364,7 +367,9 @@ impl Relay {
     ) -> Result<(), RelayError> {
         let put = self
             .store
-            .inner()
+            .inner_for_key(key)
+            .await
+            .map_err(store_err)?
             .put_opts(
                 key,
                 PutPayload::from(bytes),
@@ -378,7 +383,14 @@ impl Relay {
             Ok(_) => Ok(()),
             Err(object_store::Error::AlreadyExists { .. }) => {
                 // An earlier attempt whose reply was lost, or another node's file of that name.
-                let have = self.store.inner().get(key).await.map_err(store_err)?;
+                let have = self
+                    .store
+                    .inner_for_key(key)
+                    .await
+                    .map_err(store_err)?
+                    .get(key)
+                    .await
+                    .map_err(store_err)?;
                 let have = have.bytes().await.map_err(store_err)?;
                 let h = blake3::hash(&have).to_hex().to_string();
                 if h != hash {
@@ -450,7 +462,9 @@ impl Relay {
         })
         .map_err(store_err)?;
         self.store
-            .inner()
+            .inner_for(tenant)
+            .await
+            .map_err(store_err)?
             .put(
                 &Self::meta_key(tenant, stream, &f.name),
                 PutPayload::from(body),
@@ -622,7 +636,9 @@ impl Relay {
         for (key, part_hash) in keys {
             let mut s = self
                 .store
-                .inner()
+                .inner_for_key(&key)
+                .await
+                .map_err(store_err)?
                 .get(&key)
                 .await
                 .map_err(store_err)?
@@ -659,7 +675,9 @@ impl Relay {
         let prefix = object_store::path::Path::from(format!("t/{tenant}/relay/{stream}/meta"));
         let metas: Vec<_> = self
             .store
-            .inner()
+            .inner_for(tenant)
+            .await
+            .map_err(store_err)?
             .list(Some(&prefix))
             .collect::<Vec<_>>()
             .await;

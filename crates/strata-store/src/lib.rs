@@ -14,7 +14,7 @@ mod store;
 
 pub use cache::NodeCache;
 pub use reader::{ObjectReader, ReaderStats, DEFAULT_READAHEAD_UNITS};
-pub use store::{Credentials, Store};
+pub use store::{Credentials, Resolver, Store};
 
 use std::sync::Arc;
 
@@ -33,6 +33,10 @@ pub enum StoreError {
         #[source]
         source: Arc<object_store::Error>,
     },
+    /// A tenant's store cannot be found: its placement unreadable (the catalog down), or a
+    /// store this node does not have.
+    #[error("object store placement: {message}")]
+    Placement { message: String, retryable: bool },
     #[error("bad object store url {0:?}: {1}")]
     BadUrl(String, String),
     #[error("local i/o: {source}")]
@@ -48,6 +52,7 @@ impl StoreError {
         match self {
             StoreError::Backend { retryable, .. } => *retryable,
             StoreError::Io { source } => strata_format::io_retryable(source),
+            StoreError::Placement { retryable, .. } => *retryable,
             _ => false,
         }
     }

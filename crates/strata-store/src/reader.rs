@@ -295,7 +295,7 @@ impl ObjectReader {
     /// Keeps a verified unit for later reads: a copy in the node cache, or (local store) only
     /// the fact that the object file's bytes were verified.
     fn keep(&self, key: Key, bytes: &[u8]) {
-        match &self.in_place {
+        match self.in_place_for(&key.tenant) {
             Some(ip) => {
                 let max = (self.cache.capacity() / self.unit).max(1024) as usize;
                 lock(ip).insert(key, max);
@@ -304,8 +304,16 @@ impl ObjectReader {
         }
     }
 
+    /// The in-place reads of a local store, for a tenant whose objects are in it (a tenant
+    /// placed in a store of its own goes through the node cache).
+    fn in_place_for(&self, tenant: &str) -> Option<&Mutex<InPlace>> {
+        self.in_place
+            .as_ref()
+            .filter(|_| self.store.is_local_for(tenant))
+    }
+
     fn has(&self, key: &Key) -> bool {
-        match &self.in_place {
+        match self.in_place_for(&key.tenant) {
             Some(ip) => lock(ip).ticks.contains_key(key),
             None => self.cache.contains(key),
         }
@@ -392,7 +400,7 @@ impl ObjectReader {
     /// Reads bytes `[off, off + len)` of `unit` from the cache, verifying an entry left by a
     /// previous run before trusting it. `None` is a miss.
     async fn cached(&self, key: &Key, obj: &ObjectRef, off: u64, len: usize) -> Option<Vec<u8>> {
-        if let Some(ip) = &self.in_place {
+        if let Some(ip) = self.in_place_for(&key.tenant) {
             use std::os::unix::fs::FileExt;
             if !lock(ip).touch(key) {
                 return None;
@@ -447,7 +455,7 @@ impl ObjectReader {
     /// `buf`; false if any unit is not (the caller takes the general path).
     fn read_in_place(&self, tenant: &str, obj: &ObjectRef, offset: u64, buf: &mut [u8]) -> bool {
         use std::os::unix::fs::FileExt;
-        let Some(ip) = &self.in_place else {
+        let Some(ip) = self.in_place_for(tenant) else {
             return false;
         };
         let end = offset + buf.len() as u64;

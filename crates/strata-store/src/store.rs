@@ -19,8 +19,8 @@ use strata_format::{object, Hash};
 
 use crate::{Result, StoreError};
 
-#[derive(Clone)]
-pub struct Store {
+/// One bucket (or directory) and its client.
+struct Backend {
     inner: Arc<dyn ObjectStore>,
     url: String,
     /// For `file:` stores: the directory whose files are the objects (read in place, never
@@ -28,10 +28,41 @@ pub struct Store {
     local_root: Option<std::path::PathBuf>,
 }
 
+/// Finds a tenant's placement: `Ok(None)` the default store, `Ok(Some(name))` a named one.
+pub type Resolver = Arc<
+    dyn Fn(String) -> futures::future::BoxFuture<'static, Result<Option<String>>> + Send + Sync,
+>;
+
+/// Where tenants' keys go: the default store, or a named store the node's configuration
+/// defines (a tenant's own bucket and credentials). A tenant's placement is recorded in the
+/// catalog when it is created and never changes; the engine installs a [`Resolver`] that reads
+/// it. Fail closed: with a resolver installed, a tenant whose placement cannot be read, or
+/// names a store this node does not have, reaches no store at all.
+#[derive(Default)]
+struct Placement {
+    named: std::collections::BTreeMap<String, Arc<Backend>>,
+    bound: std::sync::RwLock<std::collections::HashMap<String, Option<String>>>,
+    resolver: std::sync::RwLock<Option<Resolver>>,
+}
+
+#[derive(Clone)]
+pub struct Store {
+    default: Arc<Backend>,
+    placement: Arc<Placement>,
+}
+
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Store({})", self.url)
+        write!(f, "Store({})", self.default.url)
     }
+}
+
+fn read<T>(l: &std::sync::RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write<T>(l: &std::sync::RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Store {
@@ -69,39 +100,161 @@ impl Store {
                 "expected file:DIR, s3://BUCKET[/PREFIX][?endpoint=..] or memory:".into(),
             ));
         };
-        Ok(Store {
+        Ok(Store::of(Backend {
             inner,
             url: url.into(),
             local_root,
-        })
+        }))
+    }
+
+    fn of(b: Backend) -> Store {
+        Store {
+            default: Arc::new(b),
+            placement: Arc::default(),
+        }
     }
 
     /// Wraps any `object_store` implementation (fault-injecting wrappers in tests).
     pub fn from_object_store(inner: Arc<dyn ObjectStore>, url: &str) -> Store {
-        Store {
+        Store::of(Backend {
             inner,
             url: url.into(),
             local_root: None,
+        })
+    }
+
+    /// This store as the default, with `named` stores tenants can be placed in (each given by
+    /// its default). Names follow the rules of workspace names.
+    pub fn with_named(self, named: Vec<(String, Store)>) -> Result<Store> {
+        let mut map = std::collections::BTreeMap::new();
+        for (name, s) in named {
+            strata_format::name::validate("store", &name)
+                .map_err(|e| StoreError::BadUrl(s.default.url.clone(), e.to_string()))?;
+            map.insert(name, s.default.clone());
+        }
+        Ok(Store {
+            default: self.default,
+            placement: Arc::new(Placement {
+                named: map,
+                ..Placement::default()
+            }),
+        })
+    }
+
+    /// The named stores this node has.
+    pub fn named(&self) -> Vec<String> {
+        self.placement.named.keys().cloned().collect()
+    }
+
+    /// From now on, tenants' placements are read through `r` (once per tenant, then kept).
+    pub fn set_resolver(&self, r: Resolver) {
+        *write(&self.placement.resolver) = Some(r);
+    }
+
+    /// Whether `name` is a store this node has.
+    pub fn has_named(&self, name: &str) -> bool {
+        self.placement.named.contains_key(name)
+    }
+
+    /// Records `tenant`'s placement (its creation, or a resolver's answer); refused if it
+    /// names a store this node does not have.
+    pub fn bind(&self, tenant: &str, store: Option<&str>) -> Result<()> {
+        if let Some(n) = store {
+            if !self.has_named(n) {
+                return Err(StoreError::Placement {
+                    message: format!(
+                        "tenant {tenant:?} is placed in store {n:?}, which this node does not have (configure [stores.{n}])"
+                    ),
+                    retryable: false,
+                });
+            }
+        }
+        write(&self.placement.bound).insert(tenant.to_string(), store.map(str::to_string));
+        Ok(())
+    }
+
+    /// Forgets `tenant`'s placement (it was deleted; a new tenant of that name may be placed
+    /// elsewhere).
+    pub fn unbind(&self, tenant: &str) {
+        write(&self.placement.bound).remove(tenant);
+    }
+
+    /// The backend of a tenant whose placement is known now (no resolver: the default).
+    fn known(&self, tenant: &str) -> Option<Arc<Backend>> {
+        match read(&self.placement.bound).get(tenant) {
+            Some(None) => Some(self.default.clone()),
+            Some(Some(n)) => self.placement.named.get(n).cloned(),
+            None if read(&self.placement.resolver).is_none() => Some(self.default.clone()),
+            None => None,
         }
     }
 
-    /// The file holding object `id` of `tenant`, for a store in a local directory.
+    async fn backend(&self, tenant: &str) -> Result<Arc<Backend>> {
+        if let Some(b) = self.known(tenant) {
+            return Ok(b);
+        }
+        let r = read(&self.placement.resolver).clone();
+        let Some(r) = r else {
+            return Ok(self.default.clone());
+        };
+        let placed = r(tenant.to_string()).await?;
+        self.bind(tenant, placed.as_deref())?;
+        self.known(tenant).ok_or_else(|| StoreError::Placement {
+            message: format!("tenant {tenant:?}: no store"),
+            retryable: false,
+        })
+    }
+
+    /// The object store holding `tenant`'s keys (its own bucket, or the default).
+    pub async fn inner_for(&self, tenant: &str) -> Result<Arc<dyn ObjectStore>> {
+        Ok(self.backend(tenant).await?.inner.clone())
+    }
+
+    /// The object store holding `key` (`t/{tenant}/…`): its tenant's.
+    pub async fn inner_for_key(&self, key: &Path) -> Result<Arc<dyn ObjectStore>> {
+        self.inner_for(&Self::tenant_of(key)?).await
+    }
+
+    /// The default store's client (tests and tools; tenants' data goes through
+    /// [`Store::inner_for`]).
+    pub fn default_inner(&self) -> &Arc<dyn ObjectStore> {
+        &self.default.inner
+    }
+
+    /// The file holding object `id` of `tenant`, when the tenant's store is a local directory
+    /// and its placement is known.
     pub fn local_object_path(&self, tenant: &str, id: &Hash) -> Option<std::path::PathBuf> {
-        let root = self.local_root.as_ref()?;
+        let b = self.known(tenant)?;
+        let root = b.local_root.as_ref()?;
         Some(root.join(Self::object_key(tenant, id).as_ref()))
     }
 
-    /// Whether objects are files in a local directory (the embedded default).
+    /// Whether the default store's objects are files in a local directory (the embedded
+    /// default).
     pub fn is_local(&self) -> bool {
-        self.local_root.is_some()
+        self.default.local_root.is_some()
     }
 
+    /// Whether `tenant`'s objects are known to be files in a local directory.
+    pub fn is_local_for(&self, tenant: &str) -> bool {
+        self.known(tenant).is_some_and(|b| b.local_root.is_some())
+    }
+
+    /// The default store's URL.
     pub fn url(&self) -> &str {
-        &self.url
+        &self.default.url
     }
 
-    pub fn inner(&self) -> &Arc<dyn ObjectStore> {
-        &self.inner
+    /// The tenant a key belongs to (`t/{tenant}/…`).
+    fn tenant_of(key: &Path) -> Result<String> {
+        let mut parts = key.parts();
+        match (parts.next(), parts.next()) {
+            (Some(t), Some(tenant)) if t.as_ref() == "t" => Ok(tenant.as_ref().to_string()),
+            _ => Err(StoreError::Placement {
+                message: format!("key {key} is not under a tenant"),
+                retryable: false,
+            }),
+        }
     }
 
     pub fn object_key(tenant: &str, id: &Hash) -> Path {
@@ -150,17 +303,18 @@ impl Store {
     /// Puts immutable bytes; after a failed attempt the key is checked (HEAD) before retrying,
     /// so an upload whose reply was lost is recognised rather than assumed.
     async fn put_verified(&self, key: &Path, bytes: Bytes) -> Result<()> {
+        let inner = self.backend(&Self::tenant_of(key)?).await?.inner.clone();
         let mut last: Option<StoreError> = None;
         for attempt in 0..3u32 {
             if attempt > 0 {
                 tokio::time::sleep(std::time::Duration::from_millis(50 << attempt)).await;
-                if let Ok(meta) = self.inner.head(key).await {
+                if let Ok(meta) = inner.head(key).await {
                     if meta.size == bytes.len() as u64 {
                         return Ok(());
                     }
                 }
             }
-            match self.inner.put(key, PutPayload::from(bytes.clone())).await {
+            match inner.put(key, PutPayload::from(bytes.clone())).await {
                 Ok(_) => return Ok(()),
                 Err(e) => {
                     tracing::warn!(%key, attempt, error = %e, "put failed");
@@ -188,7 +342,8 @@ impl Store {
     /// Fetches and verifies a manifest: its bytes must hash to `id` and decode cleanly.
     pub async fn get_manifest(&self, tenant: &str, id: &Hash) -> Result<Manifest> {
         let key = Self::manifest_key(tenant, id);
-        let bytes = self.inner.get(&key).await?.bytes().await?;
+        let inner = self.inner_for(tenant).await?;
+        let bytes = inner.get(&key).await?.bytes().await?;
         if Hash::of(&bytes) != *id {
             return Err(StoreError::Corrupt(format!("manifest {id}: hash mismatch")));
         }
@@ -196,11 +351,13 @@ impl Store {
     }
 
     pub async fn get_range(&self, key: &Path, range: Range<u64>) -> Result<Bytes> {
-        Ok(self.inner.get_range(key, range).await?)
+        let inner = self.inner_for(&Self::tenant_of(key)?).await?;
+        Ok(inner.get_range(key, range).await?)
     }
 
     pub async fn exists(&self, key: &Path) -> Result<bool> {
-        match self.inner.head(key).await {
+        let inner = self.inner_for(&Self::tenant_of(key)?).await?;
+        match inner.head(key).await {
             Ok(_) => Ok(true),
             Err(object_store::Error::NotFound { .. }) => Ok(false),
             Err(e) => Err(e.into()),

@@ -57,7 +57,7 @@ async fn conformance(url: &str) {
     // Corruption behind our back is detected, never served.
     let key = Store::object_key("t1", &a.id);
     let mut raw = store
-        .inner()
+        .default_inner()
         .get(&key)
         .await
         .unwrap()
@@ -67,7 +67,7 @@ async fn conformance(url: &str) {
         .to_vec();
     raw[600_000] ^= 0x80;
     store
-        .inner()
+        .default_inner()
         .put(&key, PutPayload::from(raw))
         .await
         .unwrap();
@@ -85,7 +85,7 @@ async fn conformance(url: &str) {
     cold2.read_into("t1", &a, 0, &mut buf).await.unwrap();
     let mkey = Store::manifest_key("t1", &id);
     store
-        .inner()
+        .default_inner()
         .put(&mkey, PutPayload::from(vec![1u8; 100]))
         .await
         .unwrap();

@@ -10,7 +10,7 @@ use strata_store::{NodeCache, ObjectReader, Store, StoreError};
 /// `object_store` only), so verified units are copied into the node cache.
 fn reader(objs: &std::path::Path, cache: &std::path::Path, cap: u64) -> ObjectReader {
     let local = Store::open(&format!("file:{}", objs.display())).unwrap();
-    let store = Store::from_object_store(local.inner().clone(), "remote-like");
+    let store = Store::from_object_store(local.default_inner().clone(), "remote-like");
     ObjectReader::new(store, NodeCache::open(cache, cap).unwrap(), 256 * 1024)
 }
 
@@ -132,7 +132,7 @@ async fn corrupt_objects_are_never_served() {
     let store = Store::open(&format!("file:{}", d.path().join("o").display())).unwrap();
     let key: Path = Store::object_key("t1", &obj.id);
     let mut raw = store
-        .inner()
+        .default_inner()
         .get(&key)
         .await
         .unwrap()
@@ -142,7 +142,7 @@ async fn corrupt_objects_are_never_served() {
         .to_vec();
     raw[300_000] ^= 1;
     store
-        .inner()
+        .default_inner()
         .put(&key, PutPayload::from(raw))
         .await
         .unwrap();

@@ -334,10 +334,12 @@ pub async fn run(h: &Client, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
     }
     let ws_path = |ws: &str, tail: &str| format!("/v1/workspaces/{}{tail}", seg(ws));
     match cmd {
-        Cmd::Tenant(TenantCmd::Create { name }) => {
-            let v = h
-                .call(M::POST, "/v1/tenants", Some(json!({"name": name})))
-                .await?;
+        Cmd::Tenant(TenantCmd::Create { name, store }) => {
+            let mut body = json!({"name": name});
+            if let Some(s) = store {
+                body["store"] = json!(s);
+            }
+            let v = h.call(M::POST, "/v1/tenants", Some(body)).await?;
             print(json_out, View::TenantCreated, &v);
         }
         Cmd::Tenant(TenantCmd::Token { name, opts }) => {

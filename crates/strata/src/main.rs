@@ -96,7 +96,13 @@ enum Cmd {
 #[derive(Subcommand)]
 enum TenantCmd {
     /// Creates a tenant and prints its first token (shown once).
-    Create { name: String },
+    Create {
+        name: String,
+        /// Place its data in this named store (the daemons' `[stores.NAME]`: its own bucket
+        /// and credentials) instead of the default one; fixed for the tenant's life.
+        #[arg(long)]
+        store: Option<String>,
+    },
     /// Every tenant, with its workspace and token counts.
     List,
     /// Deletes a tenant and everything it owns (refused while a workspace is attached).

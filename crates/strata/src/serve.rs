@@ -316,6 +316,44 @@ pub struct Settings {
     s3_secret_access_key: Option<String>,
     #[arg(skip)]
     s3_session_token: Option<String>,
+    /// Named stores tenants can be placed in (`tenant create --store NAME`), config file only:
+    /// `[stores.NAME]` with `url` and the store's own `s3_access_key_id`,
+    /// `s3_secret_access_key`, `s3_session_token` (or `STRATA_STORE_NAME_S3_ACCESS_KEY_ID` …
+    /// in the environment, NAME upper-cased with `-` as `_`). Every node needs the same names.
+    #[arg(skip)]
+    stores: Option<std::collections::BTreeMap<String, NamedStore>>,
+}
+
+/// A store a tenant can be placed in: its own bucket, with its own credentials.
+#[derive(serde::Deserialize, serde::Serialize, Clone, Default)]
+#[serde(deny_unknown_fields)]
+pub struct NamedStore {
+    url: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    s3_access_key_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    s3_secret_access_key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    s3_session_token: Option<String>,
+}
+
+impl NamedStore {
+    fn open(&self, name: &str) -> anyhow::Result<strata_store::Store> {
+        let var = |k: &str| {
+            let v = format!(
+                "STRATA_STORE_{}_{k}",
+                name.to_uppercase().replace(['-', '.'], "_")
+            );
+            std::env::var(v).ok().filter(|v| !v.is_empty())
+        };
+        let creds = strata_store::Credentials {
+            access_key_id: var("S3_ACCESS_KEY_ID").or_else(|| self.s3_access_key_id.clone()),
+            secret_access_key: var("S3_SECRET_ACCESS_KEY")
+                .or_else(|| self.s3_secret_access_key.clone()),
+            session_token: var("S3_SESSION_TOKEN").or_else(|| self.s3_session_token.clone()),
+        };
+        Ok(strata_store::Store::open_with(&self.url, &creds)?)
+    }
 }
 
 impl Settings {
@@ -438,6 +476,14 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
             session_token: s.s3_session_token.clone(),
         },
     )?;
+    let mut named = vec![];
+    for (name, ns) in s.stores.clone().unwrap_or_default() {
+        let st = ns
+            .open(&name)
+            .with_context(|| format!("opening store {name:?}"))?;
+        named.push((name, st));
+    }
+    let store = store.with_named(named)?;
     let mut owner = crate::datadir::DataDirLock::daemon(&g.data)?;
     let engine = Engine::open_with(cfg, catalog, store, Arc::new(strata_engine::fs::RealFs))?;
     if admin.is_none() && s.admin_token_file.is_none() {

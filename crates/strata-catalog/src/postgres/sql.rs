@@ -65,6 +65,11 @@ ALTER TABLE tenants ADD COLUMN quotas TEXT;
 CREATE TABLE usage_meter (tenant TEXT PRIMARY KEY, live_bytes BIGINT NOT NULL,
     byte_seconds DOUBLE PRECISION NOT NULL, since_ms BIGINT NOT NULL, last_ms BIGINT NOT NULL);
 "#,
+    // The store a tenant is placed in (a name from the nodes' configuration; NULL: the
+    // default store). Set when the tenant is created, never changed.
+    r#"
+ALTER TABLE tenants ADD COLUMN store TEXT;
+"#,
 ];
 
 /// A row written by a node of an older version has no id: it is derived the same way.
@@ -96,7 +101,9 @@ pub(super) async fn live_tenant(c: &impl GenericClient, t: &str, lock: &str) -> 
 /// A tenant's row (`lock`: "", " FOR SHARE" or " FOR UPDATE"), or `NotFound`.
 pub(super) async fn tenant_row(c: &impl GenericClient, t: &str, lock: &str) -> Result<TenantInfo> {
     c.query_opt(
-        &format!("SELECT id, created_ms, deleting_ms, quotas FROM tenants WHERE id = $1{lock}"),
+        &format!(
+            "SELECT id, created_ms, deleting_ms, quotas, store FROM tenants WHERE id = $1{lock}"
+        ),
         &[&t],
     )
     .await
@@ -106,6 +113,7 @@ pub(super) async fn tenant_row(c: &impl GenericClient, t: &str, lock: &str) -> R
         created_ms: r.get::<_, i64>(1) as u64,
         deleting_ms: r.get::<_, Option<i64>>(2).map(|v| v as u64),
         quotas: Quotas::from_column(r.get::<_, Option<String>>(3).as_deref()),
+        store: r.get(4),
     })
     .ok_or(CatalogError::NotFound {
         what: "tenant",

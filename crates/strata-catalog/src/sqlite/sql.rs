@@ -67,6 +67,11 @@ ALTER TABLE tenants ADD COLUMN quotas TEXT;
 CREATE TABLE usage_meter (tenant TEXT PRIMARY KEY, live_bytes INTEGER NOT NULL,
     byte_seconds REAL NOT NULL, since_ms INTEGER NOT NULL, last_ms INTEGER NOT NULL);
 "#,
+    // The store a tenant is placed in (a name from the nodes' configuration; NULL: the
+    // default store). Set when the tenant is created, never changed.
+    r#"
+ALTER TABLE tenants ADD COLUMN store TEXT;
+"#,
 ];
 
 /// A row written by a node of an older version has no id: it is derived the same way.
@@ -99,7 +104,7 @@ pub(super) fn live_tenant(c: &Connection, t: &str) -> Result<TenantInfo> {
 /// A tenant's row, or `NotFound`.
 pub(super) fn tenant_row(c: &Connection, t: &str) -> Result<TenantInfo> {
     c.query_row(
-        "SELECT id, created_ms, deleting_ms, quotas FROM tenants WHERE id = ?1",
+        "SELECT id, created_ms, deleting_ms, quotas, store FROM tenants WHERE id = ?1",
         params![t],
         |r| {
             Ok(TenantInfo {
@@ -107,6 +112,7 @@ pub(super) fn tenant_row(c: &Connection, t: &str) -> Result<TenantInfo> {
                 created_ms: r.get::<_, i64>(1)? as u64,
                 deleting_ms: r.get::<_, Option<i64>>(2)?.map(|v| v as u64),
                 quotas: Quotas::from_column(r.get::<_, Option<String>>(3)?.as_deref()),
+                store: r.get(4)?,
             })
         },
     )

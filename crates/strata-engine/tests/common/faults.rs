@@ -210,8 +210,8 @@ impl Catalog for LossyCatalog {
         }
         self.inner.get_workspace(tenant, name).await
     }
-    async fn create_tenant(&self, tenant: &str) -> Result<()> {
-        self.inner.create_tenant(tenant).await
+    async fn create_tenant_placed(&self, tenant: &str, store: Option<&str>) -> Result<()> {
+        self.inner.create_tenant_placed(tenant, store).await
     }
     async fn tenant_exists(&self, tenant: &str) -> Result<bool> {
         self.inner.tenant_exists(tenant).await
