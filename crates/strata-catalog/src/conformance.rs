@@ -71,6 +71,26 @@ pub async fn run_all(cat: Arc<dyn Catalog>, time: &Time) {
     quotas_limit_creates(&*cat).await;
     store_usage_follows_references(&*cat, time).await;
     tenant_deletion(&*cat, time).await;
+    tenant_placement(&*cat).await;
+}
+
+/// A tenant's store is recorded at its creation and read back; the default is none.
+async fn tenant_placement(cat: &dyn Catalog) {
+    cat.create_tenant_placed("placed", Some("own-bucket"))
+        .await
+        .unwrap();
+    cat.create_tenant("unplaced").await.unwrap();
+    assert_eq!(
+        cat.get_tenant("placed").await.unwrap().store.as_deref(),
+        Some("own-bucket")
+    );
+    assert_eq!(cat.get_tenant("unplaced").await.unwrap().store, None);
+    // A second create of the name is refused whatever its placement.
+    assert!(cat.create_tenant_placed("placed", None).await.is_err());
+    assert_eq!(
+        cat.get_tenant("placed").await.unwrap().store.as_deref(),
+        Some("own-bucket")
+    );
 }
 
 fn tok(tenant: &str, hash: &str, scope: Option<&str>) -> NewToken {

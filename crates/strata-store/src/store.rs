@@ -484,6 +484,60 @@ fn open_s3(url: &str, rest: &str, creds: &Credentials) -> Result<Arc<dyn ObjectS
 mod tests {
     use super::*;
 
+    /// Each tenant's keys go to its placement; with a resolver installed, a tenant it cannot
+    /// place, or places in a store this node lacks, reaches no store at all.
+    #[tokio::test]
+    async fn placement_routes_tenants_and_fails_closed() {
+        let own = Store::open("memory:").unwrap();
+        let store = Store::open("memory:")
+            .unwrap()
+            .with_named(vec![("own".into(), own.clone())])
+            .unwrap();
+        assert!(Store::open("memory:")
+            .unwrap()
+            .with_named(vec![("../x".into(), own.clone())])
+            .is_err());
+        // Without a resolver (no catalog: tools and tests) every tenant is on the default.
+        let (r, _) = store.put_object("a", b"default").await.unwrap();
+        assert!(store
+            .default_inner()
+            .head(&Store::object_key("a", &r.id))
+            .await
+            .is_ok());
+        store.set_resolver(Arc::new(|t: String| {
+            Box::pin(async move {
+                match t.as_str() {
+                    "mine" => Ok(Some("own".to_string())),
+                    "elsewhere" => Ok(Some("missing".to_string())),
+                    "down" => Err(StoreError::Placement {
+                        message: "catalog down".into(),
+                        retryable: true,
+                    }),
+                    _ => Ok(None),
+                }
+            })
+        }));
+        let (r, _) = store.put_object("mine", b"own bucket").await.unwrap();
+        let key = Store::object_key("mine", &r.id);
+        assert!(own.default_inner().head(&key).await.is_ok());
+        assert!(store.default_inner().head(&key).await.is_err());
+        assert_eq!(
+            &store.get_range(&key, 0..1).await.unwrap()[..],
+            &own.default_inner().get_range(&key, 0..1).await.unwrap()[..]
+        );
+        let e = store.put_object("elsewhere", b"x").await.unwrap_err();
+        assert!(e.to_string().contains("missing"), "{e}");
+        assert!(!e.is_retryable());
+        let e = store.put_object("down", b"x").await.unwrap_err();
+        assert!(e.is_retryable(), "{e}");
+        // Unplaced: nothing local, nothing listed in any store for it.
+        assert!(store.local_object_path("down", &r.id).is_none());
+        assert!(store.inner_for("down").await.is_err());
+        assert!(store.bind("x", Some("missing")).is_err());
+        let bad = Path::from("not-a-tenant/key");
+        assert!(store.exists(&bad).await.is_err());
+    }
+
     fn why(url: &str) -> String {
         match Store::open(url) {
             Err(StoreError::BadUrl(_, why)) => why,

@@ -60,16 +60,24 @@ impl Counts {
     }
 }
 
+/// Decides from a request's head (request line and headers) whether it is let through; a
+/// refused one gets `403 AccessDenied`, as a bucket policy's refusal would.
+pub type Gate = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
 pub struct Proxy {
     pub url: String,
     /// (faults to pick from, probability per request)
     pub policy: Arc<Mutex<(Vec<Fault>, f64)>>,
     pub counts: Arc<Counts>,
+    pub gate: Arc<Mutex<Option<Gate>>>,
 }
 
 impl Proxy {
     pub fn set(&self, faults: &[Fault], p: f64) {
         *self.policy.lock().unwrap() = (faults.to_vec(), p);
+    }
+    pub fn set_gate(&self, g: Gate) {
+        *self.gate.lock().unwrap() = Some(g);
     }
 }
 
@@ -84,13 +92,15 @@ pub async fn start(upstream: &str, seed: u64) -> Proxy {
     let policy = Arc::new(Mutex::new((vec![], 0.0)));
     let counts = Arc::new(Counts::default());
     let rng = Arc::new(Mutex::new(rand::rngs::SmallRng::seed_from_u64(seed)));
-    let (p2, c2) = (policy.clone(), counts.clone());
+    let gate: Arc<Mutex<Option<Gate>>> = Arc::default();
+    let (p2, c2, g2) = (policy.clone(), counts.clone(), gate.clone());
     tokio::spawn(async move {
         loop {
             let Ok((s, _)) = l.accept().await else { return };
             let (up, policy, counts, rng) = (up.clone(), p2.clone(), c2.clone(), rng.clone());
+            let gate = g2.lock().unwrap().clone();
             tokio::spawn(async move {
-                let _ = serve(s, &up, &policy, &counts, &rng).await;
+                let _ = serve(s, &up, &policy, &counts, &rng, gate).await;
             });
         }
     });
@@ -98,6 +108,7 @@ pub async fn start(upstream: &str, seed: u64) -> Proxy {
         url,
         policy,
         counts,
+        gate,
     }
 }
 
@@ -164,12 +175,28 @@ async fn serve(
     policy: &Mutex<(Vec<Fault>, f64)>,
     counts: &Counts,
     rng: &Mutex<rand::rngs::SmallRng>,
+    gate: Option<Gate>,
 ) -> std::io::Result<()> {
     let mut buf = vec![];
     // One request per connection: upstream closes after its response, so do we (the client
     // reconnects; every response it got was complete and framed, or was the injected fault).
     if let Some(req) = read_request(&mut s, &mut buf).await? {
         counts.requests.fetch_add(1, Relaxed);
+        if let Some(g) = gate {
+            let end = req.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or(0);
+            if !g(&String::from_utf8_lossy(&req[..end])) {
+                let body = "<Error><Code>AccessDenied</Code><Message>gate</Message></Error>";
+                s.write_all(
+                    format!(
+                        "HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    )
+                    .as_bytes(),
+                )
+                .await?;
+                return Ok(());
+            }
+        }
         let fault = {
             let (faults, p) = policy.lock().unwrap().clone();
             let mut r = rng.lock().unwrap();
