@@ -76,21 +76,50 @@ pub async fn run_all(cat: Arc<dyn Catalog>, time: &Time) {
 
 /// A tenant's store is recorded at its creation and read back; the default is none.
 async fn tenant_placement(cat: &dyn Catalog) {
-    cat.create_tenant_placed("placed", Some("own-bucket"))
+    cat.create_tenant_placed("placed", Some("own-bucket"), Some("v1:k:wrapped"))
         .await
         .unwrap();
+    assert_eq!(
+        cat.tenant_placement("placed").await.unwrap(),
+        (Some("own-bucket".into()), Some("v1:k:wrapped".into()))
+    );
+    assert!(cat.get_tenant("placed").await.unwrap().encrypted);
+    assert!(cat.tenant_placement("nobody").await.is_err());
+    // The key is destroyed only by a deletion.
+    assert!(cat.shred_data_key("placed").await.is_err());
+    assert_eq!(
+        cat.tenant_placement("placed").await.unwrap().1.as_deref(),
+        Some("v1:k:wrapped")
+    );
     cat.create_tenant("unplaced").await.unwrap();
     assert_eq!(
         cat.get_tenant("placed").await.unwrap().store.as_deref(),
         Some("own-bucket")
     );
     assert_eq!(cat.get_tenant("unplaced").await.unwrap().store, None);
+    assert!(!cat.get_tenant("unplaced").await.unwrap().encrypted);
     // A second create of the name is refused whatever its placement.
-    assert!(cat.create_tenant_placed("placed", None).await.is_err());
+    assert!(cat
+        .create_tenant_placed("placed", None, None)
+        .await
+        .is_err());
     assert_eq!(
         cat.get_tenant("placed").await.unwrap().store.as_deref(),
         Some("own-bucket")
     );
+    // Its deletion destroys it (twice is fine); an unencrypted tenant has none to destroy.
+    cat.begin_tenant_delete("placed").await.unwrap();
+    cat.shred_data_key("placed").await.unwrap();
+    cat.shred_data_key("placed").await.unwrap();
+    assert_eq!(
+        cat.tenant_placement("placed").await.unwrap().1.as_deref(),
+        Some("shredded")
+    );
+    cat.begin_tenant_delete("unplaced").await.unwrap();
+    cat.shred_data_key("unplaced").await.unwrap();
+    assert_eq!(cat.tenant_placement("unplaced").await.unwrap().1, None);
+    cat.purge_tenant("placed").await.unwrap();
+    cat.purge_tenant("unplaced").await.unwrap();
 }
 
 fn tok(tenant: &str, hash: &str, scope: Option<&str>) -> NewToken {

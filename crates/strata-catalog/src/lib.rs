@@ -308,10 +308,21 @@ pub type Result<T, E = CatalogError> = std::result::Result<T, E>;
 #[async_trait]
 pub trait Catalog: Send + Sync + 'static {
     async fn create_tenant(&self, tenant: &str) -> Result<()> {
-        self.create_tenant_placed(tenant, None).await
+        self.create_tenant_placed(tenant, None, None).await
     }
-    /// Creates a tenant whose data is placed in the named store `store` (`None`: the default).
-    async fn create_tenant_placed(&self, tenant: &str, store: Option<&str>) -> Result<()>;
+    /// Creates a tenant whose data is placed in the named store `store` (`None`: the default)
+    /// and, if `data_key` (wrapped) is given, encrypted.
+    async fn create_tenant_placed(
+        &self,
+        tenant: &str,
+        store: Option<&str>,
+        data_key: Option<&str>,
+    ) -> Result<()>;
+    /// A tenant's placement: its named store and its wrapped data key.
+    async fn tenant_placement(&self, tenant: &str) -> Result<(Option<String>, Option<String>)>;
+    /// Destroys a tenant's data key (crypto-shredding), once its deletion is marked: what is
+    /// left of its data in the store can no longer be opened.
+    async fn shred_data_key(&self, tenant: &str) -> Result<()>;
     async fn tenant_exists(&self, tenant: &str) -> Result<bool>;
     /// Records an API token (by its hash, never the token itself) for a tenant.
     async fn add_token(&self, token: &NewToken) -> Result<TokenInfo>;

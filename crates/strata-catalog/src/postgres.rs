@@ -29,14 +29,51 @@ pub use sql::{create_database, pg_retryable};
 
 #[async_trait]
 impl Catalog for PostgresCatalog {
-    async fn create_tenant_placed(&self, tenant: &str, store: Option<&str>) -> Result<()> {
+    async fn create_tenant_placed(
+        &self,
+        tenant: &str,
+        store: Option<&str>,
+        data_key: Option<&str>,
+    ) -> Result<()> {
         let c = self.conn().await?;
         c.execute(
-            "INSERT INTO tenants (id, created_ms, store) VALUES ($1, $2, $3)",
-            &[&tenant, &(now_ms() as i64), &store],
+            "INSERT INTO tenants (id, created_ms, store, data_key) VALUES ($1, $2, $3, $4)",
+            &[&tenant, &(now_ms() as i64), &store, &data_key],
         )
         .await
         .map_err(exists_or_backend("tenant", tenant))?;
+        Ok(())
+    }
+
+    async fn tenant_placement(&self, tenant: &str) -> Result<(Option<String>, Option<String>)> {
+        let c = self.conn().await?;
+        c.query_opt(
+            "SELECT store, data_key FROM tenants WHERE id = $1",
+            &[&tenant],
+        )
+        .await
+        .map_err(be)?
+        .map(|r| (r.get(0), r.get(1)))
+        .ok_or(CatalogError::NotFound {
+            what: "tenant",
+            name: tenant.into(),
+        })
+    }
+
+    async fn shred_data_key(&self, tenant: &str) -> Result<()> {
+        let c = self.conn().await?;
+        let n = c
+            .execute(
+                "UPDATE tenants SET data_key = 'shredded' WHERE id = $1 AND data_key IS NOT NULL AND deleting_ms IS NOT NULL",
+                &[&tenant],
+            )
+            .await
+            .map_err(be)?;
+        if n == 0 && tenant_row(&c, tenant, "").await?.deleting_ms.is_none() {
+            return Err(CatalogError::backend(format!(
+                "tenant {tenant:?}: its data key is destroyed only by its deletion"
+            )));
+        }
         Ok(())
     }
 

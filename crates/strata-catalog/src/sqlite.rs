@@ -20,16 +20,59 @@ use sql::*;
 
 #[async_trait]
 impl Catalog for SqliteCatalog {
-    async fn create_tenant_placed(&self, tenant: &str, store: Option<&str>) -> Result<()> {
+    async fn create_tenant_placed(
+        &self,
+        tenant: &str,
+        store: Option<&str>,
+        data_key: Option<&str>,
+    ) -> Result<()> {
         let t = tenant.to_string();
         let store = store.map(str::to_string);
+        let key = data_key.map(str::to_string);
         let clock = self.clock.clone();
         self.run(move |c| {
             c.execute(
-                "INSERT INTO tenants (id, created_ms, store) VALUES (?1, ?2, ?3)",
-                params![t, clock.now_ms() as i64, store],
+                "INSERT INTO tenants (id, created_ms, store, data_key) VALUES (?1, ?2, ?3, ?4)",
+                params![t, clock.now_ms() as i64, store, key],
             )
             .map_err(exists_or_backend("tenant", &t))?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn tenant_placement(&self, tenant: &str) -> Result<(Option<String>, Option<String>)> {
+        let t = tenant.to_string();
+        self.run(move |c| {
+            c.query_row(
+                "SELECT store, data_key FROM tenants WHERE id = ?1",
+                params![t],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()
+            .map_err(be)?
+            .ok_or(CatalogError::NotFound {
+                what: "tenant",
+                name: t,
+            })
+        })
+        .await
+    }
+
+    async fn shred_data_key(&self, tenant: &str) -> Result<()> {
+        let t = tenant.to_string();
+        self.run(move |c| {
+            let n = c
+                .execute(
+                    "UPDATE tenants SET data_key = 'shredded' WHERE id = ?1 AND data_key IS NOT NULL AND deleting_ms IS NOT NULL",
+                    params![t],
+                )
+                .map_err(be)?;
+            if n == 0 && tenant_row(c, &t)?.deleting_ms.is_none() {
+                return Err(CatalogError::backend(format!(
+                    "tenant {t:?}: its data key is destroyed only by its deletion"
+                )));
+            }
             Ok(())
         })
         .await

@@ -288,6 +288,10 @@ pub struct TenantInfo {
     /// every node); absent: the default store. Fixed when the tenant is created.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub store: Option<String>,
+    /// Its objects, manifests and relay files are encrypted under a data key of its own
+    /// (wrapped by the nodes' master key, kept in the catalog only).
+    #[serde(default)]
+    pub encrypted: bool,
 }
 
 /// A tenant's limits, set by the admin; an absent field is no limit.

@@ -13,6 +13,10 @@ pub struct CreateTenant {
     /// own bucket and credentials. Absent: the default store. Fixed for the tenant's life.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub store: Option<String>,
+    /// Encrypt its objects, manifests and relay files at rest under a data key of its own,
+    /// wrapped by the nodes' master key (`master_key_file`); fixed for the tenant's life.
+    #[serde(default)]
+    pub encrypted: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]

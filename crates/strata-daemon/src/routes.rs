@@ -221,13 +221,25 @@ pub(crate) async fn create_tenant(
             )));
         }
     }
+    let placed = strata_store::Placed {
+        store: b.store,
+        data_key: match b.encrypted {
+            true => Some(
+                store
+                    .new_data_key(&b.name)
+                    .map_err(|e| ApiError::invalid(e.to_string()))?,
+            ),
+            false => None,
+        },
+    };
     // Both steps in a task of their own: a client that leaves (or a request timeout) between
     // them would leave a tenant without a token, and a retry would get 409.
-    let (cat, name, placed) = (d.engine.catalog().clone(), b.name.clone(), b.store);
+    let (cat, name) = (d.engine.catalog().clone(), b.name.clone());
     let issued = own_task(async move {
-        cat.create_tenant_placed(&name, placed.as_deref()).await?;
+        cat.create_tenant_placed(&name, placed.store.as_deref(), placed.data_key.as_deref())
+            .await?;
         store
-            .bind(&name, placed.as_deref())
+            .bind(&name, &placed)
             .map_err(|e| strata_catalog::CatalogError::backend(e.to_string()))?;
         let token = new_token();
         let info = cat

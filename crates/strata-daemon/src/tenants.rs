@@ -372,6 +372,11 @@ impl Daemon {
                 .inner_for(&t)
                 .await
                 .map_err(|e| ApiError::internal(format!("the tenant's store: {e}")))?;
+            // Crypto-shredding: the data key goes before the objects, so an interrupted
+            // deletion leaves only ciphertext nobody can open. (The store above was found
+            // before: listing and deleting need no key.)
+            cat.shred_data_key(&t).await?;
+            d.engine.reader().store().unbind(&t);
             let prefix = object_store::path::Path::from(format!("t/{t}"));
             loop {
                 let batch: Vec<_> = store

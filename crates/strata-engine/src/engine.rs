@@ -138,12 +138,13 @@ impl Engine {
         store.set_resolver(Arc::new(move |tenant: String| {
             let cat = cat.clone();
             Box::pin(async move {
-                cat.get_tenant(&tenant).await.map(|t| t.store).map_err(|e| {
-                    strata_store::StoreError::Placement {
+                cat.tenant_placement(&tenant)
+                    .await
+                    .map(|(store, data_key)| strata_store::Placed { store, data_key })
+                    .map_err(|e| strata_store::StoreError::Placement {
                         retryable: e.is_retryable(),
                         message: format!("placing tenant {tenant:?}: {e}"),
-                    }
-                })
+                    })
             })
         }));
         let reader = Arc::new(ObjectReader::new(store, cache, cfg.fetch_unit));

@@ -26,7 +26,7 @@ use std::sync::Mutex;
 
 use bytes::Bytes;
 use futures::StreamExt;
-use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use object_store::{ObjectStore, PutMode, PutOptions};
 use serde::{Deserialize, Serialize};
 use strata_store::Store;
 
@@ -328,16 +328,8 @@ impl Relay {
         name: &str,
     ) -> Result<Option<(RelayFile, Option<Vec<String>>)>, RelayError> {
         let key = Self::meta_key(tenant, stream, name);
-        match self
-            .store
-            .inner_for_key(&key)
-            .await
-            .map_err(store_err)?
-            .get(&key)
-            .await
-        {
-            Ok(r) => {
-                let b = r.bytes().await.map_err(store_err)?;
+        match self.store.get_value(&key).await {
+            Ok(b) => {
                 let m: MetaV1 = serde_json::from_slice(&b)
                     .map_err(|e| store_err(format!("corrupt relay meta for {name:?}: {e}")))?;
                 let parts_ok = match (&m.parts, m.format) {
@@ -367,12 +359,9 @@ impl Relay {
     ) -> Result<(), RelayError> {
         let put = self
             .store
-            .inner_for_key(key)
-            .await
-            .map_err(store_err)?
-            .put_opts(
+            .put_value_opts(
                 key,
-                PutPayload::from(bytes),
+                bytes,
                 PutOptions {
                     mode: PutMode::Create,
                     ..Default::default()
@@ -383,15 +372,7 @@ impl Relay {
             Ok(_) => Ok(()),
             Err(object_store::Error::AlreadyExists { .. }) => {
                 // An earlier attempt whose reply was lost, or another node's file of that name.
-                let have = self
-                    .store
-                    .inner_for_key(key)
-                    .await
-                    .map_err(store_err)?
-                    .get(key)
-                    .await
-                    .map_err(store_err)?;
-                let have = have.bytes().await.map_err(store_err)?;
+                let have = self.store.get_value(key).await.map_err(store_err)?;
                 let h = blake3::hash(&have).to_hex().to_string();
                 if h != hash {
                     self.conflicts.fetch_add(1, Relaxed);
@@ -462,12 +443,10 @@ impl Relay {
         })
         .map_err(store_err)?;
         self.store
-            .inner_for(tenant)
-            .await
-            .map_err(store_err)?
-            .put(
+            .put_value_opts(
                 &Self::meta_key(tenant, stream, &f.name),
-                PutPayload::from(body),
+                Bytes::from(body),
+                PutOptions::default(),
             )
             .await
             .map_err(store_err)?;
@@ -634,15 +613,10 @@ impl Relay {
         let mut whole = blake3::Hasher::new();
         let mut size = 0u64;
         for (key, part_hash) in keys {
-            let mut s = self
-                .store
-                .inner_for_key(&key)
-                .await
-                .map_err(store_err)?
-                .get(&key)
-                .await
-                .map_err(store_err)?
-                .into_stream();
+            // Whole: a sealed part opens only whole (parts are at most PART bytes).
+            let mut s = futures::stream::iter([Ok::<_, object_store::Error>(
+                self.store.get_value(&key).await.map_err(store_err)?,
+            )]);
             let mut part = blake3::Hasher::new();
             while let Some(chunk) = s.next().await {
                 let chunk = chunk.map_err(store_err)?;

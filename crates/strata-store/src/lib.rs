@@ -10,11 +10,13 @@
 
 mod cache;
 mod reader;
+mod seal;
 mod store;
 
 pub use cache::NodeCache;
 pub use reader::{ObjectReader, ReaderStats, DEFAULT_READAHEAD_UNITS};
-pub use store::{Credentials, Resolver, Store};
+pub use seal::{DataKey, MasterKey};
+pub use store::{Credentials, Placed, Resolver, Store};
 
 use std::sync::Arc;
 

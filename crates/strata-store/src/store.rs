@@ -17,6 +17,7 @@ use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use strata_format::manifest::{Manifest, ObjectRef};
 use strata_format::{object, Hash};
 
+use crate::seal::{DataKey, MasterKey};
 use crate::{Result, StoreError};
 
 /// One bucket (or directory) and its client.
@@ -28,20 +29,61 @@ struct Backend {
     local_root: Option<std::path::PathBuf>,
 }
 
-/// Finds a tenant's placement: `Ok(None)` the default store, `Ok(Some(name))` a named one.
-pub type Resolver = Arc<
-    dyn Fn(String) -> futures::future::BoxFuture<'static, Result<Option<String>>> + Send + Sync,
->;
+/// A tenant's placement as the catalog records it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Placed {
+    /// The named store its keys go to; `None`: the default store.
+    pub store: Option<String>,
+    /// Its data key wrapped by a master key (an encrypted tenant); `None`: not encrypted.
+    pub data_key: Option<String>,
+}
+
+/// Finds a tenant's placement.
+pub type Resolver =
+    Arc<dyn Fn(String) -> futures::future::BoxFuture<'static, Result<Placed>> + Send + Sync>;
+
+/// Where a tenant's keys go, and how they are sealed.
+#[derive(Clone)]
+struct Target {
+    backend: Arc<Backend>,
+    key: Sealing,
+}
+
+/// How a tenant's contents are sealed.
+#[derive(Clone)]
+enum Sealing {
+    Clear,
+    Key(Arc<DataKey>),
+    /// Encrypted under a key this node cannot use (no master key, another one, or destroyed):
+    /// its keys can be listed and deleted, its contents neither written nor read.
+    Locked(String),
+}
+
+impl Sealing {
+    fn key(&self) -> Result<Option<&DataKey>> {
+        match self {
+            Sealing::Clear => Ok(None),
+            Sealing::Key(k) => Ok(Some(k)),
+            Sealing::Locked(why) => Err(StoreError::Placement {
+                message: why.clone(),
+                retryable: false,
+            }),
+        }
+    }
+}
 
 /// Where tenants' keys go: the default store, or a named store the node's configuration
-/// defines (a tenant's own bucket and credentials). A tenant's placement is recorded in the
-/// catalog when it is created and never changes; the engine installs a [`Resolver`] that reads
-/// it. Fail closed: with a resolver installed, a tenant whose placement cannot be read, or
-/// names a store this node does not have, reaches no store at all.
+/// defines (a tenant's own bucket and credentials); and, for an encrypted tenant, its data key
+/// (unwrapped with the node's master key). A tenant's placement is recorded in the catalog when
+/// it is created and never changes; the engine installs a [`Resolver`] that reads it. Fail
+/// closed: with a resolver installed, a tenant whose placement cannot be read, names a store
+/// this node does not have, or is encrypted under a master key this node does not hold,
+/// reaches no store at all.
 #[derive(Default)]
 struct Placement {
     named: std::collections::BTreeMap<String, Arc<Backend>>,
-    bound: std::sync::RwLock<std::collections::HashMap<String, Option<String>>>,
+    master: Option<Arc<MasterKey>>,
+    bound: std::sync::RwLock<std::collections::HashMap<String, Target>>,
     resolver: std::sync::RwLock<Option<Resolver>>,
 }
 
@@ -124,8 +166,13 @@ impl Store {
     }
 
     /// This store as the default, with `named` stores tenants can be placed in (each given by
-    /// its default). Names follow the rules of workspace names.
-    pub fn with_named(self, named: Vec<(String, Store)>) -> Result<Store> {
+    /// its default; names follow the rules of workspace names) and the node's master key, if
+    /// it has one (needed to create or serve encrypted tenants).
+    pub fn with_named(
+        self,
+        named: Vec<(String, Store)>,
+        master: Option<MasterKey>,
+    ) -> Result<Store> {
         let mut map = std::collections::BTreeMap::new();
         for (name, s) in named {
             strata_format::name::validate("store", &name)
@@ -136,6 +183,7 @@ impl Store {
             default: self.default,
             placement: Arc::new(Placement {
                 named: map,
+                master: master.map(Arc::new),
                 ..Placement::default()
             }),
         })
@@ -156,58 +204,97 @@ impl Store {
         self.placement.named.contains_key(name)
     }
 
-    /// Records `tenant`'s placement (its creation, or a resolver's answer); refused if it
-    /// names a store this node does not have.
-    pub fn bind(&self, tenant: &str, store: Option<&str>) -> Result<()> {
-        if let Some(n) = store {
-            if !self.has_named(n) {
-                return Err(StoreError::Placement {
-                    message: format!(
-                        "tenant {tenant:?} is placed in store {n:?}, which this node does not have (configure [stores.{n}])"
-                    ),
-                    retryable: false,
-                });
-            }
+    /// A new wrapped data key for `tenant` (to record at its creation); refused without a
+    /// master key.
+    pub fn new_data_key(&self, tenant: &str) -> Result<String> {
+        match &self.placement.master {
+            Some(m) => Ok(m.new_wrapped(tenant)),
+            None => Err(StoreError::Placement {
+                message: "this node has no master key (master_key_file): it cannot create encrypted tenants".into(),
+                retryable: false,
+            }),
         }
-        write(&self.placement.bound).insert(tenant.to_string(), store.map(str::to_string));
+    }
+
+    /// Records `tenant`'s placement (its creation, or a resolver's answer); refused if it
+    /// names a store this node does not have or a data key this node cannot unwrap.
+    pub fn bind(&self, tenant: &str, placed: &Placed) -> Result<()> {
+        let refuse = |message: String| StoreError::Placement {
+            message,
+            retryable: false,
+        };
+        let backend = match &placed.store {
+            None => self.default.clone(),
+            Some(n) => self.placement.named.get(n).cloned().ok_or_else(|| {
+                refuse(format!(
+                    "tenant {tenant:?} is placed in store {n:?}, which this node does not have (configure [stores.{n}])"
+                ))
+            })?,
+        };
+        let key = match (&placed.data_key, &self.placement.master) {
+            (None, _) => Sealing::Clear,
+            (Some(w), _) if w == "shredded" => Sealing::Locked(format!(
+                "tenant {tenant:?}: its data key was destroyed with its deletion"
+            )),
+            (Some(_), None) => Sealing::Locked(format!(
+                "tenant {tenant:?} is encrypted and this node has no master key (master_key_file)"
+            )),
+            (Some(w), Some(m)) => match m.unwrap(tenant, w) {
+                Ok(k) => Sealing::Key(Arc::new(k)),
+                Err(e) => Sealing::Locked(e.to_string()),
+            },
+        };
+        write(&self.placement.bound).insert(tenant.to_string(), Target { backend, key });
         Ok(())
     }
 
-    /// Forgets `tenant`'s placement (it was deleted; a new tenant of that name may be placed
-    /// elsewhere).
+    /// Forgets `tenant`'s placement and data key (it was deleted; a new tenant of that name
+    /// may be placed elsewhere).
     pub fn unbind(&self, tenant: &str) {
         write(&self.placement.bound).remove(tenant);
     }
 
-    /// The backend of a tenant whose placement is known now (no resolver: the default).
-    fn known(&self, tenant: &str) -> Option<Arc<Backend>> {
+    /// Whether `tenant` is known to be encrypted.
+    pub fn is_encrypted(&self, tenant: &str) -> bool {
+        self.known(tenant)
+            .is_some_and(|t| !matches!(t.key, Sealing::Clear))
+    }
+
+    /// Where a tenant whose placement is known now goes (no resolver: the default, clear).
+    fn known(&self, tenant: &str) -> Option<Target> {
         match read(&self.placement.bound).get(tenant) {
-            Some(None) => Some(self.default.clone()),
-            Some(Some(n)) => self.placement.named.get(n).cloned(),
-            None if read(&self.placement.resolver).is_none() => Some(self.default.clone()),
+            Some(t) => Some(t.clone()),
+            None if read(&self.placement.resolver).is_none() => Some(Target {
+                backend: self.default.clone(),
+                key: Sealing::Clear,
+            }),
             None => None,
         }
     }
 
-    async fn backend(&self, tenant: &str) -> Result<Arc<Backend>> {
-        if let Some(b) = self.known(tenant) {
-            return Ok(b);
+    async fn target(&self, tenant: &str) -> Result<Target> {
+        if let Some(t) = self.known(tenant) {
+            return Ok(t);
         }
         let r = read(&self.placement.resolver).clone();
         let Some(r) = r else {
-            return Ok(self.default.clone());
+            return Ok(Target {
+                backend: self.default.clone(),
+                key: Sealing::Clear,
+            });
         };
         let placed = r(tenant.to_string()).await?;
-        self.bind(tenant, placed.as_deref())?;
+        self.bind(tenant, &placed)?;
         self.known(tenant).ok_or_else(|| StoreError::Placement {
             message: format!("tenant {tenant:?}: no store"),
             retryable: false,
         })
     }
 
-    /// The object store holding `tenant`'s keys (its own bucket, or the default).
+    /// The object store holding `tenant`'s keys (its own bucket, or the default). Raw: for
+    /// listing and deleting; contents go through the methods that seal and open them.
     pub async fn inner_for(&self, tenant: &str) -> Result<Arc<dyn ObjectStore>> {
-        Ok(self.backend(tenant).await?.inner.clone())
+        Ok(self.target(tenant).await?.backend.inner.clone())
     }
 
     /// The object store holding `key` (`t/{tenant}/…`): its tenant's.
@@ -224,8 +311,10 @@ impl Store {
     /// The file holding object `id` of `tenant`, when the tenant's store is a local directory
     /// and its placement is known.
     pub fn local_object_path(&self, tenant: &str, id: &Hash) -> Option<std::path::PathBuf> {
-        let b = self.known(tenant)?;
-        let root = b.local_root.as_ref()?;
+        let t = self
+            .known(tenant)
+            .filter(|t| matches!(t.key, Sealing::Clear))?;
+        let root = t.backend.local_root.as_ref()?;
         Some(root.join(Self::object_key(tenant, id).as_ref()))
     }
 
@@ -235,9 +324,11 @@ impl Store {
         self.default.local_root.is_some()
     }
 
-    /// Whether `tenant`'s objects are known to be files in a local directory.
+    /// Whether `tenant`'s objects are known to be files in a local directory, in clear (read
+    /// in place).
     pub fn is_local_for(&self, tenant: &str) -> bool {
-        self.known(tenant).is_some_and(|b| b.local_root.is_some())
+        self.known(tenant)
+            .is_some_and(|t| matches!(t.key, Sealing::Clear) && t.backend.local_root.is_some())
     }
 
     /// The default store's URL.
@@ -303,7 +394,9 @@ impl Store {
     /// Puts immutable bytes; after a failed attempt the key is checked (HEAD) before retrying,
     /// so an upload whose reply was lost is recognised rather than assumed.
     async fn put_verified(&self, key: &Path, bytes: Bytes) -> Result<()> {
-        let inner = self.backend(&Self::tenant_of(key)?).await?.inner.clone();
+        let t = self.target(&Self::tenant_of(key)?).await?;
+        let bytes = seal(t.key.key()?, key, bytes);
+        let inner = t.backend.inner.clone();
         let mut last: Option<StoreError> = None;
         for attempt in 0..3u32 {
             if attempt > 0 {
@@ -342,8 +435,10 @@ impl Store {
     /// Fetches and verifies a manifest: its bytes must hash to `id` and decode cleanly.
     pub async fn get_manifest(&self, tenant: &str, id: &Hash) -> Result<Manifest> {
         let key = Self::manifest_key(tenant, id);
-        let inner = self.inner_for(tenant).await?;
-        let bytes = inner.get(&key).await?.bytes().await?;
+        let t = self.target(tenant).await?;
+        let k = t.key.key()?;
+        let bytes = t.backend.inner.get(&key).await?.bytes().await?;
+        let bytes = open_whole(k, &key, bytes)?;
         if Hash::of(&bytes) != *id {
             return Err(StoreError::Corrupt(format!("manifest {id}: hash mismatch")));
         }
@@ -351,8 +446,43 @@ impl Store {
     }
 
     pub async fn get_range(&self, key: &Path, range: Range<u64>) -> Result<Bytes> {
-        let inner = self.inner_for(&Self::tenant_of(key)?).await?;
-        Ok(inner.get_range(key, range).await?)
+        let t = self.target(&Self::tenant_of(key)?).await?;
+        let k = t.key.key()?;
+        let got = t.backend.inner.get_range(key, range.clone()).await?;
+        match k {
+            None => Ok(got),
+            Some(k) if DataKey::is_object(key.as_ref()) => {
+                let mut v = got.to_vec();
+                k.object_xor(key.as_ref(), range.start, &mut v);
+                Ok(Bytes::from(v))
+            }
+            Some(_) => Err(StoreError::Corrupt(format!(
+                "{key}: a sealed value is read whole, not by range"
+            ))),
+        }
+    }
+
+    /// Puts a value (relay files) with `opts`, sealed for an encrypted tenant.
+    pub async fn put_value_opts(
+        &self,
+        key: &Path,
+        bytes: Bytes,
+        opts: object_store::PutOptions,
+    ) -> object_store::Result<object_store::PutResult> {
+        let t = self.target(&Self::tenant_of(key)?).await?;
+        let bytes = seal(t.key.key()?, key, bytes);
+        t.backend
+            .inner
+            .put_opts(key, PutPayload::from(bytes), opts)
+            .await
+    }
+
+    /// Gets a whole value (relay files), opened for an encrypted tenant.
+    pub async fn get_value(&self, key: &Path) -> object_store::Result<Bytes> {
+        let t = self.target(&Self::tenant_of(key)?).await?;
+        let k = t.key.key()?;
+        let bytes = t.backend.inner.get(key).await?.bytes().await?;
+        Ok(open_whole(k, key, bytes)?)
     }
 
     pub async fn exists(&self, key: &Path) -> Result<bool> {
@@ -361,6 +491,47 @@ impl Store {
             Ok(_) => Ok(true),
             Err(object_store::Error::NotFound { .. }) => Ok(false),
             Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// `bytes` as stored at `key` for a tenant with data key `k`.
+fn seal(k: Option<&DataKey>, key: &Path, bytes: Bytes) -> Bytes {
+    match k {
+        None => bytes,
+        Some(k) if DataKey::is_object(key.as_ref()) => {
+            let mut v = bytes.to_vec();
+            k.object_xor(key.as_ref(), 0, &mut v);
+            Bytes::from(v)
+        }
+        Some(k) => Bytes::from(k.seal_value(key.as_ref(), &bytes)),
+    }
+}
+
+/// The bytes stored whole at `key`, opened.
+fn open_whole(k: Option<&DataKey>, key: &Path, bytes: Bytes) -> Result<Bytes> {
+    match k {
+        None => Ok(bytes),
+        Some(k) if DataKey::is_object(key.as_ref()) => {
+            let mut v = bytes.to_vec();
+            k.object_xor(key.as_ref(), 0, &mut v);
+            Ok(Bytes::from(v))
+        }
+        Some(k) => Ok(Bytes::from(k.open_value(key.as_ref(), &bytes)?)),
+    }
+}
+
+impl From<StoreError> for object_store::Error {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::NotFound(path) => object_store::Error::NotFound {
+                path,
+                source: "not found".into(),
+            },
+            e => object_store::Error::Generic {
+                store: "strata",
+                source: Box::new(e),
+            },
         }
     }
 }
@@ -484,6 +655,107 @@ fn open_s3(url: &str, rest: &str, creds: &Credentials) -> Result<Arc<dyn ObjectS
 mod tests {
     use super::*;
 
+    /// An encrypted tenant's objects and values are ciphertext in the bucket and read back
+    /// clear, by range too; another master key, or none, opens nothing.
+    #[tokio::test]
+    async fn encrypted_tenants_store_ciphertext() {
+        let master = || MasterKey::from_hex(&"5a".repeat(32)).unwrap();
+        let store = Store::open("memory:")
+            .unwrap()
+            .with_named(vec![], Some(master()))
+            .unwrap();
+        let wrapped = store.new_data_key("enc").unwrap();
+        let w2 = wrapped.clone();
+        store.set_resolver(Arc::new(move |t: String| {
+            let w = w2.clone();
+            Box::pin(async move {
+                Ok(Placed {
+                    store: None,
+                    data_key: (t == "enc").then_some(w),
+                })
+            })
+        }));
+        let plain: Vec<u8> = b"the quick brown fox ".repeat(20_000);
+        let (r, _) = store.put_object("enc", &plain).await.unwrap();
+        let key = Store::object_key("enc", &r.id);
+        let raw = store
+            .default_inner()
+            .get(&key)
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        assert!(!raw.windows(20).any(|w| w == b"the quick brown fox "));
+        let (rc, _) = store.put_object("clear", &plain).await.unwrap();
+        let rawc = store
+            .default_inner()
+            .get(&Store::object_key("clear", &rc.id))
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        assert!(rawc.windows(20).any(|w| w == b"the quick brown fox "));
+        assert_eq!(raw.len(), rawc.len(), "objects keep their length");
+        // Range reads decipher (what the reader verifies against the frame hashes).
+        let clear = store.get_range(&key, 0..raw.len() as u64).await.unwrap();
+        let part = store.get_range(&key, 1001..70_001).await.unwrap();
+        assert_eq!(&part[..], &clear[1001..70_001]);
+        assert!(clear.windows(20).any(|w| w == b"the quick brown fox "));
+        assert!(store.local_object_path("enc", &r.id).is_none());
+        // Manifests and values: sealed whole.
+        let m = Manifest::empty(1 << 20).unwrap();
+        let id = store.put_manifest("enc", &m).await.unwrap();
+        assert_eq!(store.get_manifest("enc", &id).await.unwrap(), m);
+        let vk = Path::from("t/enc/relay/s/data/f");
+        store
+            .put_value_opts(&vk, Bytes::from_static(b"relay bytes"), Default::default())
+            .await
+            .unwrap();
+        assert_eq!(&store.get_value(&vk).await.unwrap()[..], b"relay bytes");
+        let rawv = store
+            .default_inner()
+            .get(&vk)
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        assert!(!rawv.windows(5).any(|w| w == b"relay"));
+        // Another node with another master key, or none: refused, clearly.
+        for other in [Some(MasterKey::from_hex(&"a5".repeat(32)).unwrap()), None] {
+            let s2 = Store::from_object_store(store.default_inner().clone(), "memory:")
+                .with_named(vec![], other)
+                .unwrap();
+            let w = wrapped.clone();
+            s2.set_resolver(Arc::new(move |_| {
+                let w = w.clone();
+                Box::pin(async move {
+                    Ok(Placed {
+                        store: None,
+                        data_key: Some(w),
+                    })
+                })
+            }));
+            let e = s2.get_range(&key, 0..10).await.unwrap_err().to_string();
+            assert!(e.contains("master key"), "{e}");
+        }
+        // The same master key elsewhere opens it.
+        let s3 = Store::from_object_store(store.default_inner().clone(), "memory:")
+            .with_named(vec![], Some(master()))
+            .unwrap();
+        s3.bind(
+            "enc",
+            &Placed {
+                store: None,
+                data_key: Some(wrapped),
+            },
+        )
+        .unwrap();
+        assert_eq!(s3.get_manifest("enc", &id).await.unwrap(), m);
+    }
+
     /// Each tenant's keys go to its placement; with a resolver installed, a tenant it cannot
     /// place, or places in a store this node lacks, reaches no store at all.
     #[tokio::test]
@@ -491,11 +763,11 @@ mod tests {
         let own = Store::open("memory:").unwrap();
         let store = Store::open("memory:")
             .unwrap()
-            .with_named(vec![("own".into(), own.clone())])
+            .with_named(vec![("own".into(), own.clone())], None)
             .unwrap();
         assert!(Store::open("memory:")
             .unwrap()
-            .with_named(vec![("../x".into(), own.clone())])
+            .with_named(vec![("../x".into(), own.clone())], None)
             .is_err());
         // Without a resolver (no catalog: tools and tests) every tenant is on the default.
         let (r, _) = store.put_object("a", b"default").await.unwrap();
@@ -506,14 +778,22 @@ mod tests {
             .is_ok());
         store.set_resolver(Arc::new(|t: String| {
             Box::pin(async move {
+                let at = |s: &str| Placed {
+                    store: Some(s.to_string()),
+                    data_key: None,
+                };
                 match t.as_str() {
-                    "mine" => Ok(Some("own".to_string())),
-                    "elsewhere" => Ok(Some("missing".to_string())),
+                    "mine" => Ok(at("own")),
+                    "elsewhere" => Ok(at("missing")),
                     "down" => Err(StoreError::Placement {
                         message: "catalog down".into(),
                         retryable: true,
                     }),
-                    _ => Ok(None),
+                    "sealed" => Ok(Placed {
+                        store: None,
+                        data_key: Some("v1:0:00".into()),
+                    }),
+                    _ => Ok(Placed::default()),
                 }
             })
         }));
@@ -533,7 +813,19 @@ mod tests {
         // Unplaced: nothing local, nothing listed in any store for it.
         assert!(store.local_object_path("down", &r.id).is_none());
         assert!(store.inner_for("down").await.is_err());
-        assert!(store.bind("x", Some("missing")).is_err());
+        assert!(store
+            .bind(
+                "x",
+                &Placed {
+                    store: Some("missing".into()),
+                    data_key: None
+                }
+            )
+            .is_err());
+        // Encrypted, and this node has no master key: no store at all.
+        let e = store.put_object("sealed", b"x").await.unwrap_err();
+        assert!(e.to_string().contains("master key"), "{e}");
+        assert!(store.new_data_key("t").is_err());
         let bad = Path::from("not-a-tenant/key");
         assert!(store.exists(&bad).await.is_err());
     }

@@ -334,10 +334,17 @@ pub async fn run(h: &Client, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
     }
     let ws_path = |ws: &str, tail: &str| format!("/v1/workspaces/{}{tail}", seg(ws));
     match cmd {
-        Cmd::Tenant(TenantCmd::Create { name, store }) => {
+        Cmd::Tenant(TenantCmd::Create {
+            name,
+            store,
+            encrypted,
+        }) => {
             let mut body = json!({"name": name});
             if let Some(s) = store {
                 body["store"] = json!(s);
+            }
+            if encrypted {
+                body["encrypted"] = json!(true);
             }
             let v = h.call(M::POST, "/v1/tenants", Some(body)).await?;
             print(json_out, View::TenantCreated, &v);

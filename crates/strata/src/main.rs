@@ -102,6 +102,10 @@ enum TenantCmd {
         /// and credentials) instead of the default one; fixed for the tenant's life.
         #[arg(long)]
         store: Option<String>,
+        /// Encrypt its data at rest under a key of its own, wrapped by the daemons' master
+        /// key (`master_key_file`); fixed for the tenant's life.
+        #[arg(long)]
+        encrypted: bool,
     },
     /// Every tenant, with its workspace and token counts.
     List,

@@ -322,6 +322,10 @@ pub struct Settings {
     /// in the environment, NAME upper-cased with `-` as `_`). Every node needs the same names.
     #[arg(skip)]
     stores: Option<std::collections::BTreeMap<String, NamedStore>>,
+    /// The master key (64 hex digits, mode 600) that wraps encrypted tenants' data keys
+    /// (`tenant create --encrypted`); every node serving them needs the same one.
+    #[arg(long, env = "STRATA_MASTER_KEY_FILE")]
+    master_key_file: Option<PathBuf>,
 }
 
 /// A store a tenant can be placed in: its own bucket, with its own credentials.
@@ -483,7 +487,17 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
             .with_context(|| format!("opening store {name:?}"))?;
         named.push((name, st));
     }
-    let store = store.with_named(named)?;
+    let master = match &s.master_key_file {
+        Some(p) => Some(
+            strata_store::MasterKey::from_file(p)
+                .with_context(|| format!("reading the master key {}", p.display()))?,
+        ),
+        None => None,
+    };
+    if let Some(m) = &master {
+        tracing::info!(master_key = m.id(), "encrypted tenants can be served");
+    }
+    let store = store.with_named(named, master)?;
     let mut owner = crate::datadir::DataDirLock::daemon(&g.data)?;
     let engine = Engine::open_with(cfg, catalog, store, Arc::new(strata_engine::fs::RealFs))?;
     if admin.is_none() && s.admin_token_file.is_none() {

@@ -67,8 +67,11 @@ CREATE TABLE usage_meter (tenant TEXT PRIMARY KEY, live_bytes BIGINT NOT NULL,
 "#,
     // The store a tenant is placed in (a name from the nodes' configuration; NULL: the
     // default store). Set when the tenant is created, never changed.
+    // and its data key wrapped by a node's master key (an encrypted tenant; `shredded` once
+    // its deletion has destroyed it).
     r#"
 ALTER TABLE tenants ADD COLUMN store TEXT;
+ALTER TABLE tenants ADD COLUMN data_key TEXT;
 "#,
 ];
 
@@ -102,7 +105,7 @@ pub(super) async fn live_tenant(c: &impl GenericClient, t: &str, lock: &str) -> 
 pub(super) async fn tenant_row(c: &impl GenericClient, t: &str, lock: &str) -> Result<TenantInfo> {
     c.query_opt(
         &format!(
-            "SELECT id, created_ms, deleting_ms, quotas, store FROM tenants WHERE id = $1{lock}"
+            "SELECT id, created_ms, deleting_ms, quotas, store, data_key IS NOT NULL FROM tenants WHERE id = $1{lock}"
         ),
         &[&t],
     )
@@ -114,6 +117,7 @@ pub(super) async fn tenant_row(c: &impl GenericClient, t: &str, lock: &str) -> R
         deleting_ms: r.get::<_, Option<i64>>(2).map(|v| v as u64),
         quotas: Quotas::from_column(r.get::<_, Option<String>>(3).as_deref()),
         store: r.get(4),
+        encrypted: r.get(5),
     })
     .ok_or(CatalogError::NotFound {
         what: "tenant",

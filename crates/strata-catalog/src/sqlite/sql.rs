@@ -69,8 +69,11 @@ CREATE TABLE usage_meter (tenant TEXT PRIMARY KEY, live_bytes INTEGER NOT NULL,
 "#,
     // The store a tenant is placed in (a name from the nodes' configuration; NULL: the
     // default store). Set when the tenant is created, never changed.
+    // and its data key wrapped by a node's master key (an encrypted tenant; `shredded` once
+    // its deletion has destroyed it).
     r#"
 ALTER TABLE tenants ADD COLUMN store TEXT;
+ALTER TABLE tenants ADD COLUMN data_key TEXT;
 "#,
 ];
 
@@ -104,7 +107,7 @@ pub(super) fn live_tenant(c: &Connection, t: &str) -> Result<TenantInfo> {
 /// A tenant's row, or `NotFound`.
 pub(super) fn tenant_row(c: &Connection, t: &str) -> Result<TenantInfo> {
     c.query_row(
-        "SELECT id, created_ms, deleting_ms, quotas, store FROM tenants WHERE id = ?1",
+        "SELECT id, created_ms, deleting_ms, quotas, store, data_key IS NOT NULL FROM tenants WHERE id = ?1",
         params![t],
         |r| {
             Ok(TenantInfo {
@@ -113,6 +116,7 @@ pub(super) fn tenant_row(c: &Connection, t: &str) -> Result<TenantInfo> {
                 deleting_ms: r.get::<_, Option<i64>>(2)?.map(|v| v as u64),
                 quotas: Quotas::from_column(r.get::<_, Option<String>>(3)?.as_deref()),
                 store: r.get(4)?,
+                encrypted: r.get(5)?,
             })
         },
     )

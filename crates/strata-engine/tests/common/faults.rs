@@ -210,8 +210,21 @@ impl Catalog for LossyCatalog {
         }
         self.inner.get_workspace(tenant, name).await
     }
-    async fn create_tenant_placed(&self, tenant: &str, store: Option<&str>) -> Result<()> {
-        self.inner.create_tenant_placed(tenant, store).await
+    async fn create_tenant_placed(
+        &self,
+        tenant: &str,
+        store: Option<&str>,
+        data_key: Option<&str>,
+    ) -> Result<()> {
+        self.inner
+            .create_tenant_placed(tenant, store, data_key)
+            .await
+    }
+    async fn tenant_placement(&self, tenant: &str) -> Result<(Option<String>, Option<String>)> {
+        self.inner.tenant_placement(tenant).await
+    }
+    async fn shred_data_key(&self, tenant: &str) -> Result<()> {
+        self.inner.shred_data_key(tenant).await
     }
     async fn tenant_exists(&self, tenant: &str) -> Result<bool> {
         self.inner.tenant_exists(tenant).await
