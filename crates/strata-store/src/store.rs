@@ -241,6 +241,7 @@ impl Store {
             )),
             (Some(w), Some(m)) => match m.unwrap(tenant, w) {
                 Ok(k) => Sealing::Key(Arc::new(k)),
+                Err(StoreError::Placement { message, .. }) => Sealing::Locked(message),
                 Err(e) => Sealing::Locked(e.to_string()),
             },
         };

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use common::*;
 use futures::StreamExt;
+use object_store::ObjectStoreExt;
 use reqwest::StatusCode;
 use serde_json::json;
 use strata_nbd::client::Client;
@@ -339,4 +340,226 @@ async fn tenants_in_their_own_buckets_stay_there() {
             "no request reached {bucket}"
         );
     }
+}
+
+/// Every 4 KiB block of `known` found whole in `hay`.
+fn known_blocks_in(hay: &[u8], known: &[Vec<u8>]) -> usize {
+    let firsts: std::collections::HashMap<&[u8], Vec<&Vec<u8>>> =
+        known.iter().fold(Default::default(), |mut m, b| {
+            m.entry(&b[..32]).or_default().push(b);
+            m
+        });
+    let mut found = std::collections::HashSet::new();
+    for i in 0..hay.len().saturating_sub(4095) {
+        if let Some(cands) = firsts.get(&hay[i..i + 32]) {
+            for c in cands {
+                if &hay[i..i + 4096] == c.as_slice() {
+                    found.insert(c.as_ptr());
+                }
+            }
+        }
+    }
+    found.len()
+}
+
+/// The raw bytes of every key of `tenant` in `bucket`.
+async fn raw_of(endpoint: &str, bucket: &str, tenant: &str) -> Vec<u8> {
+    let s = strata_store::Store::open_with(
+        &format!("s3://{bucket}?endpoint={endpoint}&region=us-east-1&allow_http=true"),
+        &strata_store::Credentials {
+            access_key_id: Some("scan".into()),
+            secret_access_key: Some("scan".into()),
+            session_token: None,
+        },
+    )
+    .unwrap();
+    let mut out = vec![];
+    for k in keys(endpoint, bucket).await {
+        if k.contains(&format!("/t/{tenant}/")) {
+            let b = s
+                .default_inner()
+                .get(&object_store::path::Path::from(k.as_str()))
+                .await
+                .unwrap()
+                .bytes()
+                .await
+                .unwrap();
+            out.extend_from_slice(&b);
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_encrypted_tenant_leaves_only_ciphertext_in_the_bucket() {
+    let Some(sh) = shared("enc").await else {
+        return;
+    };
+    let moto = std::env::var("STRATA_TEST_S3_ENDPOINT").unwrap();
+    let bucket = sh
+        .store
+        .trim_start_matches("s3://")
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    let d = tempfile::tempdir().unwrap();
+    let key_file = |name: &str, hex: &str| {
+        use std::os::unix::fs::PermissionsExt;
+        let p = d.path().join(name);
+        std::fs::write(&p, format!("{hex}\n")).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        p.display().to_string()
+    };
+    let master = key_file("master.key", &"3c".repeat(32));
+    let other = key_file("other.key", &"c3".repeat(32));
+    let node = |dir: &str, id: &str, key: Option<&str>| {
+        let mut extra = vec!["--upload-interval", "1s"];
+        if let Some(k) = key {
+            extra.extend(["--master-key-file", k]);
+        }
+        sh.node(&d.path().join(dir), id, &extra)
+    };
+    let a = node("a", "node-a", Some(&master));
+    let admin = Api::new(&a.url, ADMIN);
+    let mut tok = BTreeMap::new();
+    for (t, enc) in [("sealed", true), ("clear", false)] {
+        let (s, v) = admin
+            .post("/v1/tenants", json!({"name": t, "encrypted": enc}))
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        tok.insert(t, v["token"].as_str().unwrap().to_string());
+    }
+    let (_, list) = admin.get("/v1/tenants").await;
+    let enc_of = |t: &str| {
+        list.as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["name"] == t)
+            .unwrap()["encrypted"]
+            .clone()
+    };
+    assert_eq!(
+        (enc_of("sealed"), enc_of("clear")),
+        (json!(true), json!(false))
+    );
+
+    // The known file: 256 blocks of 4 KiB, each unique and readable.
+    let block = |tag: &str, i: usize| -> Vec<u8> {
+        let line = format!("{tag} known block {i:06} of a file the bucket must not show. ");
+        line.into_bytes().repeat(100)[..4096].to_vec()
+    };
+    let image: Vec<u8> = (0..256).flat_map(|i| block("image", i)).collect();
+    let written: Vec<u8> = (0..16).flat_map(|i| block("written", i)).collect();
+    let relayed: Vec<u8> = (0..4).flat_map(|i| block("relayed", i)).collect();
+    let known: Vec<Vec<u8>> = [&image, &written, &relayed]
+        .iter()
+        .flat_map(|f| f.chunks(4096).map(<[u8]>::to_vec).collect::<Vec<_>>())
+        .collect();
+    for t in ["sealed", "clear"] {
+        let api = Api::new(&a.url, &tok[t]);
+        let (s, v) = api
+            .put_bytes("/v1/templates/base?format=raw", image.clone())
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{t}: {v}");
+        let (s, v) = api
+            .post("/v1/workspaces", json!({"name": "w", "template": "base"}))
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{t}: {v}");
+        let (s, att) = api.post("/v1/workspaces/w/attach", json!({})).await;
+        assert_eq!(s, StatusCode::OK, "{t}: {att}");
+        let mut c = Client::connect_unix(Path::new(att["socket"].as_str().unwrap()), "w")
+            .await
+            .unwrap();
+        c.write(512 << 10, &written, false).await.unwrap();
+        c.flush().await.unwrap();
+        drop(c);
+        let (s, v) = api
+            .post("/v1/workspaces/w/checkpoint", json!({"wait": true}))
+            .await;
+        assert_eq!(s, StatusCode::OK, "{t}: {v}");
+        let (s, v) = api.post("/v1/workspaces/w/detach", json!({})).await;
+        assert_eq!(s, StatusCode::OK, "{t}: {v}");
+        let (s, v) = api
+            .post("/v1/relay", json!({"name": "out", "sync": true}))
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{t}: {v}");
+        let (s, v) = api.put_bytes("/v1/relay/out/result", relayed.clone()).await;
+        assert_eq!(s, StatusCode::CREATED, "{t}: {v}");
+    }
+
+    // The scan: the clear tenant's keys show the file (the scan works), the sealed one's none.
+    let clear_raw = raw_of(&moto, &bucket, "clear").await;
+    let sealed_raw = raw_of(&moto, &bucket, "sealed").await;
+    let (in_clear, in_sealed) = (
+        known_blocks_in(&clear_raw, &known),
+        known_blocks_in(&sealed_raw, &known),
+    );
+    eprintln!(
+        "known 4 KiB blocks found: clear tenant {in_clear} of {} in {} bytes; encrypted tenant {in_sealed} in {} bytes",
+        known.len(),
+        clear_raw.len(),
+        sealed_raw.len()
+    );
+    assert!(
+        in_clear >= 256 + 16,
+        "the scan found too little: {in_clear}"
+    );
+    assert_eq!(in_sealed, 0, "plaintext of a known file in the bucket");
+    for needle in [&b"known block"[..], b"relayed", b"written"] {
+        assert!(!sealed_raw.windows(needle.len()).any(|w| w == needle));
+    }
+
+    // Restore on another node with the master key: the data reads back.
+    let b = node("b", "node-b", Some(&master));
+    let sealed_b = Api::new(&b.url, &tok["sealed"]);
+    let (s, att) = sealed_b.post("/v1/workspaces/w/attach", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{att}");
+    let mut c = Client::connect_unix(Path::new(att["socket"].as_str().unwrap()), "w")
+        .await
+        .unwrap();
+    assert_eq!(
+        c.read(512 << 10, written.len() as u32).await.unwrap(),
+        written
+    );
+    assert_eq!(c.read(0, 512 << 10).await.unwrap(), image[..512 << 10]);
+    drop(c);
+    let (s, v) = sealed_b.post("/v1/workspaces/w/detach", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let r = reqwest::Client::new()
+        .get(format!("{}/v1/relay/out/result", b.url))
+        .bearer_auth(&tok["sealed"])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.bytes().await.unwrap().to_vec(), relayed);
+
+    // Without the master key, or with another: refused, saying why; the clear tenant works.
+    for (dir, id, key) in [("c", "node-c", None), ("d", "node-d", Some(other.as_str()))] {
+        let n = node(dir, id, key);
+        let api = Api::new(&n.url, &tok["sealed"]);
+        let (s, v) = api.post("/v1/workspaces/w/attach", json!({})).await;
+        assert_ne!(s, StatusCode::OK, "{id}: {v}");
+        assert!(v.to_string().contains("master key"), "{id}: {v}");
+        let (s, v) = api.get("/v1/relay/out/result").await;
+        assert_ne!(s, StatusCode::OK, "{id}: {v}");
+        let clear = Api::new(&n.url, &tok["clear"]);
+        let (s, v) = clear.post("/v1/workspaces/w/attach", json!({})).await;
+        assert_eq!(s, StatusCode::OK, "{id}: {v}");
+        let (s, v) = clear.post("/v1/workspaces/w/detach", json!({})).await;
+        assert_eq!(s, StatusCode::OK, "{id}: {v}");
+        // Nor can it create encrypted tenants.
+        if key.is_none() {
+            let (s, v) = Api::new(&n.url, ADMIN)
+                .post("/v1/tenants", json!({"name": "nokey", "encrypted": true}))
+                .await;
+            assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+        }
+    }
+
+    // Deleting the tenant destroys its key and its keys.
+    let (s, v) = admin.delete("/v1/tenants/sealed").await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert!(raw_of(&moto, &bucket, "sealed").await.is_empty());
 }
