@@ -311,6 +311,14 @@ pub struct Quotas {
     /// ENOSPC (that write only, for that tenant only) until uploads free room.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub local_journal_bytes: Option<u64>,
+    /// Live bytes of its data in the object store (deduplicated, as usage counts them): while
+    /// past it, creates, forks, checkpoints, template builds and relay files are refused.
+    /// Guest writes, and the publishes that make them durable, never are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub live_bytes: Option<u64>,
+    /// Relay bytes waiting on one node for upload: a relay PUT that would pass it is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relay_bytes: Option<u64>,
 }
 
 impl Quotas {
@@ -327,6 +335,8 @@ impl Quotas {
             disk_bytes: Option<u64>,
             attached_per_node: Option<u64>,
             local_journal_bytes: Option<u64>,
+            live_bytes: Option<u64>,
+            relay_bytes: Option<u64>,
         }
         s.and_then(|s| serde_json::from_str::<Lenient>(s).ok())
             .map(|l| Quotas {
@@ -334,6 +344,8 @@ impl Quotas {
                 disk_bytes: l.disk_bytes,
                 attached_per_node: l.attached_per_node,
                 local_journal_bytes: l.local_journal_bytes,
+                live_bytes: l.live_bytes,
+                relay_bytes: l.relay_bytes,
             })
             .unwrap_or_default()
     }

@@ -93,6 +93,7 @@ pub(crate) async fn upload_template(
     Query(q): Query<UploadTemplate>,
     content: Body,
 ) -> Result<(StatusCode, Json<Template>), ApiError> {
+    d.live_quota(&t, "a template").await?;
     let kind = q.format.as_str();
     if !matches!(kind, "tar" | "raw" | "qcow2") {
         return Err(ApiError::invalid(
@@ -187,6 +188,7 @@ pub(crate) async fn import_template(
     b: Result<Json<BuildTemplate>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Template>), ApiError> {
     let b = body(b)?;
+    d.live_quota(&t, "a template").await?;
     if b.from_dir.is_some() || b.from_image.is_some() {
         return Err(ApiError::invalid(
             "from_dir and from_image (host paths) are not accepted: send the content with PUT /v1/templates/NAME?format=tar|raw|qcow2 (what `strata template build` does), or name a file in the operator's import directory with \"import\"",

@@ -263,6 +263,54 @@ impl Daemon {
         Ok(Some(guard))
     }
 
+    /// Refuses an operation that adds to the tenant's data in the store while its live bytes
+    /// are past its `live_bytes` quota (counted from the catalog now, as usage does).
+    pub(crate) async fn live_quota(&self, t: &str, what: &str) -> Result<(), ApiError> {
+        let cat = self.engine.catalog();
+        let Some(max) = cat.get_tenant(t).await?.quotas.live_bytes else {
+            return Ok(());
+        };
+        let live = cat.store_usage(t).await?.live_bytes;
+        if live >= max {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "quota",
+                format!("quota exceeded: tenant {t:?} may keep {max} live bytes in the store and keeps {live}; {what} refused (expire checkpoints or delete workspaces or templates)"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a relay file of `incoming` bytes that would take the tenant's relay bytes
+    /// waiting on this node past its `relay_bytes` quota.
+    pub(crate) async fn relay_quota(&self, t: &str, incoming: u64) -> Result<(), ApiError> {
+        let Some(max) = self
+            .engine
+            .catalog()
+            .get_tenant(t)
+            .await?
+            .quotas
+            .relay_bytes
+        else {
+            return Ok(());
+        };
+        let pending: u64 = self
+            .relay
+            .lag()
+            .iter()
+            .filter(|((tenant, _), _)| tenant == t)
+            .map(|(_, l)| l.pending_bytes)
+            .sum();
+        if pending.saturating_add(incoming) > max {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "quota",
+                format!("quota exceeded: tenant {t:?} may have {max} relay bytes waiting for upload on a node; {pending} are waiting here and this file is {incoming}"),
+            ));
+        }
+        Ok(())
+    }
+
     /// Refuses growing `ws` to `size` past the tenant's `disk_bytes` quota.
     pub(crate) async fn resize_quota(&self, t: &str, ws: &str, size: u64) -> Result<(), ApiError> {
         let cat = self.engine.catalog();

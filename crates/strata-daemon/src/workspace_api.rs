@@ -48,6 +48,7 @@ pub(crate) async fn create_workspace(
     b: Result<Json<CreateWorkspace>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Workspace>), ApiError> {
     let b = body(b)?;
+    d.live_quota(&t, "a new workspace").await?;
     let source = match (b.template, b.from, b.size) {
         (Some(tpl), None, None) => Source::Template(tpl),
         (None, Some(from), None) => {
@@ -195,6 +196,7 @@ pub(crate) async fn checkpoint(
 ) -> R<Published> {
     let b = optional_body(b)?;
     d.engine.workspace(&t, &name).await?;
+    d.live_quota(&t, "a checkpoint").await?;
     let keep_until = match b.keep_secs {
         Some(s) if s > 100 * 365 * 86400 => {
             return Err(ApiError::invalid("keep_secs is over 100 years"))
@@ -229,6 +231,7 @@ pub(crate) async fn fork(
     b: Result<Json<ForkRequest>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Workspace>), ApiError> {
     let b = body(b)?;
+    d.live_quota(&t, "a fork").await?;
     let started = std::time::Instant::now();
     let r = own_task({
         let d = d.clone();

@@ -391,12 +391,16 @@ pub async fn run(h: &Client, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
             disk_bytes,
             attached_per_node,
             local_journal_bytes,
+            live_bytes,
+            relay_bytes,
         }) => {
             let body = json!({
                 "workspaces": workspaces,
                 "disk_bytes": disk_bytes.map(|s| s.0),
                 "attached_per_node": attached_per_node,
                 "local_journal_bytes": local_journal_bytes.map(|s| s.0),
+                "live_bytes": live_bytes.map(|s| s.0),
+                "relay_bytes": relay_bytes.map(|s| s.0),
             });
             let v = h
                 .call(

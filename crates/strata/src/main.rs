@@ -136,6 +136,13 @@ enum TenantCmd {
         /// Journal bytes it may hold on one node's disk; writes past it get ENOSPC.
         #[arg(long)]
         local_journal_bytes: Option<units::Size>,
+        /// Live bytes in the object store; past it, creates, forks, checkpoints, templates and
+        /// relay files are refused (guest writes are not).
+        #[arg(long)]
+        live_bytes: Option<units::Size>,
+        /// Relay bytes waiting for upload on one node; a relay file past it is refused.
+        #[arg(long)]
+        relay_bytes: Option<units::Size>,
     },
 }
 

@@ -899,3 +899,88 @@ async fn a_tenant_at_its_quota_gets_enospc_and_the_other_writes_on() {
         "{gained} byte-seconds over 0.3 s of {live} bytes: {later}"
     );
 }
+
+/// The store quotas: past `live_bytes`, what adds data to the store is refused (a guest's
+/// writes and their publishes are not); a relay file that would pass `relay_bytes` waiting on
+/// the node is refused. Usage's live bytes match a recount from the bucket's own files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_and_relay_byte_quotas_refuse_what_adds_to_the_store() {
+    let d = tempfile::tempdir().unwrap();
+    let node = serve(&d.path().join("data"), &["--upload-interval", "1h"]);
+    let admin = Api::new(&node.url, ADMIN);
+    let t = tenant(&node.url, "lq").await;
+    let (s, v) = t
+        .put_bytes("/v1/templates/base?format=raw", vec![9u8; 2 << 20])
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (s, v) = t
+        .post("/v1/workspaces", json!({"name": "w", "template": "base"}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (_, u) = t.get("/v1/usage").await;
+    let live = u["store"]["live_bytes"].as_u64().unwrap();
+    // Recount from scratch: the template's objects, on the store's own disk.
+    let mut on_disk = 0;
+    let mut stack = vec![d.path().join("data/objects/t/lq/obj")];
+    while let Some(p) = stack.pop() {
+        for e in std::fs::read_dir(&p).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                stack.push(e.path());
+            } else {
+                on_disk += e.metadata().unwrap().len();
+            }
+        }
+    }
+    eprintln!("live bytes: usage {live}, recount of the object files {on_disk}");
+    // Usage counts the objects' data (here the 2 MiB image), the files add their framing.
+    assert_eq!(live, 2 << 20, "{u}");
+    assert!(on_disk >= live && on_disk - live < 64 << 10, "{on_disk}");
+    let quota = |q: Value| {
+        let admin = &admin;
+        async move {
+            let (s, v) = admin
+                .call(Method::PUT, "/v1/tenants/lq/quotas", Some(q))
+                .await;
+            assert_eq!(s, StatusCode::OK, "{v}");
+        }
+    };
+    quota(json!({"live_bytes": live})).await;
+    let refused = |(s, v): (StatusCode, Value)| {
+        assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
+        assert_eq!(v["error"]["kind"], "quota", "{v}");
+    };
+    refused(
+        t.post("/v1/workspaces", json!({"name": "w2", "template": "base"}))
+            .await,
+    );
+    refused(t.post("/v1/workspaces/w/fork", json!({"name": "f"})).await);
+    refused(t.post("/v1/workspaces/w/checkpoint", json!({})).await);
+    refused(
+        t.put_bytes("/v1/templates/more?format=raw", vec![1u8; 1 << 20])
+            .await,
+    );
+    // A guest's writes and their publish are not refused.
+    let (s, att) = t.post("/v1/workspaces/w/attach", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{att}");
+    let mut c = Client::connect_unix(Path::new(att["socket"].as_str().unwrap()), "w")
+        .await
+        .unwrap();
+    c.write(0, &[3u8; 65536], false).await.unwrap();
+    c.flush().await.unwrap();
+    drop(c);
+    let (s, v) = t.post("/v1/workspaces/w/detach", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    // Raised: allowed again.
+    quota(json!({"live_bytes": live * 4, "relay_bytes": 1000})).await;
+    let (s, v) = t.post("/v1/workspaces/w/checkpoint", json!({})).await;
+    assert_ne!(s, StatusCode::FORBIDDEN, "{v}");
+    // Relay bytes waiting on this node (uploads every hour here).
+    let (s, v) = t.post("/v1/relay", json!({"name": "out"})).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (s, v) = t.put_bytes("/v1/relay/out/a", vec![1u8; 600]).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    refused(t.put_bytes("/v1/relay/out/b", vec![1u8; 600]).await);
+    let (s, v) = t.put_bytes("/v1/relay/out/c", vec![1u8; 300]).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+}
