@@ -79,16 +79,25 @@ async fn tenant_placement(cat: &dyn Catalog) {
     cat.create_tenant_placed("placed", Some("own-bucket"), Some("v1:k:wrapped"))
         .await
         .unwrap();
+    let p = cat.tenant_placement("placed").await.unwrap();
     assert_eq!(
-        cat.tenant_placement("placed").await.unwrap(),
+        (p.store, p.data_key),
         (Some("own-bucket".into()), Some("v1:k:wrapped".into()))
+    );
+    assert_eq!(
+        p.created_ms,
+        cat.get_tenant("placed").await.unwrap().created_ms
     );
     assert!(cat.get_tenant("placed").await.unwrap().encrypted);
     assert!(cat.tenant_placement("nobody").await.is_err());
     // The key is destroyed only by a deletion.
     assert!(cat.shred_data_key("placed").await.is_err());
     assert_eq!(
-        cat.tenant_placement("placed").await.unwrap().1.as_deref(),
+        cat.tenant_placement("placed")
+            .await
+            .unwrap()
+            .data_key
+            .as_deref(),
         Some("v1:k:wrapped")
     );
     cat.create_tenant("unplaced").await.unwrap();
@@ -112,12 +121,19 @@ async fn tenant_placement(cat: &dyn Catalog) {
     cat.shred_data_key("placed").await.unwrap();
     cat.shred_data_key("placed").await.unwrap();
     assert_eq!(
-        cat.tenant_placement("placed").await.unwrap().1.as_deref(),
+        cat.tenant_placement("placed")
+            .await
+            .unwrap()
+            .data_key
+            .as_deref(),
         Some("shredded")
     );
     cat.begin_tenant_delete("unplaced").await.unwrap();
     cat.shred_data_key("unplaced").await.unwrap();
-    assert_eq!(cat.tenant_placement("unplaced").await.unwrap().1, None);
+    assert_eq!(
+        cat.tenant_placement("unplaced").await.unwrap().data_key,
+        None
+    );
     cat.purge_tenant("placed").await.unwrap();
     cat.purge_tenant("unplaced").await.unwrap();
 }

@@ -318,8 +318,9 @@ pub trait Catalog: Send + Sync + 'static {
         store: Option<&str>,
         data_key: Option<&str>,
     ) -> Result<()>;
-    /// A tenant's placement: its named store and its wrapped data key.
-    async fn tenant_placement(&self, tenant: &str) -> Result<(Option<String>, Option<String>)>;
+    /// A tenant's placement: its named store, its wrapped data key, and when it was created
+    /// (a tenant deleted and created again under its name is another one).
+    async fn tenant_placement(&self, tenant: &str) -> Result<TenantPlacement>;
     /// Destroys a tenant's data key (crypto-shredding), once its deletion is marked: what is
     /// left of its data in the store can no longer be opened.
     async fn shred_data_key(&self, tenant: &str) -> Result<()>;

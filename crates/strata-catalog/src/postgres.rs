@@ -45,15 +45,19 @@ impl Catalog for PostgresCatalog {
         Ok(())
     }
 
-    async fn tenant_placement(&self, tenant: &str) -> Result<(Option<String>, Option<String>)> {
+    async fn tenant_placement(&self, tenant: &str) -> Result<TenantPlacement> {
         let c = self.conn().await?;
         c.query_opt(
-            "SELECT store, data_key FROM tenants WHERE id = $1",
+            "SELECT store, data_key, created_ms FROM tenants WHERE id = $1",
             &[&tenant],
         )
         .await
         .map_err(be)?
-        .map(|r| (r.get(0), r.get(1)))
+        .map(|r| TenantPlacement {
+            store: r.get(0),
+            data_key: r.get(1),
+            created_ms: r.get::<_, i64>(2) as u64,
+        })
         .ok_or(CatalogError::NotFound {
             what: "tenant",
             name: tenant.into(),

@@ -41,13 +41,19 @@ impl Catalog for SqliteCatalog {
         .await
     }
 
-    async fn tenant_placement(&self, tenant: &str) -> Result<(Option<String>, Option<String>)> {
+    async fn tenant_placement(&self, tenant: &str) -> Result<TenantPlacement> {
         let t = tenant.to_string();
         self.run(move |c| {
             c.query_row(
-                "SELECT store, data_key FROM tenants WHERE id = ?1",
+                "SELECT store, data_key, created_ms FROM tenants WHERE id = ?1",
                 params![t],
-                |r| Ok((r.get(0)?, r.get(1)?)),
+                |r| {
+                    Ok(TenantPlacement {
+                        store: r.get(0)?,
+                        data_key: r.get(1)?,
+                        created_ms: r.get::<_, i64>(2)? as u64,
+                    })
+                },
             )
             .optional()
             .map_err(be)?

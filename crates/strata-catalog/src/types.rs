@@ -294,6 +294,15 @@ pub struct TenantInfo {
     pub encrypted: bool,
 }
 
+/// Where a tenant's data goes and how it is sealed (see `Catalog::tenant_placement`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TenantPlacement {
+    pub store: Option<String>,
+    pub data_key: Option<String>,
+    /// The tenant row's creation time: tells a tenant from a later one of the same name.
+    pub created_ms: u64,
+}
+
 /// A tenant's limits, set by the admin; an absent field is no limit.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]

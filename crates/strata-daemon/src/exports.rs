@@ -213,6 +213,9 @@ impl Daemon {
             let lock = d.op_lock(&k);
             let _op = lock.lock().await;
             d.refuse_if_mounted(&t, &ws, &format!("attaching it over {}", req.protocol))?;
+            if d.engine.volume(&t, &ws).is_none() {
+                d.refresh_placement(&t).await?;
+            }
             // A stop drains every export once: nothing new is exported after it began.
             if d.mounts_stopping.load(std::sync::atomic::Ordering::SeqCst) {
                 return Err(ApiError::new(

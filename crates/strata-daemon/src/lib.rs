@@ -413,6 +413,9 @@ impl Daemon {
                 let Some(d) = up.upgrade() else { return };
                 // Every pass: tenants with files to upload; every minute: all on this disk.
                 d.forget_deleted_relay_tenants(pass % 240 == 0).await;
+                if pass % 240 == 0 {
+                    d.sweep_placements().await;
+                }
                 d.relay.upload_pending().await;
             }
         });

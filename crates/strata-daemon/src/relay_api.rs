@@ -236,6 +236,7 @@ pub(crate) async fn put_relay_file(
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok());
+    d.refresh_placement(&t).await?;
     d.relay_quota(&t, declared.unwrap_or(0)).await?;
     d.live_quota(&t, "a relay file").await?;
     let (f, created) = d

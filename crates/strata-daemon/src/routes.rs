@@ -222,6 +222,8 @@ pub(crate) async fn create_tenant(
         }
     }
     let placed = strata_store::Placed {
+        // Set from the catalog's row at the first refresh; 0 matches no row.
+        incarnation: 0,
         store: b.store,
         data_key: match b.encrypted {
             true => Some(

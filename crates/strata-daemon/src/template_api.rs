@@ -93,6 +93,7 @@ pub(crate) async fn upload_template(
     Query(q): Query<UploadTemplate>,
     content: Body,
 ) -> Result<(StatusCode, Json<Template>), ApiError> {
+    d.refresh_placement(&t).await?;
     d.live_quota(&t, "a template").await?;
     let kind = q.format.as_str();
     if !matches!(kind, "tar" | "raw" | "qcow2") {
@@ -188,6 +189,7 @@ pub(crate) async fn import_template(
     b: Result<Json<BuildTemplate>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Template>), ApiError> {
     let b = body(b)?;
+    d.refresh_placement(&t).await?;
     d.live_quota(&t, "a template").await?;
     if b.from_dir.is_some() || b.from_image.is_some() {
         return Err(ApiError::invalid(

@@ -263,6 +263,41 @@ impl Daemon {
         Ok(Some(guard))
     }
 
+    /// Reads the tenant's placement again where it starts writing on this node: a tenant
+    /// deleted and created again (perhaps through another node) may be placed elsewhere or
+    /// keyed otherwise, and this node must not go on with the old one's.
+    pub(crate) async fn refresh_placement(&self, t: &str) -> Result<(), ApiError> {
+        self.engine.reader().store().refresh(t).await.map_err(|e| {
+            let mut a = ApiError::new(
+                if e.is_retryable() {
+                    StatusCode::SERVICE_UNAVAILABLE
+                } else {
+                    StatusCode::INTERNAL_SERVER_ERROR
+                },
+                "placement",
+                e.to_string(),
+            );
+            a.retryable = e.is_retryable();
+            a
+        })
+    }
+
+    /// Forgets the placement (and data key) of every tenant this node holds that is deleted
+    /// or being deleted: run every minute.
+    pub(crate) async fn sweep_placements(&self) {
+        let store = self.engine.reader().store();
+        for t in store.bound_tenants() {
+            let gone = match self.engine.catalog().get_tenant(&t).await {
+                Ok(i) => i.deleting_ms.is_some(),
+                Err(strata_catalog::CatalogError::NotFound { .. }) => true,
+                Err(_) => false,
+            };
+            if gone {
+                store.unbind(&t);
+            }
+        }
+    }
+
     /// Refuses an operation that adds to the tenant's data in the store while its live bytes
     /// are past its `live_bytes` quota (counted from the catalog now, as usage does).
     pub(crate) async fn live_quota(&self, t: &str, what: &str) -> Result<(), ApiError> {

@@ -48,6 +48,7 @@ pub(crate) async fn create_workspace(
     b: Result<Json<CreateWorkspace>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Workspace>), ApiError> {
     let b = body(b)?;
+    d.refresh_placement(&t).await?;
     d.live_quota(&t, "a new workspace").await?;
     let source = match (b.template, b.from, b.size) {
         (Some(tpl), None, None) => Source::Template(tpl),
@@ -231,6 +232,7 @@ pub(crate) async fn fork(
     b: Result<Json<ForkRequest>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Workspace>), ApiError> {
     let b = body(b)?;
+    d.refresh_placement(&t).await?;
     d.live_quota(&t, "a fork").await?;
     let started = std::time::Instant::now();
     let r = own_task({

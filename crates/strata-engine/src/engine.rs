@@ -140,7 +140,11 @@ impl Engine {
             Box::pin(async move {
                 cat.tenant_placement(&tenant)
                     .await
-                    .map(|(store, data_key)| strata_store::Placed { store, data_key })
+                    .map(|p| strata_store::Placed {
+                        store: p.store,
+                        data_key: p.data_key,
+                        incarnation: p.created_ms,
+                    })
                     .map_err(|e| strata_store::StoreError::Placement {
                         retryable: e.is_retryable(),
                         message: format!("placing tenant {tenant:?}: {e}"),

@@ -223,14 +223,14 @@ impl Engine {
             opts.dry_run,
         ) {
             for tenant in self.catalog().list_tenants().await? {
-                if self.live_tenant(&tenant).await? {
+                if self.live_tenant(&tenant).await? && self.servable(&tenant).await {
                     self.compact_detached(&tenant, t, after, &mut report)
                         .await?;
                 }
             }
         }
         for tenant in self.catalog().list_tenants().await? {
-            if !self.live_tenant(&tenant).await? {
+            if !self.live_tenant(&tenant).await? || !self.servable(&tenant).await {
                 continue;
             }
             report.tenants += 1;
@@ -244,6 +244,28 @@ impl Engine {
         }
         report.duration_ms = started.elapsed().as_millis() as u64;
         Ok(report)
+    }
+
+    /// Whether this node can read and write the tenant's store, as the catalog places it now
+    /// (a tenant of the name deleted and created again elsewhere is placed again): a tenant in
+    /// a store this node lacks, or encrypted under a key it does not hold, is left to the
+    /// nodes that can (and said so in the log), not a failure of the whole pass.
+    async fn servable(&self, tenant: &str) -> bool {
+        let store = self.reader().store();
+        match store.refresh(tenant).await {
+            Ok(()) if !store.is_locked(tenant) => true,
+            Ok(()) => {
+                tracing::warn!(
+                    tenant,
+                    "GC skips an encrypted tenant whose key this node does not hold"
+                );
+                false
+            }
+            Err(e) => {
+                tracing::warn!(tenant, error = %e, "GC skips a tenant this node cannot place");
+                false
+            }
+        }
     }
 
     /// Whether GC may work on the tenant: it exists and is not being deleted (here or on

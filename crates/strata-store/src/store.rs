@@ -36,6 +36,9 @@ pub struct Placed {
     pub store: Option<String>,
     /// Its data key wrapped by a master key (an encrypted tenant); `None`: not encrypted.
     pub data_key: Option<String>,
+    /// Which tenant of that name (its creation time): one deleted and created again is
+    /// another, perhaps placed elsewhere.
+    pub incarnation: u64,
 }
 
 /// Finds a tenant's placement.
@@ -47,6 +50,7 @@ pub type Resolver =
 struct Target {
     backend: Arc<Backend>,
     key: Sealing,
+    incarnation: u64,
 }
 
 /// How a tenant's contents are sealed.
@@ -245,8 +249,39 @@ impl Store {
                 Err(e) => Sealing::Locked(e.to_string()),
             },
         };
-        write(&self.placement.bound).insert(tenant.to_string(), Target { backend, key });
+        let incarnation = placed.incarnation;
+        write(&self.placement.bound).insert(
+            tenant.to_string(),
+            Target {
+                backend,
+                key,
+                incarnation,
+            },
+        );
         Ok(())
+    }
+
+    /// Reads `tenant`'s placement again and binds it if it is another tenant of that name than
+    /// the one bound (deleted and created again, perhaps by another node). Called where a
+    /// tenant starts writing on this node (attach, creates, templates, relay, GC).
+    pub async fn refresh(&self, tenant: &str) -> Result<()> {
+        let r = read(&self.placement.resolver).clone();
+        let Some(r) = r else {
+            return Ok(());
+        };
+        let placed = r(tenant.to_string()).await?;
+        let same = read(&self.placement.bound)
+            .get(tenant)
+            .is_some_and(|t| t.incarnation == placed.incarnation);
+        if !same {
+            self.bind(tenant, &placed)?;
+        }
+        Ok(())
+    }
+
+    /// The tenants whose placement this node holds.
+    pub fn bound_tenants(&self) -> Vec<String> {
+        read(&self.placement.bound).keys().cloned().collect()
     }
 
     /// Forgets `tenant`'s placement and data key (it was deleted; a new tenant of that name
@@ -261,6 +296,12 @@ impl Store {
             .is_some_and(|t| !matches!(t.key, Sealing::Clear))
     }
 
+    /// Whether `tenant` is encrypted under a key this node cannot use.
+    pub fn is_locked(&self, tenant: &str) -> bool {
+        self.known(tenant)
+            .is_some_and(|t| matches!(t.key, Sealing::Locked(_)))
+    }
+
     /// Where a tenant whose placement is known now goes (no resolver: the default, clear).
     fn known(&self, tenant: &str) -> Option<Target> {
         match read(&self.placement.bound).get(tenant) {
@@ -268,6 +309,7 @@ impl Store {
             None if read(&self.placement.resolver).is_none() => Some(Target {
                 backend: self.default.clone(),
                 key: Sealing::Clear,
+                incarnation: 0,
             }),
             None => None,
         }
@@ -282,6 +324,7 @@ impl Store {
             return Ok(Target {
                 backend: self.default.clone(),
                 key: Sealing::Clear,
+                incarnation: 0,
             });
         };
         let placed = r(tenant.to_string()).await?;
@@ -673,6 +716,7 @@ mod tests {
                 Ok(Placed {
                     store: None,
                     data_key: (t == "enc").then_some(w),
+                    incarnation: 0,
                 })
             })
         }));
@@ -736,6 +780,7 @@ mod tests {
                     Ok(Placed {
                         store: None,
                         data_key: Some(w),
+                        incarnation: 0,
                     })
                 })
             }));
@@ -751,6 +796,7 @@ mod tests {
             &Placed {
                 store: None,
                 data_key: Some(wrapped),
+                incarnation: 0,
             },
         )
         .unwrap();
@@ -782,6 +828,7 @@ mod tests {
                 let at = |s: &str| Placed {
                     store: Some(s.to_string()),
                     data_key: None,
+                    incarnation: 0,
                 };
                 match t.as_str() {
                     "mine" => Ok(at("own")),
@@ -793,6 +840,7 @@ mod tests {
                     "sealed" => Ok(Placed {
                         store: None,
                         data_key: Some("v1:0:00".into()),
+                        incarnation: 0,
                     }),
                     _ => Ok(Placed::default()),
                 }
@@ -819,7 +867,8 @@ mod tests {
                 "x",
                 &Placed {
                     store: Some("missing".into()),
-                    data_key: None
+                    data_key: None,
+                    incarnation: 0
                 }
             )
             .is_err());

@@ -320,6 +320,36 @@ async fn tenants_in_their_own_buckets_stay_there() {
     assert!(ob2.is_empty(), "{ob2:?}");
     assert_eq!((od2, oa2), (od, oa.clone()));
 
+    // A new tenant of that name, in the default store, used through node b, which had bound
+    // the old one to its bucket (GC above): b reads the placement again.
+    let (s, v) = admin.post("/v1/tenants", json!({"name": "beta"})).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let beta2 = Api::new(&b.url, v["token"].as_str().unwrap());
+    let (s, v) = beta2
+        .put_bytes("/v1/templates/base?format=raw", vec![5u8; 1 << 20])
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (s, v) = beta2
+        .post("/v1/workspaces", json!({"name": "w", "template": "base"}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (s, att) = beta2.post("/v1/workspaces/w/attach", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{att}");
+    let (s, v) = beta2
+        .post("/v1/workspaces/w/checkpoint", json!({"wait": true}))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, v) = beta2.post("/v1/workspaces/w/detach", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let od3 = owners(&keys(&moto, &b_default).await);
+    let ob3 = owners(&keys(&moto, &b_beta).await);
+    eprintln!("after beta's re-creation: shared {od3:?}, beta bucket {ob3:?}");
+    assert!(
+        ob3.is_empty(),
+        "the new beta's data went to the old beta's bucket: {ob3:?}"
+    );
+    assert!(od3.get("beta").copied().unwrap_or(0) > 0, "{od3:?}");
+
     let refused = refused.load(std::sync::atomic::Ordering::Relaxed);
     let seen = seen.lock().unwrap().clone();
     eprintln!("requests by (bucket, key): {seen:?}");

@@ -220,7 +220,7 @@ impl Catalog for LossyCatalog {
             .create_tenant_placed(tenant, store, data_key)
             .await
     }
-    async fn tenant_placement(&self, tenant: &str) -> Result<(Option<String>, Option<String>)> {
+    async fn tenant_placement(&self, tenant: &str) -> Result<strata_catalog::TenantPlacement> {
         self.inner.tenant_placement(tenant).await
     }
     async fn shred_data_key(&self, tenant: &str) -> Result<()> {
