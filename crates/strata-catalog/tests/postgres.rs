@@ -192,6 +192,22 @@ async fn postgres_over_tls_checks_the_server_as_sslmode_says() {
         let m = refused(with(&local, &q)).await;
         assert!(m.to_lowercase().contains("certificate"), "{m}");
     }
+    // A unix socket (the server's directory is the CA's grandparent, see .ci/postgres.sh):
+    // no TLS there, and no host name for it, whatever the mode.
+    let sock_dir = std::path::Path::new(&ca)
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap();
+    let port = url.rsplit_once(':').unwrap().1.split('/').next().unwrap();
+    let db = url.rsplit('/').next().unwrap();
+    for mode in ["prefer", "disable"] {
+        let kv = format!(
+            "host={} port={port} user=postgres dbname={db} sslmode={mode}",
+            sock_dir.display()
+        );
+        assert!(!encrypted(kv).await);
+    }
     let m = refused(with(&url, "sslmode=verify-full")).await;
     assert!(m.contains("sslrootcert"), "{m}");
     let m = refused(with(

@@ -159,6 +159,7 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
 /// A tenant's data key, as the two keys derived from it.
 pub struct DataKey {
     object: [u8; 32],
+    iv: [u8; 32],
     value: LessSafeKey,
 }
 
@@ -172,6 +173,7 @@ impl DataKey {
     fn from_secret(secret: &[u8; 32]) -> DataKey {
         DataKey {
             object: blake3::derive_key("strata 2026-12 object AES-256-CTR", secret),
+            iv: blake3::derive_key("strata 2026-12 object IV", secret),
             value: gcm(&blake3::derive_key(
                 "strata 2026-12 value AES-256-GCM",
                 secret,
@@ -191,7 +193,7 @@ impl DataKey {
             return;
         }
         let base = u128::from_be_bytes(
-            blake3::keyed_hash(&self.object, path.as_bytes()).as_bytes()[..16]
+            blake3::keyed_hash(&self.iv, path.as_bytes()).as_bytes()[..16]
                 .try_into()
                 .expect("16 bytes"),
         );

@@ -481,6 +481,15 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
         },
     )?;
     let mut named = vec![];
+    let mut env_names = std::collections::BTreeMap::new();
+    for name in s.stores.clone().unwrap_or_default().keys() {
+        let var = name.to_uppercase().replace(['-', '.'], "_");
+        if let Some(other) = env_names.insert(var.clone(), name.clone()) {
+            anyhow::bail!(
+                "stores {other:?} and {name:?} would both read STRATA_STORE_{var}_*: rename one"
+            );
+        }
+    }
     for (name, ns) in s.stores.clone().unwrap_or_default() {
         let st = ns
             .open(&name)

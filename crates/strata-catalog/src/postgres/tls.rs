@@ -291,8 +291,15 @@ impl MakeTlsConnect<Socket> for MakeRustls {
     type Error = io::Error;
 
     fn make_tls_connect(&mut self, domain: &str) -> io::Result<RustlsConnect> {
-        let name = ServerName::try_from(domain.to_string())
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        // A unix socket has no host name (tokio-postgres asks with ""): TLS is never tried
+        // over one (the server does not offer it), so only a TLS attempt would fail.
+        let name = match domain {
+            "" => None,
+            d => Some(
+                ServerName::try_from(d.to_string())
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?,
+            ),
+        };
         Ok(RustlsConnect {
             cfg: self.0.clone(),
             name,
@@ -302,7 +309,7 @@ impl MakeTlsConnect<Socket> for MakeRustls {
 
 pub struct RustlsConnect {
     cfg: Arc<rustls::ClientConfig>,
-    name: ServerName<'static>,
+    name: Option<ServerName<'static>>,
 }
 
 impl TlsConnect<Socket> for RustlsConnect {
@@ -312,8 +319,11 @@ impl TlsConnect<Socket> for RustlsConnect {
 
     fn connect(self, stream: Socket) -> Self::Future {
         Box::pin(async move {
+            let name = self.name.ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidInput, "TLS needs a host name")
+            })?;
             let s = tokio_rustls::TlsConnector::from(self.cfg)
-                .connect(self.name, stream)
+                .connect(name, stream)
                 .await?;
             Ok(RustlsStream(Box::new(s)))
         })
