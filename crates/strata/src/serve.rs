@@ -618,10 +618,24 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
             }
         }
     }
+    // A listener that fails stops the others, and the daemon still shuts down in order.
+    let mut failed = None;
     while let Some(r) = servers.join_next().await {
-        r??;
+        let e = match r {
+            Ok(Ok(())) => continue,
+            Err(e) if e.is_cancelled() => continue,
+            Ok(Err(e)) => anyhow::Error::from(e),
+            Err(e) => anyhow::Error::from(e),
+        };
+        tracing::error!(error = %e, "an HTTP listener failed; stopping");
+        failed.get_or_insert(e);
+        servers.abort_all();
     }
     daemon.shutdown().await;
+    if let Some(e) = failed {
+        std::mem::forget(owner);
+        return Err(e);
+    }
     // Held until the process has ended, not only this function: the runtime's teardown may
     // still wait on blocking work touching the directory.
     std::mem::forget(owner);
