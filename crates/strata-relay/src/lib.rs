@@ -613,10 +613,9 @@ impl Relay {
         let mut whole = blake3::Hasher::new();
         let mut size = 0u64;
         for (key, part_hash) in keys {
-            // Whole: a sealed part opens only whole (parts are at most PART bytes).
-            let mut s = futures::stream::iter([Ok::<_, object_store::Error>(
-                self.store.get_value(&key).await.map_err(store_err)?,
-            )]);
+            // Streamed for a clear tenant; an encrypted one's part opens only whole (a part
+            // is at most PART bytes).
+            let mut s = self.store.get_value_stream(&key).await.map_err(store_err)?;
             let mut part = blake3::Hasher::new();
             while let Some(chunk) = s.next().await {
                 let chunk = chunk.map_err(store_err)?;

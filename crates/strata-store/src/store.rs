@@ -521,6 +521,25 @@ impl Store {
             .await
     }
 
+    /// A value's bytes as a stream (relay files): streamed from the store for a clear tenant;
+    /// for an encrypted one, opened whole first (a sealed value opens only whole).
+    pub async fn get_value_stream(
+        &self,
+        key: &Path,
+    ) -> object_store::Result<futures::stream::BoxStream<'static, object_store::Result<Bytes>>>
+    {
+        use futures::StreamExt;
+        let t = self.target(&Self::tenant_of(key)?).await?;
+        let get = t.backend.inner.get(key).await?;
+        match t.key.key()? {
+            None => Ok(get.into_stream()),
+            Some(k) => {
+                let opened = open_whole(Some(k), key, get.bytes().await?)?;
+                Ok(futures::stream::once(async move { Ok(opened) }).boxed())
+            }
+        }
+    }
+
     /// Gets a whole value (relay files), opened for an encrypted tenant.
     pub async fn get_value(&self, key: &Path) -> object_store::Result<Bytes> {
         let t = self.target(&Self::tenant_of(key)?).await?;

@@ -72,6 +72,38 @@ fn bucket_and_key(head: &str) -> (String, String) {
     (bucket, akid)
 }
 
+/// What each test tenant stores: a raw template `image`, a workspace `w` made from it with
+/// `block` written at `at`, checkpointed and detached, and `relayed` as relay file
+/// `out/result` (a sync stream: in the store before the PUT returns).
+async fn seed(api: &Api, image: Vec<u8>, at: u64, block: &[u8], relayed: Vec<u8>) {
+    let (s, v) = api.put_bytes("/v1/templates/base?format=raw", image).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (s, v) = api
+        .post("/v1/workspaces", json!({"name": "w", "template": "base"}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (s, att) = api.post("/v1/workspaces/w/attach", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{att}");
+    let mut c = Client::connect_unix(Path::new(att["socket"].as_str().unwrap()), "w")
+        .await
+        .unwrap();
+    c.write(at, block, false).await.unwrap();
+    c.flush().await.unwrap();
+    drop(c);
+    let (s, v) = api
+        .post("/v1/workspaces/w/checkpoint", json!({"wait": true}))
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, v) = api.post("/v1/workspaces/w/detach", json!({})).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, v) = api
+        .post("/v1/relay", json!({"name": "out", "sync": true}))
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (s, v) = api.put_bytes("/v1/relay/out/result", relayed).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_in_their_own_buckets_stay_there() {
     let Some(sh) = shared("place").await else {
@@ -207,37 +239,16 @@ async fn tenants_in_their_own_buckets_stay_there() {
     // Each tenant: a template, a workspace written and checkpointed, a relay file.
     let marker = |t: &str| format!("{t}-was-here-").into_bytes().repeat(64);
     for t in ["alpha", "beta", "gamma"] {
-        let api = Api::new(&a.url, &tokens[t]);
-        let (s, v) = api
-            .put_bytes("/v1/templates/base?format=raw", vec![7u8; 1 << 20])
-            .await;
-        assert_eq!(s, StatusCode::CREATED, "{t}: {v}");
-        let (s, v) = api
-            .post("/v1/workspaces", json!({"name": "w", "template": "base"}))
-            .await;
-        assert_eq!(s, StatusCode::CREATED, "{t}: {v}");
-        let (s, att) = api.post("/v1/workspaces/w/attach", json!({})).await;
-        assert_eq!(s, StatusCode::OK, "{t}: {att}");
-        let mut c = Client::connect_unix(Path::new(att["socket"].as_str().unwrap()), "w")
-            .await
-            .unwrap();
         let mut block = marker(t);
         block.resize(65536, 0);
-        c.write(0, &block, false).await.unwrap();
-        c.flush().await.unwrap();
-        drop(c);
-        let (s, v) = api
-            .post("/v1/workspaces/w/checkpoint", json!({"wait": true}))
-            .await;
-        assert_eq!(s, StatusCode::OK, "{t}: {v}");
-        let (s, v) = api.post("/v1/workspaces/w/detach", json!({})).await;
-        assert_eq!(s, StatusCode::OK, "{t}: {v}");
-        let (s, v) = api
-            .post("/v1/relay", json!({"name": "out", "sync": true}))
-            .await;
-        assert_eq!(s, StatusCode::CREATED, "{t}: {v}");
-        let (s, v) = api.put_bytes("/v1/relay/out/result", marker(t)).await;
-        assert_eq!(s, StatusCode::CREATED, "{t}: {v}");
+        seed(
+            &Api::new(&a.url, &tokens[t]),
+            vec![7u8; 1 << 20],
+            0,
+            &block,
+            marker(t),
+        )
+        .await;
     }
 
     // Every key is in its tenant's bucket, and only there.
@@ -487,35 +498,14 @@ async fn an_encrypted_tenant_leaves_only_ciphertext_in_the_bucket() {
         .flat_map(|f| f.chunks(4096).map(<[u8]>::to_vec).collect::<Vec<_>>())
         .collect();
     for t in ["sealed", "clear"] {
-        let api = Api::new(&a.url, &tok[t]);
-        let (s, v) = api
-            .put_bytes("/v1/templates/base?format=raw", image.clone())
-            .await;
-        assert_eq!(s, StatusCode::CREATED, "{t}: {v}");
-        let (s, v) = api
-            .post("/v1/workspaces", json!({"name": "w", "template": "base"}))
-            .await;
-        assert_eq!(s, StatusCode::CREATED, "{t}: {v}");
-        let (s, att) = api.post("/v1/workspaces/w/attach", json!({})).await;
-        assert_eq!(s, StatusCode::OK, "{t}: {att}");
-        let mut c = Client::connect_unix(Path::new(att["socket"].as_str().unwrap()), "w")
-            .await
-            .unwrap();
-        c.write(512 << 10, &written, false).await.unwrap();
-        c.flush().await.unwrap();
-        drop(c);
-        let (s, v) = api
-            .post("/v1/workspaces/w/checkpoint", json!({"wait": true}))
-            .await;
-        assert_eq!(s, StatusCode::OK, "{t}: {v}");
-        let (s, v) = api.post("/v1/workspaces/w/detach", json!({})).await;
-        assert_eq!(s, StatusCode::OK, "{t}: {v}");
-        let (s, v) = api
-            .post("/v1/relay", json!({"name": "out", "sync": true}))
-            .await;
-        assert_eq!(s, StatusCode::CREATED, "{t}: {v}");
-        let (s, v) = api.put_bytes("/v1/relay/out/result", relayed.clone()).await;
-        assert_eq!(s, StatusCode::CREATED, "{t}: {v}");
+        seed(
+            &Api::new(&a.url, &tok[t]),
+            image.clone(),
+            512 << 10,
+            &written,
+            relayed.clone(),
+        )
+        .await;
     }
 
     // The scan: the clear tenant's keys show the file (the scan works), the sealed one's none.

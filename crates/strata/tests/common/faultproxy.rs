@@ -169,6 +169,19 @@ async fn forward(up: &str, req: &[u8]) -> std::io::Result<Vec<u8>> {
     Ok(resp)
 }
 
+/// Answers with an S3 error document and closes.
+async fn s3_error(s: &mut TcpStream, status: &str, code: &str, msg: &str) -> std::io::Result<()> {
+    let body = format!("<Error><Code>{code}</Code><Message>{msg}</Message></Error>");
+    s.write_all(
+        format!(
+            "HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+}
+
 async fn serve(
     mut s: TcpStream,
     up: &str,
@@ -185,16 +198,7 @@ async fn serve(
         if let Some(g) = gate {
             let end = req.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or(0);
             if !g(&String::from_utf8_lossy(&req[..end])) {
-                let body = "<Error><Code>AccessDenied</Code><Message>gate</Message></Error>";
-                s.write_all(
-                    format!(
-                        "HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                        body.len()
-                    )
-                    .as_bytes(),
-                )
-                .await?;
-                return Ok(());
+                return s3_error(&mut s, "403 Forbidden", "AccessDenied", "gate").await;
             }
         }
         let fault = {
@@ -206,16 +210,7 @@ async fn serve(
         match fault {
             Some(Fault::Unavailable) => {
                 counts.unavailable.fetch_add(1, Relaxed);
-                let body = "<Error><Code>SlowDown</Code><Message>injected</Message></Error>";
-                s.write_all(
-                    format!(
-                        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                        body.len()
-                    )
-                    .as_bytes(),
-                )
-                .await?;
-                return Ok(());
+                return s3_error(&mut s, "503 Service Unavailable", "SlowDown", "injected").await;
             }
             Some(Fault::Reset) => {
                 counts.reset.fetch_add(1, Relaxed);
