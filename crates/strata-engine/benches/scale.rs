@@ -140,6 +140,11 @@ async fn main() {
     catalog.create_tenant(T).await.unwrap();
     let store = Store::open(&format!("file:{}", dir.path().join("objects").display())).unwrap();
     let mut out = serde_json::Map::new();
+    if std::env::var("BENCH_ONLY").is_ok_and(|o| o == "checkpoint") {
+        let cps = checkpoints(dir.path(), &catalog, &store, full).await;
+        println!("{}", serde_json::to_string(&cps).unwrap());
+        return;
+    }
 
     out.insert(
         "scaling".into(),
@@ -232,15 +237,29 @@ async fn scaling(
         }
     }
 
-    // Checkpoint stall and publish time against dirty size, on a 64 GiB disk.
-    let dirty: &[u64] = if full {
-        &[0, 16 << 20, 256 << 20, 1 << 30]
-    } else {
-        &[0, 1 << 20, 8 << 20]
+    let cps = checkpoints(dir, catalog, store, full).await;
+    json!({"fork": forks, "restore": restores, "checkpoint": cps})
+}
+
+/// Scenario 4, second half: checkpoint stall and publish time against dirty size, on a 64 GiB
+/// disk. `BENCH_DIRTY_MB=256,1024` picks the sizes (for an off-CPU trace of one row).
+async fn checkpoints(
+    dir: &std::path::Path,
+    catalog: &Arc<dyn Catalog>,
+    store: &Store,
+    full: bool,
+) -> Vec<Value> {
+    let dirty: Vec<u64> = match std::env::var("BENCH_DIRTY_MB") {
+        Ok(l) => l
+            .split(',')
+            .map(|m| m.trim().parse::<u64>().unwrap() << 20)
+            .collect(),
+        Err(_) if full => vec![0, 16 << 20, 256 << 20, 1 << 30],
+        Err(_) => vec![0, 1 << 20, 8 << 20],
     };
     let mut cps = vec![];
     let e = engine(dir, "checkpoints", catalog.clone(), store.clone());
-    for &d in dirty {
+    for &d in &dirty {
         let name = format!("cp-{}", d >> 20);
         let v = empty_volume(&e, &name, 64 << 30).await;
         let mut rng = SmallRng::seed_from_u64(d);
@@ -291,7 +310,7 @@ async fn scaling(
         );
         e.detach(T, &name).await.unwrap();
     }
-    json!({"fork": forks, "restore": restores, "checkpoint": cps})
+    cps
 }
 
 /// Scenario 5.

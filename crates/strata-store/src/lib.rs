@@ -9,11 +9,13 @@
 //!   cached.
 
 mod cache;
+mod local_put;
 mod reader;
 mod seal;
 mod store;
 
 pub use cache::NodeCache;
+pub use local_put::background;
 pub use reader::{ObjectReader, ReaderStats, DEFAULT_READAHEAD_UNITS};
 pub use seal::{DataKey, MasterKey};
 pub use store::{Credentials, Placed, Resolver, Store};

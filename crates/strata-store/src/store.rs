@@ -440,6 +440,17 @@ impl Store {
     async fn put_verified(&self, key: &Path, bytes: Bytes) -> Result<()> {
         let t = self.target(&Self::tenant_of(key)?).await?;
         let bytes = seal(t.key.key()?, key, bytes);
+        if let Some(root) = &t.backend.local_root {
+            // A local directory: one paced, low-priority writer (see `local_put`).
+            return crate::local_put::put(root.join(key.as_ref()), bytes)
+                .await
+                .map_err(|e| {
+                    StoreError::from(object_store::Error::Generic {
+                        store: "LocalFileSystem",
+                        source: Box::new(e),
+                    })
+                });
+        }
         let inner = t.backend.inner.clone();
         let mut last: Option<StoreError> = None;
         for attempt in 0..3u32 {

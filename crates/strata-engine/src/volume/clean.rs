@@ -226,9 +226,10 @@ impl Volume {
         // A spare segment is an optimisation: never into the space kept for metadata.
         self.space.admit(size)?;
         let path =
-            tokio::task::spawn_blocking(move || crate::journal::prepare_file(&*fs, &dir, size))
+            // On the low-priority background thread: a 64 MiB zero-fill must not take the
+            // cores from the guest's writer (see `strata_store::background`).
+            strata_store::background(move || crate::journal::prepare_file(&*fs, &dir, size))
                 .await
-                .map_err(|e| Error::Invalid(format!("prepare task failed: {e}")))?
                 .map_err(Error::io("preparing a journal segment"))?;
         self.usable()?;
         let mut j = self.journal().await;

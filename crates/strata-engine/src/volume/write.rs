@@ -310,7 +310,7 @@ impl Volume {
         let batch = self.journal_whole().await?.take_dirty();
         let fs = self.fs.clone();
         let n = batch.files.len() as u64;
-        let res = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+        let res = crate::fs::blocking_here(move || -> std::io::Result<()> {
             for (_, f) in &batch.files {
                 f.sync_data()?;
             }
@@ -319,9 +319,7 @@ impl Volume {
             }
             Ok(())
         })
-        .await
-        .map_err(|e| std::io::Error::other(e.to_string()))
-        .and_then(|r| r);
+        .await;
         if let Err(e) = res {
             // After a failed fsync the page cache may have dropped the data: never pretend.
             self.fail(format!("fsync failed: {e}"));
