@@ -102,7 +102,7 @@ scenarios=(
   "write-flush-4k randwrite 4k 1 --fsync=1"
   "rand-read-written-4k-qd32 randread 4k 32"
 )
-servers=(strata qemu-nbd nbdkit-cow nbdkit-memory raw)
+servers=(${BENCH_SERVERS:-strata qemu-nbd nbdkit-cow nbdkit-memory raw})
 echo "[" > "$work/results.json"; first=1
 for rep in $(seq 1 "$reps"); do
   for sc in "${scenarios[@]}"; do

@@ -5,8 +5,8 @@
 //! docs/BENCHMARKS.md) showed the writer's 30–50 ms stalls were not locks or I/O waits: the
 //! runtime workers sat *runnable* behind up to four blocking threads, each copying an 8 MiB
 //! object into fresh page-cache pages in one `write(2)` (`generic_perform_write`), at the same
-//! priority. So every put of a process goes through one background thread (which also
-//! zero-fills journal segments ahead of use), at a lower CPU priority (nice +10: a writer
+//! priority. So every put of a process goes through one background thread (and journal
+//! zero-fills through another), at a lower CPU priority (nice +10: a writer
 //! preempts it), writing 1 MiB at a time and starting writeback of each piece as it goes
 //! (`sync_file_range`), so the final `fsync` and the kernel's dirty-page throttling have little
 //! left to wait for.
@@ -26,29 +26,53 @@ use bytes::Bytes;
 
 /// How much one `write` copies before the writeback of that piece is started.
 const PIECE: usize = 1 << 20;
-/// The put thread's niceness: a guest's writer (nice 0) gets the CPU first.
+/// The background threads' niceness unless `STRATA_BACKGROUND_NICE` says otherwise (0–19).
 const NICE: i32 = 10;
+
+fn niceness() -> i32 {
+    std::env::var("STRATA_BACKGROUND_NICE")
+        .ok()
+        .and_then(|v| v.parse::<i32>().ok())
+        .map_or(NICE, |n| n.clamp(0, 19))
+}
 
 type Job = Box<dyn FnOnce() + Send>;
 
-/// Writes `bytes` durably at `path` (a file under a local object directory) on the
-/// background thread.
-pub(crate) async fn put(path: PathBuf, bytes: Bytes) -> std::io::Result<()> {
-    background(move || write_durably(&path, &bytes)).await
+/// The background threads: object puts, and the rest (journal zero-fills). Two lanes, so a
+/// 64 MiB zero-fill never queues a publish (which a sync-mode FLUSH may be waiting for).
+#[derive(Clone, Copy)]
+enum Lane {
+    Puts,
+    Other,
 }
 
-/// Runs bulk background disk work (an object put, a journal segment's zero-fill) on the one
-/// low-priority background thread of this process, one job at a time, and waits for it. A
-/// caller that goes away does not stop a job that has started: each leaves its files
-/// consistent either way.
+/// Writes `bytes` durably at `path` (a file under a local object directory) on the put thread.
+pub(crate) async fn put(path: PathBuf, bytes: Bytes) -> std::io::Result<()> {
+    run(Lane::Puts, move || write_durably(&path, &bytes)).await
+}
+
+/// Runs bulk background disk work (a journal segment's zero-fill) on a low-priority
+/// background thread of this process, one job at a time, and waits for it.
 pub async fn background<T: Send + 'static>(
+    f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
+) -> std::io::Result<T> {
+    run(Lane::Other, f).await
+}
+
+/// A job whose caller has gone away before it started is skipped (nobody can use its result;
+/// a put's object is then never referenced). One that has started runs to its end: each
+/// leaves its files consistent either way.
+async fn run<T: Send + 'static>(
+    lane: Lane,
     f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
 ) -> std::io::Result<T> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let job: Job = Box::new(move || {
-        let _ = tx.send(f());
+        if !tx.is_closed() {
+            let _ = tx.send(f());
+        }
     });
-    if lock(queue()).send(job).is_err() {
+    if lock(queue(lane)).send(job).is_err() {
         return Err(std::io::Error::other("the background I/O thread is gone"));
     }
     rx.await
@@ -59,12 +83,17 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn queue() -> &'static Mutex<mpsc::Sender<Job>> {
-    static Q: OnceLock<Mutex<mpsc::Sender<Job>>> = OnceLock::new();
-    Q.get_or_init(|| {
+fn queue(lane: Lane) -> &'static Mutex<mpsc::Sender<Job>> {
+    static PUTS: OnceLock<Mutex<mpsc::Sender<Job>>> = OnceLock::new();
+    static OTHER: OnceLock<Mutex<mpsc::Sender<Job>>> = OnceLock::new();
+    let (cell, name) = match lane {
+        Lane::Puts => (&PUTS, "strata-put"),
+        Lane::Other => (&OTHER, "strata-bg-io"),
+    };
+    cell.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<Job>();
         std::thread::Builder::new()
-            .name("strata-bg-io".into())
+            .name(name.into())
             .spawn(move || {
                 lower_priority();
                 for job in rx {
@@ -72,7 +101,7 @@ fn queue() -> &'static Mutex<mpsc::Sender<Job>> {
                     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
                 }
             })
-            .expect("spawning the background I/O thread");
+            .expect("spawning a background I/O thread");
         Mutex::new(tx)
     })
 }
@@ -85,7 +114,7 @@ fn lower_priority() {
         #[allow(unsafe_code)]
         let r = unsafe {
             let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-            libc::setpriority(libc::PRIO_PROCESS, tid, NICE)
+            libc::setpriority(libc::PRIO_PROCESS, tid, niceness())
         };
         if r != 0 {
             tracing::debug!(error = %std::io::Error::last_os_error(), "cannot lower the background I/O thread's priority");

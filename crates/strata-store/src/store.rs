@@ -441,15 +441,25 @@ impl Store {
         let t = self.target(&Self::tenant_of(key)?).await?;
         let bytes = seal(t.key.key()?, key, bytes);
         if let Some(root) = &t.backend.local_root {
-            // A local directory: one paced, low-priority writer (see `local_put`).
-            return crate::local_put::put(root.join(key.as_ref()), bytes)
-                .await
-                .map_err(|e| {
-                    StoreError::from(object_store::Error::Generic {
+            // A local directory: one paced, low-priority writer (see `local_put`); each
+            // attempt writes a fresh staged file, so a retry is always safe.
+            let path = root.join(key.as_ref());
+            let mut attempt = 0u32;
+            loop {
+                let e = match crate::local_put::put(path.clone(), bytes.clone()).await {
+                    Ok(()) => return Ok(()),
+                    Err(e) => StoreError::from(object_store::Error::Generic {
                         store: "LocalFileSystem",
                         source: Box::new(e),
-                    })
-                });
+                    }),
+                };
+                attempt += 1;
+                if attempt >= 3 || !e.is_retryable() {
+                    return Err(e);
+                }
+                tracing::warn!(%key, attempt, error = %e, "local put failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50 << attempt)).await;
+            }
         }
         let inner = t.backend.inner.clone();
         let mut last: Option<StoreError> = None;
