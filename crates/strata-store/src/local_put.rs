@@ -20,7 +20,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
 use bytes::Bytes;
 
@@ -76,20 +76,16 @@ async fn run<T: Send + 'static>(
             let _ = tx.send(f());
         }
     });
-    if lock(queue(lane)).send(job).is_err() {
+    if queue(lane).send(job).is_err() {
         return Err(std::io::Error::other("the background I/O thread is gone"));
     }
     rx.await
         .map_err(|_| std::io::Error::other("the background I/O thread dropped a job"))?
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn queue(lane: Lane) -> &'static Mutex<mpsc::Sender<Job>> {
-    static PUTS: OnceLock<Mutex<mpsc::Sender<Job>>> = OnceLock::new();
-    static OTHER: OnceLock<Mutex<mpsc::Sender<Job>>> = OnceLock::new();
+fn queue(lane: Lane) -> &'static mpsc::Sender<Job> {
+    static PUTS: OnceLock<mpsc::Sender<Job>> = OnceLock::new();
+    static OTHER: OnceLock<mpsc::Sender<Job>> = OnceLock::new();
     let (cell, name) = match lane {
         Lane::Puts => (&PUTS, "strata-put"),
         Lane::Other => (&OTHER, "strata-bg-io"),
@@ -106,19 +102,21 @@ fn queue(lane: Lane) -> &'static Mutex<mpsc::Sender<Job>> {
                 }
             })
             .expect("spawning a background I/O thread");
-        Mutex::new(tx)
+        tx
     })
 }
 
-/// Lowers this thread's CPU priority (Linux: niceness is per thread). Best effort.
+/// Lowers this thread's CPU priority (Linux: niceness is per thread) if configured. Best
+/// effort.
 fn lower_priority() {
+    let nice = niceness();
     #[cfg(target_os = "linux")]
-    {
+    if nice > 0 {
         // SAFETY: gettid and setpriority take no pointers; who = this thread's id.
         #[allow(unsafe_code)]
         let r = unsafe {
             let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-            libc::setpriority(libc::PRIO_PROCESS, tid, niceness())
+            libc::setpriority(libc::PRIO_PROCESS, tid, nice)
         };
         if r != 0 {
             tracing::debug!(error = %std::io::Error::last_os_error(), "cannot lower the background I/O thread's priority");

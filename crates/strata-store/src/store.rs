@@ -435,45 +435,42 @@ impl Store {
         Ok((ObjectRef { id, data_len }, encoded))
     }
 
-    /// Puts immutable bytes; after a failed attempt the key is checked (HEAD) before retrying,
-    /// so an upload whose reply was lost is recognised rather than assumed.
+    /// Puts immutable bytes; after a failed remote attempt the key is checked (HEAD) before
+    /// retrying, so an upload whose reply was lost is recognised rather than assumed.
     async fn put_verified(&self, key: &Path, bytes: Bytes) -> Result<()> {
         let t = self.target(&Self::tenant_of(key)?).await?;
         let bytes = seal(t.key.key()?, key, bytes);
-        if let Some(root) = &t.backend.local_root {
-            // A local directory: one paced, low-priority writer (see `local_put`); each
-            // attempt writes a fresh staged file, so a retry is always safe.
-            let path = root.join(key.as_ref());
-            let mut attempt = 0u32;
-            loop {
-                let e = match crate::local_put::put(path.clone(), bytes.clone()).await {
-                    Ok(()) => return Ok(()),
-                    Err(e) => StoreError::from(object_store::Error::Generic {
-                        store: "LocalFileSystem",
-                        source: Box::new(e),
-                    }),
-                };
-                attempt += 1;
-                if attempt >= 3 || !e.is_retryable() {
-                    return Err(e);
-                }
-                tracing::warn!(%key, attempt, error = %e, "local put failed");
-                tokio::time::sleep(std::time::Duration::from_millis(50 << attempt)).await;
-            }
-        }
+        // A local directory: puts go to its one paced writer (see `local_put`), each attempt a
+        // fresh staged file that is gone if the attempt failed.
+        let local = t.backend.local_root.as_ref().map(|r| r.join(key.as_ref()));
         let inner = t.backend.inner.clone();
         let mut last: Option<StoreError> = None;
         for attempt in 0..3u32 {
             if attempt > 0 {
                 tokio::time::sleep(std::time::Duration::from_millis(50 << attempt)).await;
-                if let Ok(meta) = inner.head(key).await {
-                    if meta.size == bytes.len() as u64 {
-                        return Ok(());
+                // A remote put whose reply was lost may have landed.
+                if local.is_none() {
+                    if let Ok(meta) = inner.head(key).await {
+                        if meta.size == bytes.len() as u64 {
+                            return Ok(());
+                        }
                     }
                 }
             }
-            match inner.put(key, PutPayload::from(bytes.clone())).await {
-                Ok(_) => return Ok(()),
+            let res = match &local {
+                Some(path) => crate::local_put::put(path.clone(), bytes.clone())
+                    .await
+                    .map_err(|e| object_store::Error::Generic {
+                        store: "LocalFileSystem",
+                        source: Box::new(e),
+                    }),
+                None => inner
+                    .put(key, PutPayload::from(bytes.clone()))
+                    .await
+                    .map(drop),
+            };
+            match res {
+                Ok(()) => return Ok(()),
                 Err(e) => {
                     tracing::warn!(%key, attempt, error = %e, "put failed");
                     let e = StoreError::from(e);
