@@ -205,17 +205,15 @@ impl Fs for RealFs {
 /// runs right here, on the calling worker (`block_in_place`: the worker's other tasks move to
 /// another thread meanwhile), so the caller resumes the moment the call returns, without a
 /// round trip through the blocking pool; nor can the caller be dropped halfway through it.
-/// Elsewhere (a current-thread runtime) it goes to the blocking pool.
-pub(crate) async fn blocking_here<T: Send + 'static>(
-    f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
-) -> std::io::Result<T> {
+/// Elsewhere (a current-thread runtime, or none) it runs right here too, blocking that thread
+/// for the call: handing it to the blocking pool would let a caller dropped meanwhile (a client
+/// gone mid-FLUSH) miss the call's error, and a later FLUSH succeed over data the failed one
+/// lost.
+pub(crate) async fn blocking_here<T>(f: impl FnOnce() -> std::io::Result<T>) -> std::io::Result<T> {
     let multi = tokio::runtime::Handle::try_current()
         .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
     if multi {
         return tokio::task::block_in_place(f);
     }
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| std::io::Error::other(e.to_string()))
-        .and_then(|r| r)
+    f()
 }

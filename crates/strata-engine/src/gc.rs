@@ -118,6 +118,9 @@ pub struct GcReport {
     /// Catalog rows (manifests, their object links, objects) deleted with their store keys.
     #[serde(default)]
     pub pruned_rows: u64,
+    /// Staged files of interrupted puts swept from local object directories.
+    #[serde(default)]
+    pub staged_removed: u64,
 }
 
 /// Retention: which of `cps` (a workspace's visible checkpoints) expire now.
@@ -240,6 +243,13 @@ impl Engine {
             {
                 report.stopped = true;
                 break;
+            }
+        }
+        if !opts.dry_run && !report.stopped {
+            // What a crash mid-put left (a local store's listings never show it).
+            match self.reader().store().sweep_staged(opts.grace).await {
+                Ok(n) => report.staged_removed = n,
+                Err(e) => tracing::warn!(error = %e, "sweeping staged files failed"),
             }
         }
         report.duration_ms = started.elapsed().as_millis() as u64;

@@ -701,16 +701,22 @@ impl Retired {
 pub(crate) fn prepare_file(fs: &dyn Fs, dir: &Path, size: u64) -> io::Result<PathBuf> {
     let tag: u64 = rand::random();
     let tmp = dir.join(format!("p{tag:016x}.prep"));
-    let f = fs.open(&tmp, true)?;
-    let zeros = vec![0u8; 1 << 20];
-    let mut off = 0;
-    while off < size {
-        let n = (size - off).min(zeros.len() as u64) as usize;
-        f.write_at(&zeros[..n], off)?;
-        off += n as u64;
+    let fill = || -> io::Result<()> {
+        let f = fs.open(&tmp, true)?;
+        let zeros = vec![0u8; 1 << 20];
+        let mut off = 0;
+        while off < size {
+            let n = (size - off).min(zeros.len() as u64) as usize;
+            f.write_at(&zeros[..n], off)?;
+            off += n as u64;
+        }
+        f.sync_data()
+    };
+    if let Err(e) = fill() {
+        // A full disk, say: the partial file goes now, not at the next open of the journal.
+        let _ = fs.remove(&tmp);
+        return Err(e);
     }
-    f.sync_data()?;
-    drop(f);
     let ready = dir.join(format!("p{tag:016x}.free"));
     fs.rename(&tmp, &ready)?;
     fs.sync_dir(dir)?;

@@ -333,6 +333,36 @@ async fn a_read_in_flight_never_sees_its_segment_recycled() {
     );
 }
 
+/// A client that gives up on its FLUSH while the journal's fsync is under way, and that fsync
+/// fails: the failure is not lost with the dropped request, so no later FLUSH succeeds over
+/// data the page cache may have dropped. On a current-thread runtime (a multi-thread one runs
+/// the fsync on the caller's worker, where it cannot be dropped either).
+#[tokio::test]
+async fn a_flush_dropped_during_a_failing_fsync_lets_no_later_flush_succeed() {
+    let c = Cluster::new().await;
+    let (a, sw) = fault_node(&c, "a");
+    let v = empty_volume(&a, "gone", DISK, Mode::Durable).await;
+    v.write(0, &tagged(1, 0), false).await.unwrap();
+    sw.stall_then_fail_next_sync.store(true, SeqCst);
+    let s = sw.clone();
+    let helper = std::thread::spawn(move || {
+        s.wait_stalled();
+        std::thread::sleep(Duration::from_millis(50));
+        s.release();
+    });
+    let first = tokio::time::timeout(Duration::from_millis(10), v.flush()).await;
+    helper.join().unwrap();
+    assert!(
+        !matches!(first, Ok(Ok(()))),
+        "the FLUSH whose fsync failed succeeded"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        v.flush().await.is_err(),
+        "a FLUSH after a failed fsync succeeded"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_directory_fsync_in_cleaning_leaves_the_flush_to_sync_it() {
     let c = Cluster::new().await;

@@ -375,6 +375,28 @@ impl Store {
             .is_some_and(|t| matches!(t.key, Sealing::Clear) && t.backend.local_root.is_some())
     }
 
+    /// Removes the staged files (`{key}#{digits}`) that puts interrupted by a crash left in
+    /// this node's local object directories (the default store and named ones), once older
+    /// than `older_than`; listings skip them, so nothing else would. Returns how many went.
+    pub async fn sweep_staged(&self, older_than: std::time::Duration) -> Result<u64> {
+        let mut roots: Vec<std::path::PathBuf> = std::iter::once(&self.default)
+            .chain(self.placement.named.values())
+            .filter_map(|b| b.local_root.clone())
+            .collect();
+        roots.sort();
+        roots.dedup();
+        let n = tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
+            let mut n = 0;
+            for r in &roots {
+                n += crate::local_put::sweep_staged(r, older_than)?;
+            }
+            Ok(n)
+        })
+        .await
+        .map_err(|e| std::io::Error::other(e.to_string()))??;
+        Ok(n)
+    }
+
     /// The default store's URL.
     pub fn url(&self) -> &str {
         &self.default.url

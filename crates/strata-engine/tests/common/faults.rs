@@ -28,6 +28,8 @@ pub struct Switches {
     pub stall_next_read: AtomicBool,
     /// The next write to a journal segment stalls until `release`, then fails (EIO).
     pub stall_then_fail_next_write: AtomicBool,
+    /// The next fsync of a journal segment stalls until `release`, then fails (EIO).
+    pub stall_then_fail_next_sync: AtomicBool,
     /// Say the file system overwrites in place (records may then be written outside the
     /// journal's lock). Off by default: the injected ENOSPC of `full` fails overwrites too.
     pub in_place: AtomicBool,
@@ -88,6 +90,10 @@ impl FsFile for FaultFile {
         self.inner.read_at(buf, off)
     }
     fn sync_data(&self) -> io::Result<()> {
+        if self.segment && self.sw.stall_then_fail_next_sync.swap(false, SeqCst) {
+            self.sw.stall();
+            return Err(io::Error::from_raw_os_error(5));
+        }
         self.inner.sync_data()
     }
     fn set_len(&self, len: u64) -> io::Result<()> {
