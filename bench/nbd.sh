@@ -9,6 +9,12 @@
 #   bench/nbd.sh                 # full run (release build; ~15 min)
 #   BENCH_SMOKE=1 bench/nbd.sh   # seconds-long check that the suite works (CI)
 #   BENCH_ONLY='write' bench/nbd.sh   # only scenarios whose name matches the regex
+#   BENCH_SERVERS='strata strata-s3 qemu-nbd raw' bench/nbd.sh   # which servers (default: all
+#                                but strata-s3)
+#
+# strata-s3 is strata with an S3 store: moto on loopback behind bench/latency_proxy.py
+# (BENCH_S3_LATENCY_MS per request, default 20), the template built into moto first. It needs
+# moto_server (BENCH_MOTO; .ci/run makes ~/.cache/strata-ci-venv).
 #
 # Installs nothing: it checks for its tools and says what is missing. Writes a Markdown table to
 # stdout and machine-readable results to ${BENCH_OUT:-docs/bench/nbd-results.json}
@@ -46,6 +52,35 @@ strata_data() {
   sync; export STRATA_DATA="$work/strata-run"
 }
 
+servers=(${BENCH_SERVERS:-strata qemu-nbd nbdkit-cow nbdkit-memory raw})
+# strata-s3: moto behind the latency proxy, and the same template built into it (no latency).
+if [[ " ${servers[*]} " == *" strata-s3 "* ]]; then
+  moto=${BENCH_MOTO:-$(command -v moto_server || echo "$HOME/.cache/strata-ci-venv/bin/moto_server")}
+  [ -x "$moto" ] || { echo "missing moto_server for strata-s3 (python3 -m venv V && V/bin/pip install 'moto[s3]' flask flask-cors; then BENCH_MOTO=V/bin/moto_server)" >&2; exit 2; }
+  free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+  mport=$(free_port)
+  "$moto" -H 127.0.0.1 -p "$mport" > "$work/moto.log" 2>&1 & pids+=($!)
+  for _ in $(seq 1 100); do curl -s -o /dev/null "http://127.0.0.1:$mport" && break; sleep 0.2; done
+  curl -sf -X PUT "http://127.0.0.1:$mport/bench" -o /dev/null
+  python3 bench/latency_proxy.py 0 "127.0.0.1:$mport" "${BENCH_S3_LATENCY_MS:-20}" > "$work/proxy.out" 2> "$work/proxy.err" & pids+=($!)
+  for _ in $(seq 1 50); do grep -q ready "$work/proxy.out" 2>/dev/null && break; sleep 0.1; done
+  pport=$(awk '/ready/ {print $2}' "$work/proxy.out")
+  export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench
+  s3_store() { echo "s3://bench/strata?endpoint=http://127.0.0.1:$1&region=us-east-1&allow_http=true"; }
+  # One daemon for every strata-s3 run (the local verbs use the embedded default store);
+  # each run gets a fresh workspace through its API.
+  s3_data="$work/strata-s3"; mkdir -p "$s3_data"
+  STRATA_ADMIN_TOKEN=bench-admin "$strata" --data "$s3_data" --json serve --listen 127.0.0.1:0 \
+    --node-id s3 --store "$(s3_store "$pport")" > "$work/s3-serve.out" 2> "$work/s3-serve.err" &
+  pids+=($!)
+  for _ in $(seq 1 100); do [ -s "$work/s3-serve.out" ] && break; sleep 0.1; done
+  s3_url="http://$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["listening"])' "$work/s3-serve.out")"
+  s3_token=$(STRATA_URL=$s3_url STRATA_TOKEN=bench-admin "$strata" --json tenant create bench |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["token"])')
+  s3cli() { STRATA_URL=$s3_url STRATA_TOKEN=$s3_token "$strata" --json "$@"; }
+  s3cli template build base --from-image "$work/base.raw" >/dev/null
+fi
+
 # start_server NAME -> sets $uri; each run gets a fresh overlay / fresh fork.
 n=0
 start_server() {
@@ -56,6 +91,10 @@ start_server() {
       "$strata" ws create "w$n" --template base --mode durable >/dev/null
       "$strata" ws attach "w$n" --socket "$sock" > "$work/attach.$n" &
       pids+=($!); uri="nbd+unix:///w$n?socket=$sock" ;;
+    strata-s3)  # a fresh workspace on the S3 daemon (its node cache holds the template)
+      s3cli ws create "w$n" --template base --mode durable >/dev/null
+      uri=$(s3cli ws attach "w$n" | python3 -c 'import json,sys; print(json.load(sys.stdin)["export"])')
+      return ;;
     qemu-nbd)
       qemu-img create -q -f qcow2 -b "$work/base.raw" -F raw "$work/ov.$n.qcow2"
       qemu-nbd -t -f qcow2 -k "$sock" -x x --cache=writeback --shared=8 "$work/ov.$n.qcow2" &
@@ -76,6 +115,8 @@ start_server() {
 write_bytes() { awk '/^write_bytes/ {print $2}' "/proc/$1/io"; }
 stop_server() {
   if [ "$1" = raw ]; then rm -f "$work/raw.$n"; return; fi
+  # Detach publishes what is left of the window; the deleted workspace's objects stay in moto.
+  if [ "$1" = strata-s3 ]; then s3cli ws detach "w$n" >/dev/null; s3cli ws delete "w$n" >/dev/null; return; fi
   kill "${pids[-1]}" 2>/dev/null || true; wait "${pids[-1]}" 2>/dev/null || true; unset 'pids[-1]'
   if [ "$1" = strata ]; then rm -rf "$work/strata-run"; fi
 }
@@ -102,7 +143,6 @@ scenarios=(
   "write-flush-4k randwrite 4k 1 --fsync=1"
   "rand-read-written-4k-qd32 randread 4k 32"
 )
-servers=(${BENCH_SERVERS:-strata qemu-nbd nbdkit-cow nbdkit-memory raw})
 echo "[" > "$work/results.json"; first=1
 for rep in $(seq 1 "$reps"); do
   for sc in "${scenarios[@]}"; do
@@ -177,7 +217,8 @@ cp "$work/results.json" "$out_json"
 python3 - "$out_json" <<'PY'
 import json, sys, statistics as st
 rows = json.load(open(sys.argv[1]))
-servers = ["strata", "qemu-nbd", "nbdkit-cow", "nbdkit-memory", "raw"]
+servers = [s for s in ["strata", "strata-s3", "qemu-nbd", "nbdkit-cow", "nbdkit-memory", "raw"]
+           if any(r["server"] == s for r in rows)]
 wa = [r for r in rows if r["scenario"] == "fork-first-writes"]
 rows = [r for r in rows if r["scenario"] != "fork-first-writes"]
 scen = []
@@ -186,12 +227,15 @@ for r in rows:
 def med(s, sc, k):
     v = [r[k] for r in rows if r["server"] == s and r["scenario"] == sc]
     return st.median(v) if v else 0
-print("| scenario | " + " | ".join(f"{s} IOPS (p50/p99 µs)" for s in servers) + " | strata ÷ qemu-nbd | strata ÷ nbdkit-cow |")
-print("|---|" + "---|" * (len(servers) + 2))
+ratios = [(a, b) for a in ("strata", "strata-s3") for b in ("qemu-nbd", "nbdkit-cow", "raw")
+          if a in servers and b in servers]
+print("| scenario | " + " | ".join(f"{s} IOPS (p50/p99 µs)" for s in servers)
+      + "".join(f" | {a} ÷ {b}" for a, b in ratios) + " |")
+print("|---|" + "---|" * (len(servers) + len(ratios)))
 for sc in scen:
     cells = [f"{med(s, sc, 'iops'):,.0f} ({med(s, sc, 'p50_us'):.0f}/{med(s, sc, 'p99_us'):.0f})" for s in servers]
-    q = med("qemu-nbd", sc, "iops"); c = med("nbdkit-cow", sc, "iops"); m = med("strata", sc, "iops")
-    print(f"| {sc} | " + " | ".join(cells) + f" | {m / q if q else 0:.2f}x | {m / c if c else 0:.2f}x |")
+    rs = [(med(a, sc, "iops"), med(b, sc, "iops")) for a, b in ratios]
+    print(f"| {sc} | " + " | ".join(cells) + "".join(f" | {x / y if y else 0:.2f}x" for x, y in rs) + " |")
 if wa:
     print()
     print("| first writes into a fresh fork | IOPS | host bytes / guest bytes | of which local (not objects) |")

@@ -246,8 +246,10 @@ impl Engine {
             }
         }
         if !opts.dry_run && !report.stopped {
-            // What a crash mid-put left (a local store's listings never show it).
-            match self.reader().store().sweep_staged(opts.grace).await {
+            // What a crash mid-put left (a local store's listings never show it). At least an
+            // hour old whatever the grace: a put that slow has stalled, not just begun.
+            let age = opts.grace.max(Duration::from_secs(3600));
+            match self.reader().store().sweep_staged(age).await {
                 Ok(n) => report.staged_removed = n,
                 Err(e) => tracing::warn!(error = %e, "sweeping staged files failed"),
             }

@@ -707,11 +707,28 @@ async fn a_pass_sweeps_the_staged_files_a_crash_left() {
         .set_modified(std::time::SystemTime::now() - Duration::from_secs(7200))
         .unwrap();
     std::fs::write(&fresh, b"a put in progress").unwrap();
+    let objects = || {
+        let mut n = 0;
+        let mut dirs = vec![c.path("objects")];
+        while let Some(d) = dirs.pop() {
+            for e in std::fs::read_dir(d).unwrap() {
+                let e = e.unwrap();
+                if e.file_type().unwrap().is_dir() {
+                    dirs.push(e.path());
+                } else if !e.file_name().to_string_lossy().contains('#') {
+                    n += 1;
+                }
+            }
+        }
+        n
+    };
+    let before = objects();
     let mut opts = gc_opts(1);
     opts.grace = Duration::from_secs(3600);
     let r = node.gc(&opts).await.unwrap();
     assert_eq!(r.staged_removed, 1);
     assert!(!old.exists() && fresh.exists());
+    assert_eq!(objects(), before, "an object went with the staged files");
     assert_eq!(image(&v).await[..8], [1; 8]);
     // A dry run removes nothing.
     opts.dry_run = true;

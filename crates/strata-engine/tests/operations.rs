@@ -333,6 +333,26 @@ async fn a_read_in_flight_never_sees_its_segment_recycled() {
     );
 }
 
+/// A zero-fill of a spare journal segment that fails halfway (a full disk) leaves no partial
+/// file behind it until the next open of the journal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_zero_fill_leaves_no_partial_file() {
+    let c = Cluster::new().await;
+    let (a, sw) = fault_node(&c, "a");
+    let v = empty_volume(&a, "prep", DISK, Mode::Durable).await;
+    sw.full_for_spares.store(true, SeqCst);
+    let r = v.prepare_journal().await;
+    sw.full_for_spares.store(false, SeqCst);
+    assert!(r.is_err(), "the zero-fill was not attempted");
+    let left: Vec<_> = std::fs::read_dir(v.dir().join("journal"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".prep"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    v.prepare_journal().await.unwrap();
+}
+
 /// A client that gives up on its FLUSH while the journal's fsync is under way, and that fsync
 /// fails: the failure is not lost with the dropped request, so no later FLUSH succeeds over
 /// data the page cache may have dropped. On a current-thread runtime (a multi-thread one runs

@@ -210,35 +210,57 @@ fn make_dirs(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Whether `name` is a staged file's (`{key}#{digits}`; object_store's own puts stage the same
-/// way).
+/// Whether `name` is a staged file's: what follows its first `#` is all digits, the rule by which
+/// object_store's listings skip a file (its own puts stage the same way).
 fn is_staged(name: &std::ffi::OsStr) -> bool {
     name.to_str()
-        .and_then(|n| n.rsplit_once('#'))
-        .is_some_and(|(key, n)| {
-            !key.is_empty() && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())
-        })
+        .and_then(|n| n.split_once('#'))
+        .is_some_and(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
-/// Removes the staged files under `root` that are older than `older_than`: what a put
-/// interrupted by a crash or a panic leaves (listings skip them, so nothing else ever would).
-/// A put in progress rewrites its staged file piece by piece and renames it within seconds, so
-/// one older than a GC grace period is abandoned; should it not be, its rename fails and the put
-/// is retried with a fresh one. Symlinks are not followed. Returns how many were removed.
-pub(crate) fn sweep_staged(root: &Path, older_than: std::time::Duration) -> std::io::Result<u64> {
+/// Removes the staged files under `root`'s tenant directories (`t/`) that are older than
+/// `older_than`: what a put interrupted by a crash or a panic leaves (listings skip them, so
+/// nothing else ever would). A put in progress rewrites its staged file piece by piece and
+/// renames it within seconds; should a stalled one lose it all the same, its rename fails and
+/// the put reports an error, never a success. Symlinks are not followed. A directory or file
+/// that cannot be read or removed is passed over (counted in the second number), not the rest.
+/// Returns (removed, passed over, the first error).
+pub(crate) fn sweep_staged(
+    root: &Path,
+    older_than: std::time::Duration,
+) -> (u64, u64, Option<std::io::Error>) {
     let now = std::time::SystemTime::now();
-    let mut removed = 0;
-    let mut dirs = vec![root.to_path_buf()];
+    let (mut removed, mut failed, mut first) = (0, 0, None);
+    let mut note = |e: std::io::Error| {
+        if e.kind() != ErrorKind::NotFound {
+            failed += 1;
+            first.get_or_insert(e);
+        }
+    };
+    let mut dirs = vec![root.join("t")];
     while let Some(dir) = dirs.pop() {
         let entries = match std::fs::read_dir(&dir) {
             Ok(e) => e,
-            // Removed meanwhile (a tenant's directory, say).
-            Err(e) if e.kind() == ErrorKind::NotFound => continue,
-            Err(e) => return Err(e),
+            Err(e) => {
+                note(e);
+                continue;
+            }
         };
         for entry in entries {
-            let entry = entry?;
-            let kind = entry.file_type()?;
+            let entry = match entry {
+                Ok(e) => e,
+                Err(e) => {
+                    note(e);
+                    continue;
+                }
+            };
+            let kind = match entry.file_type() {
+                Ok(k) => k,
+                Err(e) => {
+                    note(e);
+                    continue;
+                }
+            };
             if kind.is_dir() {
                 dirs.push(entry.path());
                 continue;
@@ -253,13 +275,12 @@ pub(crate) fn sweep_staged(root: &Path, older_than: std::time::Duration) -> std:
             if old {
                 match std::fs::remove_file(entry.path()) {
                     Ok(()) => removed += 1,
-                    Err(e) if e.kind() == ErrorKind::NotFound => {}
-                    Err(e) => return Err(e),
+                    Err(e) => note(e),
                 }
             }
         }
     }
-    Ok(removed)
+    (removed, failed, first)
 }
 
 #[cfg(test)]
@@ -292,31 +313,46 @@ mod tests {
             .unwrap_err();
         assert!(!e.to_string().is_empty());
     }
-    /// Staged files a crash left are swept once old; fresh ones (a put in progress), objects and
-    /// names that only look alike stay.
+    /// Staged files a crash left are swept once old; fresh ones (a put in progress), objects,
+    /// names that only look alike and anything outside the tenant directories stay.
     #[test]
     fn old_staged_files_are_swept_and_nothing_else() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().join("t/a/obj/ab");
         std::fs::create_dir_all(&d).unwrap();
         let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
-        for name in ["abcdef#123", "abcdef#9", "abcdef", "abc#x1", "#12", "abc#"] {
-            let f = File::create(d.join(name)).unwrap();
-            f.set_modified(old).unwrap();
+        let names = [
+            "abcdef#123",
+            "abcdef#9",
+            "#12",
+            "abcdef",
+            "abc#x1",
+            "abc#",
+            "a#1#2",
+        ];
+        for name in names {
+            File::create(d.join(name))
+                .unwrap()
+                .set_modified(old)
+                .unwrap();
         }
         std::fs::write(d.join("fresh#77"), b"in progress").unwrap();
-        let n = sweep_staged(dir.path(), std::time::Duration::from_secs(600)).unwrap();
-        assert_eq!(n, 2);
-        let mut names: Vec<_> = std::fs::read_dir(&d)
+        // Outside `t/`: not the store's.
+        File::create(dir.path().join("other#1"))
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        let (n, failed, _) = sweep_staged(dir.path(), std::time::Duration::from_secs(600));
+        assert_eq!((n, failed), (3, 0));
+        let mut left: Vec<_> = std::fs::read_dir(&d)
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
-        names.sort();
-        assert_eq!(names, ["#12", "abc#", "abc#x1", "abcdef", "fresh#77"]);
-        // A missing root is nothing to sweep.
-        assert_eq!(
-            sweep_staged(&dir.path().join("none"), std::time::Duration::ZERO).unwrap(),
-            0
-        );
+        left.sort();
+        assert_eq!(left, ["a#1#2", "abc#", "abc#x1", "abcdef", "fresh#77"]);
+        assert!(dir.path().join("other#1").exists());
+        // A missing root is nothing to sweep, not an error.
+        let none = sweep_staged(&dir.path().join("none"), std::time::Duration::ZERO);
+        assert_eq!((none.0, none.1), (0, 0));
     }
 }

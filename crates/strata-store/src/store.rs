@@ -377,7 +377,8 @@ impl Store {
 
     /// Removes the staged files (`{key}#{digits}`) that puts interrupted by a crash left in
     /// this node's local object directories (the default store and named ones), once older
-    /// than `older_than`; listings skip them, so nothing else would. Returns how many went.
+    /// than `older_than`; listings skip them, so nothing else would. What cannot be read or
+    /// removed is passed over with a warning. Returns how many went.
     pub async fn sweep_staged(&self, older_than: std::time::Duration) -> Result<u64> {
         let mut roots: Vec<std::path::PathBuf> = std::iter::once(&self.default)
             .chain(self.placement.named.values())
@@ -385,15 +386,19 @@ impl Store {
             .collect();
         roots.sort();
         roots.dedup();
-        let n = tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
+        let n = tokio::task::spawn_blocking(move || {
             let mut n = 0;
             for r in &roots {
-                n += crate::local_put::sweep_staged(r, older_than)?;
+                let (removed, failed, first) = crate::local_put::sweep_staged(r, older_than);
+                n += removed;
+                if let Some(e) = first {
+                    tracing::warn!(root = %r.display(), failed, error = %e, "some staged files could not be swept");
+                }
             }
-            Ok(n)
+            n
         })
         .await
-        .map_err(|e| std::io::Error::other(e.to_string()))??;
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
         Ok(n)
     }
 

@@ -151,20 +151,19 @@ impl Volume {
         self.usable()?;
         let batch = self.journal_whole().await?.take_dirty();
         let fs = self.fs.clone();
-        let (batch, files, dir) = tokio::task::spawn_blocking(move || {
+        // On this task (see `blocking_here`): were the fsync on another thread and this task
+        // aborted meanwhile (background work stopped), its error and the batch would be lost,
+        // and a later flush would believe the batch synced.
+        let (batch, files, dir) = crate::fs::blocking_here(move || {
             let files = batch.files.iter().try_for_each(|(_, f)| f.sync_data());
             let dir = match (&files, &batch.dir) {
                 (Ok(()), Some(d)) => fs.sync_dir(d),
                 _ => Ok(()),
             };
-            (batch, files, dir)
+            Ok((batch, files, dir))
         })
         .await
-        .map_err(|e| {
-            // The batch is gone with the task: a later flush must not believe it synced.
-            self.fail(format!("cleaning's sync task failed: {e}"));
-            Error::Invalid(format!("cleaning sync task: {e}"))
-        })?;
+        .map_err(Error::io("syncing cleaned records"))?;
         if let Err(e) = files {
             self.fail(format!("fsync failed while cleaning: {e}"));
             return Err(Error::io("fsync while cleaning")(e));

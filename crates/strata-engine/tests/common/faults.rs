@@ -28,6 +28,8 @@ pub struct Switches {
     pub stall_next_read: AtomicBool,
     /// The next write to a journal segment stalls until `release`, then fails (EIO).
     pub stall_then_fail_next_write: AtomicBool,
+    /// Writes to a spare segment being zero-filled (`.prep`) fail with ENOSPC.
+    pub full_for_spares: AtomicBool,
     /// The next fsync of a journal segment stalls until `release`, then fails (EIO).
     pub stall_then_fail_next_sync: AtomicBool,
     /// Say the file system overwrites in place (records may then be written outside the
@@ -69,6 +71,7 @@ pub struct FaultFs(pub Arc<Switches>);
 struct FaultFile {
     inner: Arc<dyn FsFile>,
     segment: bool,
+    spare: bool,
     sw: Arc<Switches>,
 }
 
@@ -78,7 +81,10 @@ impl FsFile for FaultFile {
             self.sw.stall();
             return Err(io::Error::from_raw_os_error(5));
         }
-        if self.sw.full.load(SeqCst) || (off > 0 && self.sw.full_after_header.load(SeqCst)) {
+        if self.sw.full.load(SeqCst)
+            || (off > 0 && self.sw.full_after_header.load(SeqCst))
+            || (self.spare && self.sw.full_for_spares.load(SeqCst))
+        {
             return Err(enospc());
         }
         self.inner.write_at(buf, off)
@@ -115,6 +121,7 @@ impl Fs for FaultFs {
         Ok(Arc::new(FaultFile {
             inner: RealFs.open(path, create)?,
             segment: path.extension().is_some_and(|e| e == "seg"),
+            spare: path.extension().is_some_and(|e| e == "prep"),
             sw: self.0.clone(),
         }))
     }
