@@ -30,6 +30,8 @@ use object_store::{ObjectStore, PutMode, PutOptions};
 use serde::{Deserialize, Serialize};
 use strata_store::Store;
 
+mod upload;
+
 /// What is known about one relayed file (also its on-disk and in-store meta format, version 1).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct RelayFile {
@@ -309,151 +311,6 @@ impl Relay {
             );
     }
 
-    fn data_key(tenant: &str, stream: &str, name: &str) -> object_store::path::Path {
-        object_store::path::Path::from(format!("t/{tenant}/relay/{stream}/data/{name}"))
-    }
-
-    fn part_key(tenant: &str, stream: &str, name: &str, i: usize) -> object_store::path::Path {
-        object_store::path::Path::from(format!("t/{tenant}/relay/{stream}/data/{name}.p{i}"))
-    }
-
-    fn meta_key(tenant: &str, stream: &str, name: &str) -> object_store::path::Path {
-        object_store::path::Path::from(format!("t/{tenant}/relay/{stream}/meta/{name}"))
-    }
-
-    async fn remote_meta(
-        &self,
-        tenant: &str,
-        stream: &str,
-        name: &str,
-    ) -> Result<Option<(RelayFile, Option<Vec<String>>)>, RelayError> {
-        let key = Self::meta_key(tenant, stream, name);
-        match self.store.get_value(&key).await {
-            Ok(b) => {
-                let m: MetaV1 = serde_json::from_slice(&b)
-                    .map_err(|e| store_err(format!("corrupt relay meta for {name:?}: {e}")))?;
-                let parts_ok = match (&m.parts, m.format) {
-                    (None, 1) => true,
-                    (Some(p), 2) => p.len() as u64 == m.file.size.div_ceil(PART),
-                    _ => false,
-                };
-                if !parts_ok || m.file.name != name {
-                    return Err(store_err(format!(
-                        "relay meta for {name:?} is inconsistent"
-                    )));
-                }
-                Ok(Some((m.file, m.parts)))
-            }
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(store_err(e)),
-        }
-    }
-
-    /// Creates `key` with `bytes` if absent; if present, it must hold bytes hashing to `hash`.
-    async fn create_or_match(
-        &self,
-        key: &object_store::path::Path,
-        bytes: Bytes,
-        hash: &str,
-        name: &str,
-    ) -> Result<(), RelayError> {
-        let put = self
-            .store
-            .put_value_opts(
-                key,
-                bytes,
-                PutOptions {
-                    mode: PutMode::Create,
-                    ..Default::default()
-                },
-            )
-            .await;
-        match put {
-            Ok(_) => Ok(()),
-            Err(object_store::Error::AlreadyExists { .. }) => {
-                // An earlier attempt whose reply was lost, or another node's file of that name.
-                let have = self.store.get_value(key).await.map_err(store_err)?;
-                let h = blake3::hash(&have).to_hex().to_string();
-                if h != hash {
-                    self.conflicts.fetch_add(1, Relaxed);
-                    return Err(conflict(name, &h));
-                }
-                Ok(())
-            }
-            Err(e) => Err(store_err(e)),
-        }
-    }
-
-    /// Uploads the local file at `path` (whose meta is `f`): one object, or parts of [`PART`]
-    /// bytes read one at a time; each created if absent or matched; then its meta. The bytes
-    /// read must hash to the meta's hash, or nothing is recorded.
-    async fn upload(
-        &self,
-        tenant: &str,
-        stream: &str,
-        f: &RelayFile,
-        path: &Path,
-    ) -> Result<(), RelayError> {
-        use tokio::io::AsyncReadExt;
-        let _slot = self
-            .transfers
-            .acquire()
-            .await
-            .map_err(|_| RelayError::Closed)?;
-        let mut file = tokio::fs::File::open(path)
-            .await
-            .map_err(io("opening the file to upload"))?;
-        let n = f.size.div_ceil(PART).max(1) as usize;
-        let mut whole = blake3::Hasher::new();
-        let mut parts = vec![];
-        for i in 0..n {
-            let len = (f.size - i as u64 * PART).min(PART) as usize;
-            let mut buf = vec![0u8; len];
-            file.read_exact(&mut buf)
-                .await
-                .map_err(io("reading the file to upload"))?;
-            whole.update(&buf);
-            if n == 1 {
-                if whole.finalize().to_hex().as_str() != f.blake3 {
-                    return Err(corrupt_local(&f.name));
-                }
-                let key = Self::data_key(tenant, stream, &f.name);
-                self.create_or_match(&key, Bytes::from(buf), &f.blake3, &f.name)
-                    .await?;
-                break;
-            }
-            let h = blake3::hash(&buf).to_hex().to_string();
-            let key = Self::part_key(tenant, stream, &f.name, i);
-            if i == n - 1 && whole.finalize().to_hex().as_str() != f.blake3 {
-                return Err(corrupt_local(&f.name));
-            }
-            self.create_or_match(&key, Bytes::from(buf), &h, &f.name)
-                .await?;
-            parts.push(h);
-        }
-        let meta = RelayFile {
-            uploaded_ms: Some(now_ms()),
-            ..f.clone()
-        };
-        let parted = n > 1;
-        let body = serde_json::to_vec(&MetaV1 {
-            format: if parted { 2 } else { 1 },
-            file: meta,
-            parts: parted.then_some(parts),
-        })
-        .map_err(store_err)?;
-        self.store
-            .put_value_opts(
-                &Self::meta_key(tenant, stream, &f.name),
-                Bytes::from(body),
-                PutOptions::default(),
-            )
-            .await
-            .map_err(store_err)?;
-        self.uploaded_bytes.fetch_add(f.size, Relaxed);
-        Ok(())
-    }
-
     /// The PUT path (see the module docs). Returns the file and whether it was new.
     pub async fn put(
         &self,
@@ -692,65 +549,6 @@ impl Relay {
             l.lag_ms = l.lag_ms.max(now.saturating_sub(*created));
         }
         out
-    }
-
-    /// One pass of the background uploader: every pending file, oldest first.
-    pub async fn upload_pending(&self) {
-        let mut todo: Vec<(Key, u64)> = self
-            .pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|(k, v)| (k.clone(), v.1))
-            .collect();
-        todo.sort_by_key(|(_, created)| *created);
-        for ((t, s, n), _) in todo {
-            let _gate = self.upload_gate.lock().await;
-            let key = (t.clone(), s.clone(), n.clone());
-            if !self
-                .pending
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .contains_key(&key)
-            {
-                continue; // its tenant was deleted meanwhile
-            }
-            let Some(mut f) = self.local_meta(&t, &s, &n) else {
-                continue;
-            };
-            let path = self.dir(&t, &s).join(&n);
-            match self.upload(&t, &s, &f, &path).await {
-                Ok(()) => {
-                    f.uploaded_ms = Some(now_ms());
-                    if let Err(e) = self.write_meta(&t, &s, &f) {
-                        tracing::warn!(error = %e, "relay: recording an upload failed (it will be re-verified)");
-                        continue;
-                    }
-                    self.pending
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&(t, s, n));
-                }
-                Err(e) => {
-                    self.failures.fetch_add(1, Relaxed);
-                    tracing::warn!(tenant = t, stream = s, name = n, error = %e, "relay: upload failed; will retry");
-                    if matches!(
-                        e,
-                        RelayError::Conflict { .. }
-                            | RelayError::CorruptLocal(_)
-                            | RelayError::CorruptRemote(_)
-                    ) {
-                        // Another node holds other bytes under this name: keep ours local,
-                        // stop retrying, count it.
-                        self.pending
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .remove(&(t, s, n));
-                    }
-                    return; // back off until the next pass
-                }
-            }
-        }
     }
 
     /// The tenants with files on this node's disk (uploaded or not).

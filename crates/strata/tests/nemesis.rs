@@ -38,12 +38,16 @@ use reqwest::StatusCode;
 use serde_json::json;
 use strata_nbd::client::Client;
 
+#[path = "nemesis/checks.rs"]
+mod checks;
 #[path = "nemesis/grow.rs"]
 mod grow;
 #[path = "nemesis/model.rs"]
 mod model;
 #[path = "nemesis/node.rs"]
 mod node;
+#[path = "nemesis/ops.rs"]
+mod ops;
 use model::*;
 use node::*;
 
@@ -98,164 +102,6 @@ impl Campaign {
     fn count(&mut self, op: &'static str) {
         *lock(&self.tally.ops).entry(op).or_default() += 1;
         eprintln!("nemesis: step {}: {op}", self.step);
-    }
-
-    /// The checker: flush and read each workspace on a fresh connection and judge it against
-    /// its model; then the verification of pending checkpoints and forks.
-    async fn check(&mut self) {
-        for p in self.pending.iter_mut() {
-            if let Some(starts) = p.open_window.take() {
-                p.allowed = lock(&self.ws[p.ws].model).window(&starts);
-            }
-        }
-        for name in ["d", "s"] {
-            let (_, v) = self
-                .api_for(name)
-                .get(&format!("/v1/workspaces/{name}"))
-                .await;
-            let size = v["workspace"]["disk_size"].as_u64().unwrap_or(0);
-            if size < self.grown.get(name).copied().unwrap_or(0) {
-                self.fail(format!("{name}: the disk shrank to {size}: {v}"));
-            }
-            let w = self.ws[name].clone();
-            let sock = lock(&w.socket).clone();
-            let Some(sock) = sock else {
-                self.fail(format!("{name}: not served after the step"));
-                continue;
-            };
-            // A node just resumed from SIGSTOP refuses flushes until its lease is renewed
-            // (a fraction of a second): the checker waits for that, no longer.
-            let mut seen = None;
-            for _ in 0..50 {
-                seen = read_all(&sock, name, true).await;
-                if seen.is_some() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            let Some(seen) = seen else {
-                self.fail(format!("{name}: unreadable for 10 s after the step"));
-                continue;
-            };
-            let mut codes = Vec::with_capacity(BLOCKS as usize);
-            let mut bad = vec![];
-            {
-                let m = lock(&w.model);
-                for b in 0..BLOCKS as usize {
-                    match matches(seen[b], m.allowed(b)) {
-                        Some(c) => codes.push(c),
-                        None => {
-                            bad.push((b, seen[b], m.durable[b]));
-                            codes.push(m.durable[b]);
-                        }
-                    }
-                }
-            }
-            let t = &self.tally;
-            t.verified.fetch_add(BLOCKS, SeqCst);
-            for &(_, got, _) in &bad {
-                if got == u64::MAX {
-                    t.wrong.fetch_add(1, SeqCst);
-                } else {
-                    t.lost.fetch_add(1, SeqCst);
-                }
-            }
-            if !bad.is_empty() {
-                self.fail(format!(
-                    "{name}: {} blocks read back older or foreign data, e.g. (block, read, flushed) {:?}",
-                    bad.len(),
-                    &bad[..bad.len().min(4)]
-                ));
-            }
-            lock(&w.model).settle(&codes);
-        }
-        let pending = std::mem::take(&mut self.pending);
-        for p in pending {
-            self.verify_checkpoint(p).await;
-        }
-    }
-
-    /// Reads a checkpoint through a fork of it (made on A) and judges every block.
-    async fn verify_checkpoint(&mut self, p: Pending) {
-        let api = self.api_for(p.ws);
-        let version = match p.version {
-            Some(v) => Some(v),
-            None => {
-                let (_, log) = api.get(&format!("/v1/workspaces/{}/log", p.ws)).await;
-                log.as_array()
-                    .into_iter()
-                    .flatten()
-                    .find(|c| c["label"] == p.label.as_str())
-                    .and_then(|c| c["version"].as_u64())
-            }
-        };
-        let Some(version) = version else {
-            return; // the cut-off checkpoint never happened: nothing promised
-        };
-        self.n += 1;
-        let a = self.a.api(&self.token);
-        let fork = match p.fork {
-            Some(f) => f,
-            None => {
-                let f = format!("v{}", self.n);
-                let (s, v) = api
-                    .post(
-                        &format!("/v1/workspaces/{}/fork", p.ws),
-                        json!({"name": f, "version": version}),
-                    )
-                    .await;
-                if s != StatusCode::CREATED {
-                    self.fail(format!(
-                        "{}@{version}: fork for checking failed: {s} {v}",
-                        p.ws
-                    ));
-                    return;
-                }
-                f
-            }
-        };
-        let Some(sock) = attach(&a, &fork, Duration::from_secs(10)).await else {
-            self.fail(format!(
-                "{fork}: a fork of {}@{version} does not attach",
-                p.ws
-            ));
-            return;
-        };
-        let seen = read_all(&sock, &fork, false).await;
-        let _ = a
-            .post(&format!("/v1/workspaces/{fork}/detach"), json!({}))
-            .await;
-        let _ = a.delete(&format!("/v1/workspaces/{fork}")).await;
-        let Some(seen) = seen else {
-            self.fail(format!("{fork}: unreadable"));
-            return;
-        };
-        let mut codes = vec![];
-        let mut bad = vec![];
-        for b in 0..BLOCKS as usize {
-            match matches(seen[b], &p.allowed[b]) {
-                Some(c) => codes.push(c),
-                None => {
-                    bad.push((b, seen[b], p.allowed[b].first().copied()));
-                    codes.push(0);
-                }
-            }
-        }
-        self.tally.verified.fetch_add(BLOCKS, SeqCst);
-        self.tally.lost.fetch_add(bad.len() as u64, SeqCst);
-        if bad.is_empty() {
-            self.verified
-                .entry(p.ws)
-                .or_default()
-                .push((version, codes));
-        } else {
-            self.fail(format!(
-                "{}@{version} (fork {fork}): {} blocks do not hold what was flushed before it was requested, e.g. {:?}",
-                p.ws,
-                bad.len(),
-                &bad[..bad.len().min(4)]
-            ));
-        }
     }
 
     /// One nemesis operation on `name`, while its clients write.
@@ -505,109 +351,6 @@ impl Campaign {
             self.s_on_b = false;
             *lock(&w.socket) = attach(&self.a.api(&self.token), "s", Duration::from_secs(20)).await;
             w.epoch.fetch_add(1, SeqCst);
-        }
-    }
-
-    /// Another tenant on node A writes, checkpoints and is deleted while its detach is in
-    /// flight (the deletion is refused while attached and retried): the campaign's tenant,
-    /// writing throughout, must lose nothing, and nothing of the other may remain.
-    async fn delete_busy_tenant(&mut self) {
-        self.n += 1;
-        let t = format!("gone{}", self.n);
-        let admin = Api::with_timeout(&self.a.url, ADMIN, Duration::from_secs(120));
-        let (s, v) = admin.post("/v1/tenants", json!({ "name": t })).await;
-        if s != StatusCode::CREATED {
-            return self.fail(format!("creating tenant {t}: {s} {v}"));
-        }
-        let api = Api::new(&self.a.url, v["token"].as_str().unwrap_or_default());
-        let (s, v) = api
-            .post("/v1/workspaces", json!({"name": "w", "size": 8u64 << 20}))
-            .await;
-        if s != StatusCode::CREATED {
-            return self.fail(format!("{t}: create: {s} {v}"));
-        }
-        let Some(sock) = attach(&api, "w", Duration::from_secs(20)).await else {
-            return self.fail(format!("{t}: attach"));
-        };
-        match Client::connect_unix(Path::new(&sock), "w").await {
-            Ok(mut c) => {
-                let wrote = async {
-                    c.write(0, &vec![0x77u8; 256 << 10], false).await?;
-                    c.flush().await
-                };
-                if let Err(e) = wrote.await {
-                    return self.fail(format!("{t}: write: {e}"));
-                }
-            }
-            Err(e) => return self.fail(format!("{t}: connect: {e}")),
-        }
-        let (s, v) = api
-            .post("/v1/workspaces/w/checkpoint", json!({"wait": true}))
-            .await;
-        if s != StatusCode::OK {
-            return self.fail(format!("{t}: checkpoint: {s} {v}"));
-        }
-        let path = format!("/v1/tenants/{t}");
-        let deleted = async {
-            for _ in 0..200 {
-                let (s, v) = admin.delete(&path).await;
-                match s {
-                    StatusCode::OK => return Ok(v),
-                    StatusCode::CONFLICT => tokio::time::sleep(Duration::from_millis(50)).await,
-                    _ => return Err(format!("{s} {v}")),
-                }
-            }
-            Err("still attached after 10 s".to_string())
-        };
-        let (detached, deleted) =
-            tokio::join!(api.post("/v1/workspaces/w/detach", json!({})), deleted);
-        if detached.0 != StatusCode::OK {
-            return self.fail(format!("{t}: detach: {detached:?}"));
-        }
-        match deleted {
-            Ok(v) if v["workspaces"] == 1 => {}
-            Ok(v) => return self.fail(format!("{t}: deleted {v}")),
-            Err(e) => return self.fail(format!("{t}: delete: {e}")),
-        }
-        let (_, list) = admin.get("/v1/tenants").await;
-        if list.to_string().contains(&format!("\"{t}\"")) {
-            self.fail(format!("{t} still listed: {list}"));
-        }
-    }
-
-    /// Node A stops past its lease (2 s); B takes `s` over; A resumes and must acknowledge
-    /// nothing more for `s`.
-    async fn takeover(&mut self) {
-        let w = self.ws["s"].clone();
-        let old = lock(&w.socket).clone();
-        let a = self.a.daemon.as_ref().expect("A runs");
-        a.signal("STOP");
-        let b = self.b.api(&self.token);
-        let sock = attach(&b, "s", Duration::from_secs(20)).await;
-        a.signal("CONT");
-        if sock.is_none() {
-            self.fail("B could not take s over".into());
-            return;
-        }
-        w.epoch.fetch_add(1, SeqCst);
-        self.s_on_b = true;
-        *lock(&w.socket) = sock;
-        w.epoch.fetch_add(1, SeqCst);
-        // The fenced node acknowledges nothing: a write and flush through its old export fail.
-        if let Some(old) = old {
-            if let Ok(Ok(mut c)) = tokio::time::timeout(
-                Duration::from_secs(5),
-                Client::connect_unix(Path::new(&old), "s"),
-            )
-            .await
-            {
-                let tag = 1 << 62;
-                let w_ok = c.write(0, &block(tag, 0), false).await.is_ok();
-                let f_ok = c.flush().await.is_ok();
-                if w_ok && f_ok {
-                    self.fail("A acknowledged a flushed write to s after B took it over".into());
-                }
-            }
         }
     }
 }
