@@ -12,7 +12,7 @@ import statistics as st
 import sys
 from html import escape
 
-COLORS = {"strata": "#1f6feb", "qemu-nbd": "#d97706", "nbdkit-cow": "#059669",
+COLORS = {"strata": "#1f6feb", "strata-s3": "#7c3aed", "qemu-nbd": "#d97706", "nbdkit-cow": "#059669",
           "nbdkit-memory": "#9ca3af", "raw": "#6b7280"}
 PALETTE = ["#1f6feb", "#d97706", "#059669", "#9ca3af", "#6b7280", "#b91c1c"]
 
@@ -109,7 +109,7 @@ def main():
     out = sys.argv[2]
     os.makedirs(out, exist_ok=True)
     runs = res.get("nbd") or []
-    servers = [s for s in ["strata", "qemu-nbd", "nbdkit-cow", "nbdkit-memory", "raw"]
+    servers = [s for s in ["strata", "strata-s3", "qemu-nbd", "nbdkit-cow", "nbdkit-memory", "raw"]
                if any(r["server"] == s for r in runs)]
     scen = []
     for r in runs:

@@ -14,6 +14,8 @@
 #                 amplification: bench/nbd.sh
 #   coldstart  3. cold start from S3 with injected latency (moto on loopback) and 6. daemon RSS
 #                 per attached workspace: bench/coldstart.sh
+#              (with strata-s3: strata on moto behind the latency proxy)
+#   space      local disk use of the embedded default per live byte: bench/space.sh
 #   engine     4. fork/checkpoint/restore scaling, 5. shared cache across 8 forks and
 #                 6. memory per extent: crates/strata-engine/benches/scale.rs; 7. checkpoints
 #                 of a live workspace against dirty data: crates/strata-engine/benches/live.rs
@@ -25,7 +27,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 smoke=${BENCH_SMOKE:-0}
-scenarios=${BENCH_SCENARIOS:-engine nbd coldstart}
+scenarios=${BENCH_SCENARIOS:-engine nbd coldstart space}
 if [ "$smoke" = 1 ]; then out=${BENCH_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/strata-bench-smoke.XXXXXX")}
 else out=${BENCH_DIR:-docs/bench}; fi
 moto=${BENCH_MOTO:-$(command -v moto_server || echo "$HOME/.cache/strata-ci-venv/bin/moto_server")}
@@ -34,7 +36,7 @@ missing=()
 for t in cargo fio qemu-img qemu-nbd qemu-io nbdkit nbdfuse fusermount3 losetup mount mkfs.ext4 curl python3; do
   command -v "$t" >/dev/null || missing+=("$t")
 done
-[[ " $scenarios " == *" coldstart "* ]] && [ ! -x "$moto" ] && missing+=("moto_server (BENCH_MOTO)")
+[[ " $scenarios " == *" coldstart "* || " $scenarios " == *" nbd "* ]] && [ ! -x "$moto" ] && missing+=("moto_server (BENCH_MOTO)")
 if [ ${#missing[@]} -gt 0 ]; then
   echo "missing: ${missing[*]}" >&2
   echo "Debian: apt-get install fio qemu-utils nbdkit nbdfuse fuse3 e2fsprogs curl python3;" >&2
@@ -62,9 +64,11 @@ for s in $scenarios; do
         BENCH_JSON="$tmp/engine.json" cargo bench -q -p strata-engine --bench scale
         BENCH_JSON="$tmp/live.json" cargo bench -q -p strata-engine --bench live
       fi ;;
-    nbd) BENCH_OUT="$tmp/nbd.json" bench/nbd.sh | tee "$tmp/nbd.md" ;;
+    nbd) BENCH_SERVERS=${BENCH_SERVERS:-strata strata-s3 qemu-nbd nbdkit-cow nbdkit-memory raw} \
+           BENCH_OUT="$tmp/nbd.json" bench/nbd.sh | tee "$tmp/nbd.md" ;;
+    space) BENCH_OUT="$tmp/space.json" bench/space.sh | tee "$tmp/space.md" ;;
     coldstart) BENCH_OUT="$tmp/coldstart.json" bench/coldstart.sh ;;
-    *) echo "unknown scenario $s (engine, nbd, coldstart)" >&2; exit 2 ;;
+    *) echo "unknown scenario $s (engine, nbd, coldstart, space)" >&2; exit 2 ;;
   esac
 done
 
@@ -85,7 +89,7 @@ try:
     res = json.load(open(dest))
 except Exception:
     res = {}
-parts = {k: load(f"{k}.json") for k in ("nbd", "coldstart", "engine")}
+parts = {k: load(f"{k}.json") for k in ("nbd", "coldstart", "engine", "space")}
 if parts["engine"] is not None and load("live.json") is not None:
     parts["engine"].update(load("live.json"))
 res.update({k: v for k, v in parts.items() if v is not None})

@@ -11,7 +11,7 @@ import statistics as st
 import sys
 
 res = json.load(open(sys.argv[1]))
-SERVERS = ["strata", "qemu-nbd", "nbdkit-cow", "nbdkit-memory", "raw"]
+SERVERS = ["strata", "strata-s3", "qemu-nbd", "nbdkit-cow", "nbdkit-memory", "raw"]
 
 
 def med(rows, srv, sc, k):
@@ -123,3 +123,13 @@ if mem:
           f"{mem['overlay_bytes_per_run']:.1f} B per overlay run (writes since the last checkpoint); "
           f"heap peak during the publish of {mem['data_bytes'] >> 20} MiB: "
           f"{mem['publish_peak_bytes'] >> 20} MiB above the start.")
+sp = res.get("space")
+if sp:
+    live = sp[0]["live_bytes"] >> 20
+    print(f"\n### 7. Local disk use of the embedded default ({live} MiB live)\n")
+    print("| phase | journal MiB (of which spares) | objects MiB | catalog MiB | (total − spares) ÷ live |")
+    print("|---|---|---|---|---|")
+    for r in sp:
+        print(f"| {r['phase']} | {r['journal_bytes'] >> 20} ({r['spare_bytes'] >> 20}) | "
+              f"{r['object_bytes'] >> 20} | {r['catalog_bytes'] / 2**20:.1f} | "
+              f"{r['ratio_without_spares']:.2f}x (goal ≤ 1.2x) |")
