@@ -31,9 +31,8 @@ for t in curl python3 qemu-io nbdfuse losetup mount mkfs.ext4 fusermount3; do
   command -v "$t" >/dev/null || { echo "missing tool: $t (apt-get install curl python3 qemu-utils nbdfuse fuse3 e2fsprogs mount)" >&2; exit 2; }
 done
 [ -x "$moto" ] || { echo "missing moto_server (python3 -m venv V && V/bin/pip install 'moto[s3]' flask flask-cors; then BENCH_MOTO=V/bin/moto_server)" >&2; exit 2; }
-if [ -n "${STRATA_BIN:-}" ]; then strata=$STRATA_BIN
-else cargo build --release -q -p strata; strata=target/release/strata; fi
-strata=$(realpath "$strata")
+. bench/lib.sh
+strata=$(realpath "$(strata_binary)")
 root=0; [ "$(id -u)" = 0 ] && root=1
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/strata-coldstart.XXXXXX")
@@ -47,19 +46,12 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 now_ms() { date +%s%3N; }
 metric() { curl -s "$1/metrics" | awk -v m="$2" '$1 == m {print $2}'; }
 rss_kib() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 
 # The object store: moto, and the latency proxy in front of it.
-mport=$(free_port)
-"$moto" -H 127.0.0.1 -p "$mport" > "$work/moto.log" 2>&1 & pids+=($!)
-for _ in $(seq 1 100); do curl -s -o /dev/null "http://127.0.0.1:$mport" && break; sleep 0.2; done
-curl -sf -X PUT "http://127.0.0.1:$mport/bench" -o /dev/null
-python3 bench/latency_proxy.py 0 "127.0.0.1:$mport" "$delay_ms" > "$work/proxy.out" 2> "$work/proxy.err" & pids+=($!)
-for _ in $(seq 1 50); do grep -q ready "$work/proxy.out" 2>/dev/null && break; sleep 0.1; done
-pport=$(awk '/ready/ {print $2}' "$work/proxy.out")
+start_moto "$work" "$delay_ms"
 export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench STRATA_ADMIN_TOKEN=bench-admin
 store() { echo "s3://bench/strata?endpoint=http://127.0.0.1:$1&region=us-east-1&allow_http=true"; }
 

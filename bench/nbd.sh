@@ -31,8 +31,8 @@ for t in fio qemu-img qemu-nbd nbdkit python3; do
   command -v "$t" >/dev/null || { echo "missing tool: $t (apt-get install fio qemu-utils nbdkit python3)" >&2; exit 2; }
 done
 fio --enghelp 2>/dev/null | grep -qw nbd || { echo "this fio has no nbd engine" >&2; exit 2; }
-if [ -n "${STRATA_BIN:-}" ]; then strata=$STRATA_BIN
-else cargo build --release -q -p strata; strata=target/release/strata; fi
+. bench/lib.sh
+strata=$(strata_binary)
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/strata-bench.XXXXXX")
 pids=()
@@ -57,14 +57,7 @@ servers=(${BENCH_SERVERS:-strata qemu-nbd nbdkit-cow nbdkit-memory raw})
 if [[ " ${servers[*]} " == *" strata-s3 "* ]]; then
   moto=${BENCH_MOTO:-$(command -v moto_server || echo "$HOME/.cache/strata-ci-venv/bin/moto_server")}
   [ -x "$moto" ] || { echo "missing moto_server for strata-s3 (python3 -m venv V && V/bin/pip install 'moto[s3]' flask flask-cors; then BENCH_MOTO=V/bin/moto_server)" >&2; exit 2; }
-  free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-  mport=$(free_port)
-  "$moto" -H 127.0.0.1 -p "$mport" > "$work/moto.log" 2>&1 & pids+=($!)
-  for _ in $(seq 1 100); do curl -s -o /dev/null "http://127.0.0.1:$mport" && break; sleep 0.2; done
-  curl -sf -X PUT "http://127.0.0.1:$mport/bench" -o /dev/null
-  python3 bench/latency_proxy.py 0 "127.0.0.1:$mport" "${BENCH_S3_LATENCY_MS:-20}" > "$work/proxy.out" 2> "$work/proxy.err" & pids+=($!)
-  for _ in $(seq 1 50); do grep -q ready "$work/proxy.out" 2>/dev/null && break; sleep 0.1; done
-  pport=$(awk '/ready/ {print $2}' "$work/proxy.out")
+  start_moto "$work" "${BENCH_S3_LATENCY_MS:-20}"
   export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench
   s3_store() { echo "s3://bench/strata?endpoint=http://127.0.0.1:$1&region=us-east-1&allow_http=true"; }
   # One daemon for every strata-s3 run (the local verbs use the embedded default store);

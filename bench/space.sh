@@ -26,8 +26,8 @@ for t in fio curl python3; do
   command -v "$t" >/dev/null || { echo "missing tool: $t" >&2; exit 2; }
 done
 fio --enghelp 2>/dev/null | grep -qw nbd || { echo "this fio has no nbd engine" >&2; exit 2; }
-if [ -n "${STRATA_BIN:-}" ]; then strata=$STRATA_BIN
-else cargo build --release -q -p strata; strata=target/release/strata; fi
+. bench/lib.sh
+strata=$(strata_binary)
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/strata-space.XXXXXX")
 pid=
