@@ -209,7 +209,13 @@ impl Fs for RealFs {
 /// for the call: handing it to the blocking pool would let a caller dropped meanwhile (a client
 /// gone mid-FLUSH) miss the call's error, and a later FLUSH succeed over data the failed one
 /// lost.
+/// A panic inside `f` (only an injected fault does that) comes back as an error, so the caller
+/// fails the volume rather than losing the dirty batch it took.
 pub(crate) async fn blocking_here<T>(f: impl FnOnce() -> std::io::Result<T>) -> std::io::Result<T> {
+    let f = move || {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+            .unwrap_or_else(|_| Err(std::io::Error::other("a blocking file operation panicked")))
+    };
     let multi = tokio::runtime::Handle::try_current()
         .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
     if multi {

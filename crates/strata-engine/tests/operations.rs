@@ -353,6 +353,25 @@ async fn a_failed_zero_fill_leaves_no_partial_file() {
     v.prepare_journal().await.unwrap();
 }
 
+/// An fsync that panics (an injected fault) fails the FLUSH and the volume, like one that
+/// fails: the batch it took is not silently dropped for a later FLUSH to succeed over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_the_journal_fsync_fails_the_volume() {
+    let c = Cluster::new().await;
+    let (a, sw) = fault_node(&c, "a");
+    let v = empty_volume(&a, "panics", DISK, Mode::Durable).await;
+    v.write(0, &tagged(1, 0), false).await.unwrap();
+    sw.panic_next_sync.store(true, SeqCst);
+    assert!(
+        v.flush().await.is_err(),
+        "the FLUSH whose fsync panicked succeeded"
+    );
+    assert!(
+        v.flush().await.is_err(),
+        "a FLUSH after a panicked fsync succeeded"
+    );
+}
+
 /// A client that gives up on its FLUSH while the journal's fsync is under way, and that fsync
 /// fails: the failure is not lost with the dropped request, so no later FLUSH succeeds over
 /// data the page cache may have dropped. On a current-thread runtime (a multi-thread one runs

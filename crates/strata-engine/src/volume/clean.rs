@@ -163,7 +163,12 @@ impl Volume {
             Ok((batch, files, dir))
         })
         .await
-        .map_err(Error::io("syncing cleaned records"))?;
+        .map_err(|e| {
+            // Only a panic gets here: the batch is gone with it, so no later flush may believe
+            // it synced.
+            self.fail(format!("cleaning's fsync failed: {e}"));
+            Error::io("syncing cleaned records")(e)
+        })?;
         if let Err(e) = files {
             self.fail(format!("fsync failed while cleaning: {e}"));
             return Err(Error::io("fsync while cleaning")(e));

@@ -30,6 +30,8 @@ pub struct Switches {
     pub stall_then_fail_next_write: AtomicBool,
     /// Writes to a spare segment being zero-filled (`.prep`) fail with ENOSPC.
     pub full_for_spares: AtomicBool,
+    /// The next fsync of a journal segment panics.
+    pub panic_next_sync: AtomicBool,
     /// The next fsync of a journal segment stalls until `release`, then fails (EIO).
     pub stall_then_fail_next_sync: AtomicBool,
     /// Say the file system overwrites in place (records may then be written outside the
@@ -96,6 +98,9 @@ impl FsFile for FaultFile {
         self.inner.read_at(buf, off)
     }
     fn sync_data(&self) -> io::Result<()> {
+        if self.segment && self.sw.panic_next_sync.swap(false, SeqCst) {
+            panic!("injected panic in fsync");
+        }
         if self.segment && self.sw.stall_then_fail_next_sync.swap(false, SeqCst) {
             self.sw.stall();
             return Err(io::Error::from_raw_os_error(5));
