@@ -239,43 +239,29 @@ pub(crate) fn sweep_staged(
     };
     let mut dirs = vec![root.join("t")];
     while let Some(dir) = dirs.pop() {
-        let entries = match std::fs::read_dir(&dir) {
-            Ok(e) => e,
-            Err(e) => {
-                note(e);
-                continue;
-            }
+        let Ok(entries) = std::fs::read_dir(&dir).map_err(&mut note) else {
+            continue;
         };
         for entry in entries {
-            let entry = match entry {
-                Ok(e) => e,
-                Err(e) => {
-                    note(e);
-                    continue;
-                }
+            let Ok(entry) = entry.map_err(&mut note) else {
+                continue;
             };
-            let kind = match entry.file_type() {
-                Ok(k) => k,
-                Err(e) => {
-                    note(e);
-                    continue;
-                }
+            let Ok(kind) = entry.file_type().map_err(&mut note) else {
+                continue;
             };
             if kind.is_dir() {
                 dirs.push(entry.path());
-                continue;
-            }
-            if !kind.is_file() || !is_staged(&entry.file_name()) {
-                continue;
-            }
-            let old = entry
-                .metadata()
-                .and_then(|m| m.modified())
-                .is_ok_and(|t| now.duration_since(t).is_ok_and(|age| age >= older_than));
-            if old {
-                match std::fs::remove_file(entry.path()) {
-                    Ok(()) => removed += 1,
-                    Err(e) => note(e),
+            } else if kind.is_file() && is_staged(&entry.file_name()) {
+                let old = entry
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .is_ok_and(|t| now.duration_since(t).is_ok_and(|age| age >= older_than));
+                if old
+                    && std::fs::remove_file(entry.path())
+                        .map_err(&mut note)
+                        .is_ok()
+                {
+                    removed += 1;
                 }
             }
         }

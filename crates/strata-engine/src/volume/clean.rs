@@ -151,9 +151,8 @@ impl Volume {
         self.usable()?;
         let batch = self.journal_whole().await?.take_dirty();
         let fs = self.fs.clone();
-        // On this task (see `blocking_here`): were the fsync on another thread and this task
-        // aborted meanwhile (background work stopped), its error and the batch would be lost,
-        // and a later flush would believe the batch synced.
+        // The same path as a flush's fsync (see `blocking_here`): a panic in it comes back as
+        // an error, which fails the volume below.
         let (batch, files, dir) = crate::fs::blocking_here(move || {
             let files = batch.files.iter().try_for_each(|(_, f)| f.sync_data());
             let dir = match (&files, &batch.dir) {
