@@ -53,6 +53,7 @@ async fn main() {
         let gc = |keep: usize| GcOptions {
             grace: Duration::ZERO,
             keep_last: keep,
+            keep_auto: keep,
             max_age: Duration::from_secs(3600),
             dry_run: false,
             stop_after: None,

@@ -41,8 +41,13 @@ pub struct EngineConfig {
     /// this long (two GC passes at least this far apart); publishes slower than half of it
     /// give up. Every node sharing a store must use the same value or larger.
     pub gc_grace: Duration,
-    /// Retention: unlabelled checkpoints beyond the newest `keep_checkpoints` of a workspace …
+    /// Retention: unlabelled versions users made (checkpoints, rollbacks, forks, resizes)
+    /// beyond the newest `keep_checkpoints` of a workspace …
     pub keep_checkpoints: usize,
+    /// … automatic versions (background and sync-mode publishes, detaches, compactions)
+    /// beyond the newest `keep_auto_versions` besides the head (each pins what was written
+    /// over since: history costs disk, so it is kept only when asked for) …
+    pub keep_auto_versions: usize,
     /// … or older than this expire (labelled ones expire only by their own `keep_until`).
     pub keep_checkpoint_age: Duration,
     /// GC compacts attached volumes whose head objects are less live than this fraction.
@@ -74,6 +79,7 @@ impl EngineConfig {
             cache_unsafe: false,
             gc_grace: Duration::from_secs(3600),
             keep_checkpoints: 16,
+            keep_auto_versions: 0,
             keep_checkpoint_age: Duration::from_secs(7 * 24 * 3600),
             compact_below: 0.5,
             min_free_bytes: 64 << 20,

@@ -6,7 +6,8 @@
 //! [`GcOptions::compact_detached_after`]), then, per tenant:
 //!
 //! 1. **Retention** expires checkpoints by policy (never a head; labelled ones only by their
-//!    own `keep_until`; unlabelled beyond the newest `keep_last` or older than `max_age`).
+//!    own `keep_until`; unlabelled ones a user made beyond the newest `keep_last`, automatic
+//!    ones (see [`is_automatic`]) beyond the newest `keep_auto`, either older than `max_age`).
 //!    Expiry is soft: the rows vanish from listings at once but keep their manifests
 //!    referenced for `grace`, so an operation that read one just before (a fork, a rollback)
 //!    still completes safely; later passes purge the rows.
@@ -50,7 +51,13 @@ use crate::{Engine, Error, Result};
 #[derive(Clone, Debug)]
 pub struct GcOptions {
     pub grace: Duration,
+    /// Unlabelled versions a user made (checkpoints, rollbacks, forks, ...) kept per workspace
+    /// besides the head.
     pub keep_last: usize,
+    /// Automatic versions (background and sync-mode publishes, detaches, compactions) kept per
+    /// workspace besides the head: each pins the data written over since, so they are not
+    /// restore points unless a node asks for them.
+    pub keep_auto: usize,
     pub max_age: Duration,
     /// Report only: expire nothing, condemn nothing, delete nothing.
     pub dry_run: bool,
@@ -77,6 +84,7 @@ impl GcOptions {
         GcOptions {
             grace: cfg.gc_grace,
             keep_last: cfg.keep_checkpoints,
+            keep_auto: cfg.keep_auto_versions,
             max_age: cfg.keep_checkpoint_age,
             dry_run,
             stop_after: None,
@@ -123,17 +131,23 @@ pub struct GcReport {
     pub staged_removed: u64,
 }
 
-/// Retention: which of `cps` (a workspace's visible checkpoints) expire now.
-pub fn expired_versions(
-    cps: &[Checkpoint],
-    head: u64,
-    now_ms: u64,
-    keep_last: usize,
-    max_age: Duration,
-) -> Vec<u64> {
-    let max_age_ms = max_age.as_millis() as u64;
+/// Whether a version was published without anyone asking for a restore point: by the
+/// background uploader or a sync-mode flush (`auto`), by a detach (`detach`), or by GC's
+/// compaction (`compact`, the same data as the version before it).
+pub fn is_automatic(kind: CheckpointKind) -> bool {
+    matches!(
+        kind,
+        CheckpointKind::Auto | CheckpointKind::Detach | CheckpointKind::Compact
+    )
+}
+
+/// Retention: which of `cps` (a workspace's visible checkpoints) expire now. `keep_last`
+/// counts the unlabelled versions users made, `keep_auto` the automatic ones (see
+/// [`is_automatic`]), each newest first and never counting the head.
+pub fn expired_versions(cps: &[Checkpoint], head: u64, now_ms: u64, opts: &GcOptions) -> Vec<u64> {
+    let max_age_ms = opts.max_age.as_millis() as u64;
     let mut out = vec![];
-    let mut unlabelled_seen = 0usize;
+    let (mut made_seen, mut auto_seen) = (0usize, 0usize);
     for c in cps.iter().rev() {
         if c.version == head {
             continue;
@@ -145,11 +159,16 @@ pub fn expired_versions(
             }
             continue;
         }
-        unlabelled_seen += 1;
+        let too_many = if is_automatic(c.kind) {
+            auto_seen += 1;
+            auto_seen > opts.keep_auto
+        } else {
+            made_seen += 1;
+            made_seen > opts.keep_last
+        };
         if kept_until {
             continue;
         }
-        let too_many = unlabelled_seen > keep_last;
         let too_old = now_ms.saturating_sub(c.created_ms) > max_age_ms;
         if too_many || too_old {
             out.push(c.version);
@@ -379,8 +398,7 @@ impl Engine {
         // 1. Retention.
         for w in cat.list_workspaces(tenant).await? {
             let cps = cat.list_checkpoints(tenant, &w.name).await?;
-            let exp =
-                expired_versions(&cps, w.head_version, now_ms(), opts.keep_last, opts.max_age);
+            let exp = expired_versions(&cps, w.head_version, now_ms(), opts);
             if exp.is_empty() {
                 continue;
             }
@@ -517,4 +535,77 @@ impl Engine {
 /// Store keys last modified before this (ms since the epoch) may be condemned.
 fn chrono_cutoff(grace: Duration) -> i64 {
     now_ms() as i64 - grace.as_millis() as i64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cp(version: u64, kind: CheckpointKind, label: Option<&str>, age_s: u64) -> Checkpoint {
+        Checkpoint {
+            workspace: "w".into(),
+            version,
+            manifest: Hash([version as u8; 32]),
+            label: label.map(str::to_string),
+            kind,
+            created_ms: NOW - age_s * 1000,
+            bytes: 0,
+            cut_seq: 0,
+            journal_id: None,
+            epoch: 1,
+            keep_until_ms: None,
+        }
+    }
+
+    const NOW: u64 = 1_000_000_000;
+
+    fn opts(keep_last: usize, keep_auto: usize) -> GcOptions {
+        GcOptions {
+            grace: Duration::ZERO,
+            keep_last,
+            keep_auto,
+            max_age: Duration::from_secs(3600),
+            dry_run: false,
+            stop_after: None,
+            compact_below: None,
+            compact_detached_after: None,
+        }
+    }
+
+    /// Automatic versions and the ones users made are counted apart; the head, labelled
+    /// versions and versions kept until later are never expired by count.
+    #[test]
+    fn automatic_versions_are_retained_apart_from_the_ones_users_made() {
+        use CheckpointKind::*;
+        let mut cps = vec![
+            cp(1, Create, None, 100),
+            cp(2, Auto, None, 90),
+            cp(3, Checkpoint, None, 80),
+            cp(4, Auto, None, 70),
+            cp(5, Checkpoint, Some("kept"), 60),
+            cp(6, Detach, None, 50),
+            cp(7, Compact, None, 40),
+            cp(8, Rollback, None, 30),
+            cp(9, Auto, None, 20),
+            cp(10, Auto, None, 10),
+        ];
+        cps[3].keep_until_ms = Some(NOW + 1);
+        // Every automatic version but the head and one kept until later goes by default.
+        assert_eq!(
+            expired_versions(&cps, 10, NOW, &opts(16, 0)),
+            vec![2, 6, 7, 9]
+        );
+        // The newest two automatic ones besides the head (9, 7; 4 is kept until later anyway)
+        // and the newest two a user made (8, 3).
+        assert_eq!(expired_versions(&cps, 10, NOW, &opts(2, 2)), vec![1, 2, 6]);
+        // The head is never expired, whatever its kind or age.
+        assert_eq!(
+            expired_versions(&cps, 7, NOW, &opts(0, 0)),
+            vec![1, 2, 3, 6, 8, 9, 10]
+        );
+        // Age applies to both classes.
+        let mut old = opts(16, 16);
+        old.max_age = Duration::from_secs(45);
+        assert_eq!(expired_versions(&cps, 10, NOW, &old), vec![1, 2, 3, 6]);
+    }
 }

@@ -29,10 +29,12 @@ struct Model {
     cps: BTreeMap<(String, u64), Disk>,
 }
 
-fn gc_opts(keep_last: usize) -> GcOptions {
+/// Retention keeps `keep` versions of each class (made by users, automatic).
+fn gc_opts(keep: usize) -> GcOptions {
     GcOptions {
         grace: Duration::ZERO,
-        keep_last,
+        keep_last: keep,
+        keep_auto: keep,
         max_age: Duration::from_secs(3600),
         dry_run: false,
         stop_after: None,
@@ -280,7 +282,11 @@ async fn run_case(seed: u64) {
             m.cps.retain(|(w, _), _| *w != ws);
             what = "delete";
         } else {
-            let r = node.gc(&gc_opts(rng.random_range(0..3))).await.unwrap();
+            let opts = GcOptions {
+                keep_auto: rng.random_range(0..3),
+                ..gc_opts(rng.random_range(0..3))
+            };
+            let r = node.gc(&opts).await.unwrap();
             assert!(!r.stopped);
             what = "gc";
         }

@@ -248,9 +248,15 @@ pub struct Settings {
     /// Units (256 KiB) fetched ahead of a sequential cold reader of an object (default 8; 0: off).
     #[arg(long, env = "STRATA_READAHEAD_UNITS")]
     readahead_units: Option<u64>,
-    /// Retention: unlabelled checkpoints kept per workspace (default 16) …
+    /// Retention: unlabelled versions users made (checkpoints, rollbacks, forks, resizes)
+    /// kept per workspace besides the head (default 16) …
     #[arg(long, env = "STRATA_KEEP_CHECKPOINTS")]
     keep_checkpoints: Option<usize>,
+    /// … automatic versions (background and sync-mode publishes, detaches, compactions) kept
+    /// per workspace besides the head (default 0: each pins the data written over since, so
+    /// history costs disk only when asked for) …
+    #[arg(long, env = "STRATA_KEEP_AUTO")]
+    keep_auto: Option<usize>,
     /// … and for how long at most (default 7d).
     #[arg(long, env = "STRATA_KEEP_CHECKPOINT_AGE")]
     keep_checkpoint_age: Option<Dur>,
@@ -433,6 +439,9 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(n) = s.keep_checkpoints {
         cfg.keep_checkpoints = n;
+    }
+    if let Some(n) = s.keep_auto {
+        cfg.keep_auto_versions = n;
     }
     if let Some(Dur(d)) = s.keep_checkpoint_age {
         cfg.keep_checkpoint_age = d;
@@ -682,7 +691,8 @@ mod tests {
     fn settings_layer_flags_over_the_file() {
         let f = file(
             "lease_ttl = \"5s\"\nupload_interval = 2\nsegment_size = \"8MiB\"\nmin_free = 0\n\
-             gc_interval = \"off\"\nlisten = \"127.0.0.1:1\"\nadmin_token = \"secret\"\n",
+             gc_interval = \"off\"\nlisten = \"127.0.0.1:1\"\nadmin_token = \"secret\"\n\
+             keep_auto = 2\n",
         )
         .unwrap();
         let t = T::try_parse_from(["t", "--lease-ttl", "1m", "--segment-size", "2097152"]).unwrap();
@@ -697,6 +707,7 @@ mod tests {
         assert_eq!(s.gc_interval, Some(Every(None)));
         assert_eq!(s.listen.as_deref(), Some("127.0.0.1:1"));
         assert_eq!(s.admin_token.as_deref(), Some("secret"));
+        assert_eq!(s.keep_auto, Some(2));
         let e = file("lease_tll = \"5s\"").err().unwrap().to_string();
         assert!(e.contains("lease_tll"), "{e}");
         let e = file("lease_ttl = \"soon\"").err().unwrap().to_string();

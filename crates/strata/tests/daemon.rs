@@ -12,6 +12,8 @@ mod common;
 use common::*;
 #[path = "daemon/observe.rs"]
 mod observe;
+#[path = "daemon/retention.rs"]
+mod retention;
 #[path = "daemon/schema.rs"]
 mod schema;
 use schema::conforms;
@@ -691,100 +693,5 @@ ls "$mnt/agent" | wc -l"#,
             .last()
             .map(str::trim),
         Some("10")
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn gc_through_the_daemon_reclaims_deleted_history_and_keeps_the_rest() {
-    let d = tempfile::tempdir().unwrap();
-    let daemon = serve(
-        d.path(),
-        &[
-            "--gc-grace",
-            "1s",
-            "--gc-interval",
-            "off",
-            "--keep-checkpoints",
-            "0",
-        ],
-    );
-    let a = tenant(&daemon.url, "alpha").await;
-    let admin = Api::new(&daemon.url, ADMIN);
-    for ws in ["stay", "drop"] {
-        let (s, v) = a
-            .post("/v1/workspaces", json!({"name": ws, "size": 8 << 20}))
-            .await;
-        assert_eq!(s, StatusCode::CREATED, "{v}");
-        let (_, att) = a
-            .post(&format!("/v1/workspaces/{ws}/attach"), json!({}))
-            .await;
-        let mut c = Client::connect_unix(Path::new(att["socket"].as_str().unwrap()), ws)
-            .await
-            .unwrap();
-        for round in 1..=3u8 {
-            c.write(0, &vec![round; 1 << 20], false).await.unwrap();
-            let body = if round == 2 {
-                json!({"label": "keep me", "keep_secs": 3600})
-            } else {
-                json!({})
-            };
-            let (s, v) = a
-                .post(&format!("/v1/workspaces/{ws}/checkpoint"), body)
-                .await;
-            assert_eq!(s, StatusCode::OK, "{v}");
-        }
-    }
-    let (s, v) = a.delete("/v1/workspaces/drop").await;
-    assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
-    // Admin only; a dry run changes nothing.
-    assert_eq!(a.post("/v1/gc", json!({})).await.0, StatusCode::FORBIDDEN);
-    let (s, dry) = admin.post("/v1/gc", json!({"dry_run": true})).await;
-    assert_eq!(s, StatusCode::OK, "{dry}");
-    assert_eq!(dry["deleted_keys"], 0, "{dry}");
-    assert!(dry["checkpoints_expired"].as_u64().unwrap() >= 2, "{dry}");
-    // Three passes at least: expire + condemn, condemn what the expiry released, delete. Each
-    // step waits out the 1 s grace period by the catalog's clock, so a loaded machine can push
-    // one to the next pass: up to six are allowed.
-    let mut deleted = 0;
-    for pass in 0..6 {
-        if pass >= 3 && deleted >= 3 << 20 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(1100)).await; // the grace period
-        let (s, r) = admin.post("/v1/gc", json!({})).await;
-        assert_eq!(s, StatusCode::OK, "{r}");
-        deleted += r["deleted_bytes"].as_u64().unwrap();
-    }
-    assert!(
-        deleted >= 3 << 20,
-        "the deleted workspace's data is reclaimed: {deleted}"
-    );
-    // What is retained reads back: the head, and the labelled checkpoint with its promise.
-    let (_, log) = a.get("/v1/workspaces/stay/log").await;
-    let versions: Vec<u64> = log
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["version"].as_u64().unwrap())
-        .collect();
-    assert_eq!(versions, vec![3, 4], "{log}");
-    let (s, v) = a
-        .post(
-            "/v1/workspaces/stay/fork",
-            json!({"name": "old", "version": 3}),
-        )
-        .await;
-    assert_eq!(s, StatusCode::CREATED, "{v}");
-    let (_, att) = a.post("/v1/workspaces/old/attach", json!({})).await;
-    let mut c = Client::connect_unix(Path::new(att["socket"].as_str().unwrap()), "old")
-        .await
-        .unwrap();
-    assert!(c.read(0, 1 << 20).await.unwrap().iter().all(|&b| b == 2));
-    let (_, m) = admin.get("/metrics").await;
-    assert!(
-        m.as_str()
-            .unwrap()
-            .contains("strata_gc_reclaimed_bytes_total"),
-        "{m}"
     );
 }
