@@ -10,8 +10,9 @@
 # One daemon (`strata serve`, file: store, SQLite catalog: the embedded default) with a short GC
 # grace (BENCH_GC_GRACE seconds, default 30; a publish slower than half of it starts again) so a
 # pass can delete what an earlier one found unreferenced within the run; compaction at the
-# default threshold (0.5); retention as the daemon's defaults unless STRATA_KEEP_CHECKPOINTS
-# says otherwise (every background publish is an unlabelled checkpoint: the newest 16 are kept). The guest is fio's nbd engine:
+# default threshold (0.5); retention as the daemon's defaults unless STRATA_KEEP_AUTO or
+# STRATA_KEEP_CHECKPOINTS say otherwise (background publishes are automatic versions: none is
+# kept besides the head unless STRATA_KEEP_AUTO asks). The guest is fio's nbd engine:
 # sequential 1 MiB writes over the live span, then random overwrites of that span (4 KiB, then
 # 64 KiB, each BENCH_OVERWRITES times the span, default 1), each phase ending with a flush.
 # Installs nothing. Prints a Markdown table; JSON to ${BENCH_OUT:-docs/bench/space-results.json}.
