@@ -118,11 +118,11 @@ done
 echo "]" >> "$work/rows.json"
 mkdir -p "$(dirname "$out_json")"
 cp "$work/rows.json" "$out_json"
-python3 - "$out_json" "$live_mb" "${STRATA_KEEP_CHECKPOINTS:-16}" <<'PY'
+python3 - "$out_json" "$live_mb" "${STRATA_KEEP_CHECKPOINTS:-16}" "${STRATA_KEEP_AUTO:-0}" <<'PY'
 import json, sys
 rows = json.load(open(sys.argv[1]))
 mib = lambda b: f"{b / 2**20:,.0f}"
-print(f"live span: {sys.argv[2]} MiB; retention: keep {sys.argv[3]} unlabelled checkpoints")
+print(f"live span: {sys.argv[2]} MiB; retention: keep {sys.argv[3]} unlabelled versions users made, {sys.argv[4]} automatic ones")
 print("| phase | journal (spares) MiB | objects MiB | cache MiB | catalog MiB | total MiB | (total − spares) ÷ live | GC since: compacted MiB, versions expired, MiB deleted; live manifests |")
 print("|---|---|---|---|---|---|---|---|")
 for r in rows:

@@ -230,6 +230,26 @@ pub struct CreateStream {
     /// Answer a PUT only once the object store holds the file (default: once on local disk).
     #[serde(default)]
     pub sync: bool,
+    /// Retention: GC deletes files older than this many seconds (default: kept).
+    #[serde(default)]
+    pub keep_secs: Option<u64>,
+}
+
+/// `PATCH /v1/relay/{stream}`: a stream's retention.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StreamSettings {
+    /// GC deletes files older than this many seconds (null: keep them).
+    pub keep_secs: Option<u64>,
+}
+
+/// A relay stream's settings.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct StreamInfo {
+    pub name: String,
+    pub sync: bool,
+    pub created_ms: u64,
+    pub keep_secs: Option<u64>,
 }
 
 /// A token that can only add files to one relay stream (hand it to a sandbox).

@@ -32,7 +32,9 @@ fn relay_routes() -> Router<Arc<Daemon>> {
         )
         .route(
             "/v1/relay/{stream}",
-            get(relay_api::list_relay_files).post(relay_api::stream_token),
+            get(relay_api::list_relay_files)
+                .post(relay_api::stream_token)
+                .patch(relay_api::set_stream),
         )
         .route(
             "/v1/relay/{stream}/{name}",

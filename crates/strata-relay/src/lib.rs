@@ -6,7 +6,9 @@
 //!     size limit) ─▶ fsync ─▶ [sync stream: conditional create in the object store]
 //!     ─▶ hard link to DIR/{name} (never replaces) ─▶ unlink tmp ─▶ meta ─▶ fsync DIR ─▶ 201
 //! background ─▶ oldest pending first: create-if-absent in the object store, then its meta,
-//!     then mark the local meta uploaded (the upload lag per stream is a metric)
+//!     then mark the local meta uploaded (the upload lag per stream is a metric), then evict
+//!     the local bytes (see `retention`: reads come from the store from then on)
+//! GC ─▶ files older than their stream's retention leave the store and this node
 //! ```
 //! `DIR` = `DATA/relay/{tenant}/{stream}`. A name once written never changes: the same bytes
 //! again are a success (idempotent retry), other bytes a `409` that leaves the original alone.
@@ -30,7 +32,10 @@ use object_store::{ObjectStore, PutMode, PutOptions};
 use serde::{Deserialize, Serialize};
 use strata_store::Store;
 
+mod retention;
 mod upload;
+
+pub use retention::Expired;
 
 /// What is known about one relayed file (also its on-disk and in-store meta format, version 1).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
@@ -259,6 +264,10 @@ impl Relay {
             };
             if meta.uploaded_ms.is_none() {
                 self.queue(tenant, stream, &meta);
+            } else if let Err(e) = self.evict(tenant, stream, &meta) {
+                // Uploaded, and a crash (or an older version) kept the bytes. Only space: a
+                // failure here must not keep the relay from opening.
+                tracing::warn!(tenant, stream, name, error = %e, "relay: evicting an uploaded file failed");
             }
         }
         Ok(())
@@ -397,6 +406,9 @@ impl Relay {
         sync_dir(&dir).map_err(io("fsync of the stream directory"))?;
         if f.uploaded_ms.is_none() {
             self.queue(tenant, stream, &f);
+        } else if let Err(e) = self.evict(tenant, stream, &f) {
+            // Only space: the bytes are in the store, and the next open evicts them.
+            tracing::warn!(error = %e, "relay: evicting an uploaded file failed");
         }
         Ok((f, true))
     }
@@ -436,10 +448,13 @@ impl Relay {
         name: &str,
     ) -> Result<(RelayFile, tokio::fs::File), RelayError> {
         if let Some(m) = self.local_meta(tenant, stream, name) {
-            let f = tokio::fs::File::open(self.dir(tenant, stream).join(name))
-                .await
-                .map_err(io("reading the file"))?;
-            return Ok((m, f));
+            match tokio::fs::File::open(self.dir(tenant, stream).join(name)).await {
+                // Still holding its bytes (an eviction after the open leaves them to us).
+                Ok(f) if f.metadata().await.is_ok_and(|x| x.len() == m.size) => return Ok((m, f)),
+                Ok(_) => {} // evicted: the store has it
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io("reading the file")(e)),
+            }
         }
         let Some((m, parts)) = self.remote_meta(tenant, stream, name).await? else {
             return Err(RelayError::NotFound(format!(
@@ -525,7 +540,12 @@ impl Relay {
                 if name.starts_with('.') {
                     continue;
                 }
-                if let Some(f) = self.local_meta(tenant, stream, &name) {
+                // An uploaded file the store no longer lists was expired (by another node's
+                // GC pass: this node's removes its copy).
+                if let Some(f) = self
+                    .local_meta(tenant, stream, &name)
+                    .filter(|f| f.uploaded_ms.is_none())
+                {
                     out.entry(name).or_insert(f);
                 }
             }

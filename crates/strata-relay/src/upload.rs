@@ -189,7 +189,11 @@ impl Relay {
                     self.pending
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
-                        .remove(&(t, s, n));
+                        .remove(&(t.clone(), s.clone(), n));
+                    if let Err(e) = self.evict(&t, &s, &f) {
+                        // Only space: the next open evicts it.
+                        tracing::warn!(error = %e, "relay: evicting an uploaded file failed");
+                    }
                 }
                 Err(e) => {
                     self.failures.fetch_add(1, Relaxed);

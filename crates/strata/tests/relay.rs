@@ -1,9 +1,12 @@
 //! The durable relay end to end against the real daemon: idempotent PUTs, conflicts that keep
 //! the original, stream tokens that can only append, bad input, uploads to the object store
 //! and reads from another node; kill -9 mid-body, crash points between fsync, link and meta;
-//! and a PostgreSQL point-in-time recovery from WAL archived through the relay.
+//! and a PostgreSQL point-in-time recovery from WAL archived through the relay; local copies
+//! evicted once uploaded, and streams' retention.
 
 mod common;
+#[path = "relay/retention.rs"]
+mod retention;
 
 use std::io::{Read, Write};
 use std::path::Path;
