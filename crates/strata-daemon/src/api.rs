@@ -239,8 +239,15 @@ pub struct CreateStream {
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StreamSettings {
-    /// GC deletes files older than this many seconds (null: keep them).
-    pub keep_secs: Option<u64>,
+    /// GC deletes files older than this many seconds (null: keep them). Required.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<u64>, required = true)]
+    pub keep_secs: Option<Option<u64>>,
+}
+
+/// A field that must be present but may be null: `Some(None)` for null, `None` if absent.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<u64>>, D::Error> {
+    Option::<u64>::deserialize(d).map(Some)
 }
 
 /// A relay stream's settings.

@@ -234,12 +234,16 @@ impl Daemon {
         use std::sync::atomic::Ordering::Relaxed;
         let _one = self.gc.lock.lock().await;
         let cfg = self.engine.config();
+        // Relay retention first: a tenant whose pass fails must not hold up the others'.
+        let mut relay = strata_engine::GcReport::default();
+        self.expire_relay(dry_run, &mut relay).await;
         let mut r = self
             .engine
             .gc(&strata_engine::GcOptions::from_config(cfg, dry_run))
             .await;
         if let Ok(rep) = &mut r {
-            self.expire_relay(dry_run, rep).await;
+            rep.relay_files_expired = relay.relay_files_expired;
+            rep.relay_bytes_expired = relay.relay_bytes_expired;
         }
         match &r {
             Ok(rep) => {

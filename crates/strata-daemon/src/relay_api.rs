@@ -161,10 +161,13 @@ pub(crate) async fn set_stream(
 ) -> R<StreamInfo> {
     let b = body(b)?;
     check_stream_name(&stream)?;
+    let keep = b
+        .keep_secs
+        .ok_or_else(|| ApiError::invalid("keep_secs is required (null keeps files)"))?;
     let s = d
         .engine
         .catalog()
-        .set_stream_keep(&t, &stream, keep_ms(b.keep_secs)?)
+        .set_stream_keep(&t, &stream, keep_ms(keep)?)
         .await?;
     Ok(Json(StreamInfo {
         name: s.name,

@@ -149,11 +149,18 @@ pub fn is_automatic(kind: CheckpointKind) -> bool {
 
 /// Retention: which of `cps` (a workspace's visible checkpoints) expire now. `keep_last`
 /// counts the unlabelled versions users made, `keep_auto` the automatic ones (see
-/// [`is_automatic`]), each newest first and never counting the head.
+/// [`is_automatic`]), each newest first and never counting the head. The version right before
+/// a rollback is the state the rollback set aside (a rollback first publishes everything
+/// acknowledged): whatever its kind, it counts as one a user made, so a rollback can be undone.
 pub fn expired_versions(cps: &[Checkpoint], head: u64, now_ms: u64, opts: &GcOptions) -> Vec<u64> {
     let max_age_ms = opts.max_age.as_millis() as u64;
     let mut out = vec![];
     let (mut made_seen, mut auto_seen) = (0usize, 0usize);
+    let set_aside: HashSet<u64> = cps
+        .iter()
+        .filter(|c| c.kind == CheckpointKind::Rollback)
+        .map(|c| c.version - 1)
+        .collect();
     for c in cps.iter().rev() {
         if c.version == head {
             continue;
@@ -165,7 +172,7 @@ pub fn expired_versions(cps: &[Checkpoint], head: u64, now_ms: u64, opts: &GcOpt
             }
             continue;
         }
-        let too_many = if is_automatic(c.kind) {
+        let too_many = if is_automatic(c.kind) && !set_aside.contains(&c.version) {
             auto_seen += 1;
             auto_seen > opts.keep_auto
         } else {
@@ -596,14 +603,12 @@ mod tests {
             cp(10, Auto, None, 10),
         ];
         cps[3].keep_until_ms = Some(NOW + 1);
-        // Every automatic version but the head and one kept until later goes by default.
-        assert_eq!(
-            expired_versions(&cps, 10, NOW, &opts(16, 0)),
-            vec![2, 6, 7, 9]
-        );
-        // The newest two automatic ones besides the head (9, 7; 4 is kept until later anyway)
-        // and the newest two a user made (8, 3).
-        assert_eq!(expired_versions(&cps, 10, NOW, &opts(2, 2)), vec![1, 2, 6]);
+        // Every automatic version goes by default, but the head, one kept until later and the
+        // one a rollback set aside (7, before 8), which counts as a user's.
+        assert_eq!(expired_versions(&cps, 10, NOW, &opts(16, 0)), vec![2, 6, 9]);
+        // The newest two automatic ones besides the head (9, 6; 4 is kept until later anyway)
+        // and the newest two a user made (8, and 7 set aside by it).
+        assert_eq!(expired_versions(&cps, 10, NOW, &opts(2, 2)), vec![1, 2, 3]);
         // The head is never expired, whatever its kind or age.
         assert_eq!(
             expired_versions(&cps, 7, NOW, &opts(0, 0)),

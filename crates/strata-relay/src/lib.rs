@@ -163,6 +163,10 @@ pub struct Relay {
     /// Held for each background upload and by [`Relay::forget_tenant`]: a deleted tenant's
     /// file is never uploaded after its keys were removed.
     upload_gate: tokio::sync::Mutex<()>,
+    /// Held by each eviction and each removal of an expired file's local copy, so an eviction
+    /// never renames its placeholder over a name an expiry just removed (an empty file with no
+    /// meta would pass for an empty file after a restart).
+    local_gate: Mutex<()>,
 }
 
 use strata_format::now_ms;
@@ -213,6 +217,7 @@ impl Relay {
             failures: AtomicU64::new(0),
             transfers: tokio::sync::Semaphore::new(TRANSFERS),
             upload_gate: tokio::sync::Mutex::new(()),
+            local_gate: Mutex::new(()),
         };
         // A crash between creating and unlinking a spool file is all that can leave one.
         for e in std::fs::read_dir(relay.root.join(".spool"))
@@ -246,9 +251,16 @@ impl Relay {
             if name.starts_with('.') || !e.file_type()?.is_file() {
                 continue;
             }
-            let meta = match self.local_meta(tenant, stream, &name) {
-                Some(m) => m,
-                None => {
+            let len = e.metadata()?.len();
+            let meta = match self.read_local_meta(tenant, stream, &name) {
+                Ok(Some(m)) => m,
+                // An unreadable meta beside an empty file: it may be an evicted file's
+                // placeholder, which must never pass for an empty file. Left alone.
+                Err(err) if len == 0 => {
+                    tracing::warn!(tenant, stream, name, error = %err, "relay: unreadable meta beside an empty file; left alone");
+                    continue;
+                }
+                _ => {
                     // Linked (complete, fsync'd) but the meta was not written: derive it.
                     let (blake3, size) = hash_file(&e.path())?;
                     let m = RelayFile {
@@ -262,12 +274,11 @@ impl Relay {
                     m
                 }
             };
-            if meta.uploaded_ms.is_none() {
+            // Not uploaded yet; or uploaded and its bytes still here (a crash before the
+            // eviction, or an older version): uploaded again (idempotent), which checks the
+            // store's copy is this file and whole before evicting.
+            if meta.uploaded_ms.is_none() || (len == meta.size && meta.size > 0) {
                 self.queue(tenant, stream, &meta);
-            } else if let Err(e) = self.evict(tenant, stream, &meta) {
-                // Uploaded, and a crash (or an older version) kept the bytes. Only space: a
-                // failure here must not keep the relay from opening.
-                tracing::warn!(tenant, stream, name, error = %e, "relay: evicting an uploaded file failed");
             }
         }
         Ok(())
@@ -284,9 +295,27 @@ impl Relay {
     }
 
     fn local_meta(&self, tenant: &str, stream: &str, name: &str) -> Option<RelayFile> {
-        let raw = std::fs::read(self.meta_path(tenant, stream, name)).ok()?;
-        let m: MetaV1 = serde_json::from_slice(&raw).ok()?;
-        (m.format == 1 && m.file.name == name).then_some(m.file)
+        self.read_local_meta(tenant, stream, name).ok().flatten()
+    }
+
+    /// This node's meta of a file: None if it has none, an error if it cannot be read or is
+    /// not a valid format-1 meta of that name.
+    fn read_local_meta(
+        &self,
+        tenant: &str,
+        stream: &str,
+        name: &str,
+    ) -> std::io::Result<Option<RelayFile>> {
+        let raw = match std::fs::read(self.meta_path(tenant, stream, name)) {
+            Ok(r) => r,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let m: MetaV1 = serde_json::from_slice(&raw).map_err(std::io::Error::other)?;
+        if m.format != 1 || m.file.name != name {
+            return Err(std::io::Error::other("not a format-1 meta of this file"));
+        }
+        Ok(Some(m.file))
     }
 
     /// Writes the meta durably (temp, fsync, rename, fsync directory).
@@ -371,7 +400,7 @@ impl Relay {
             created_ms: now_ms(),
             uploaded_ms: None,
         };
-        if let Some(old) = self.existing(tenant, stream, name)? {
+        if let Some(old) = self.existing(tenant, stream, name).await? {
             return if old.blake3 == f.blake3 {
                 Ok((old, false))
             } else {
@@ -379,8 +408,9 @@ impl Relay {
             };
         }
         let mut f = f;
+        let mut ours = false;
         if sync {
-            self.upload(tenant, stream, &f, &tmp).await?;
+            ours = self.upload(tenant, stream, &f, &tmp).await?;
             f.uploaded_ms = Some(now_ms());
         }
         let target = dir.join(name);
@@ -388,7 +418,7 @@ impl Relay {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                 // A concurrent PUT of the same name won the link.
-                let old = self.existing(tenant, stream, name)?.ok_or_else(|| {
+                let old = self.existing(tenant, stream, name).await?.ok_or_else(|| {
                     io("resolving a concurrent upload")(std::io::Error::other("no meta"))
                 })?;
                 return if old.blake3 == f.blake3 {
@@ -406,22 +436,43 @@ impl Relay {
         sync_dir(&dir).map_err(io("fsync of the stream directory"))?;
         if f.uploaded_ms.is_none() {
             self.queue(tenant, stream, &f);
-        } else if let Err(e) = self.evict(tenant, stream, &f) {
-            // Only space: the bytes are in the store, and the next open evicts them.
-            tracing::warn!(error = %e, "relay: evicting an uploaded file failed");
+        } else if ours {
+            if let Err(e) = self.evict(tenant, stream, &f) {
+                // Only space: the next open uploads it again (idempotent) and evicts it.
+                tracing::warn!(error = %e, "relay: evicting an uploaded file failed");
+            }
         }
         Ok((f, true))
     }
 
     /// The file of that name on this node (meta, or derived from a file whose meta a crash
-    /// lost).
-    fn existing(
+    /// lost). An uploaded one the store no longer has (or has with other bytes) was expired
+    /// by a GC pass: this node forgets it, and the name is free (or the store's file's). (If the store cannot be asked, the
+    /// local answer stands: a retry is not refused for an outage.)
+    async fn existing(
         &self,
         tenant: &str,
         stream: &str,
         name: &str,
     ) -> Result<Option<RelayFile>, RelayError> {
         if let Some(m) = self.local_meta(tenant, stream, name) {
+            if m.uploaded_ms.is_some() {
+                match self.remote_meta(tenant, stream, name).await {
+                    Ok(None) => {
+                        self.forget_local(tenant, stream, name);
+                        return Ok(None);
+                    }
+                    // Expired, and the name taken again since by other bytes: theirs now.
+                    Ok(Some((r, _))) if r.blake3 != m.blake3 || r.size != m.size => {
+                        self.forget_local(tenant, stream, name);
+                        return Ok(Some(r));
+                    }
+                    Ok(Some(_)) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "relay: the store could not confirm an uploaded file; answering from this node")
+                    }
+                }
+            }
             return Ok(Some(m));
         }
         let p = self.dir(tenant, stream).join(name);

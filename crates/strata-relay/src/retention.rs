@@ -27,6 +27,12 @@ impl Relay {
         if f.uploaded_ms.is_none() || f.size == 0 {
             return Ok(());
         }
+        let _g = self.local_gate.lock().unwrap_or_else(|p| p.into_inner());
+        // Still this node's file, recorded as uploaded (an expiry may have removed it).
+        match self.local_meta(tenant, stream, &f.name) {
+            Some(m) if m.uploaded_ms.is_some() && m.size == f.size && m.blake3 == f.blake3 => {}
+            _ => return Ok(()),
+        }
         let dir = self.dir(tenant, stream);
         let path = dir.join(&f.name);
         match std::fs::metadata(&path) {
@@ -49,7 +55,9 @@ impl Relay {
     /// object store (data or parts first, the meta last, so a pass cut short leaves a listed
     /// file that the next pass finishes), and this node's meta and placeholder of each. A file
     /// not uploaded yet is not in the store's listing: it is expired by a pass after its
-    /// upload. `dry_run` only counts.
+    /// upload. Only metas the store last wrote more than `keep_ms` ago are read (a meta is
+    /// written after its file's creation, so no younger file is among the rest, whatever the
+    /// clocks' skew in the store's favour). `dry_run` only counts.
     pub async fn expire(
         &self,
         tenant: &str,
@@ -60,17 +68,15 @@ impl Relay {
     ) -> Result<Expired, RelayError> {
         let inner = self.store.inner_for(tenant).await.map_err(store_err)?;
         let prefix = object_store::path::Path::from(format!("t/{tenant}/relay/{stream}/meta"));
-        let names: Vec<String> = inner
-            .list(Some(&prefix))
-            .collect::<Vec<_>>()
-            .await
-            .into_iter()
-            .map(|m| m.map(|m| m.location.filename().map(str::to_string)))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(store_err)?
-            .into_iter()
-            .flatten()
-            .collect();
+        let old_before = now_ms.saturating_sub(keep_ms) as i64;
+        let mut names: Vec<String> = vec![];
+        let mut listing = inner.list(Some(&prefix));
+        while let Some(m) = listing.next().await {
+            let m = m.map_err(store_err)?;
+            if m.last_modified.timestamp_millis() <= old_before {
+                names.extend(m.location.filename().map(str::to_string));
+            }
+        }
         let mut out = Expired::default();
         for name in names {
             let Some((f, parts)) = self.remote_meta(tenant, stream, &name).await? else {
@@ -109,8 +115,11 @@ impl Relay {
     }
 
     /// Removes this node's copy of an expired (uploaded) file: its bytes or placeholder, then
-    /// its meta. A file still pending upload here is left alone.
-    fn forget_local(&self, tenant: &str, stream: &str, name: &str) {
+    /// its meta (in that order: a crash between leaves a meta the next PUT of the name checks
+    /// against the store, never a placeholder without a meta). A file still pending upload
+    /// here is left alone.
+    pub(crate) fn forget_local(&self, tenant: &str, stream: &str, name: &str) {
+        let _g = self.local_gate.lock().unwrap_or_else(|p| p.into_inner());
         let Some(m) = self.local_meta(tenant, stream, name) else {
             return;
         };

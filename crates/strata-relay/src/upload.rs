@@ -85,15 +85,20 @@ impl Relay {
     }
 
     /// Uploads the local file at `path` (whose meta is `f`): one object, or parts of [`PART`]
-    /// bytes read one at a time; each created if absent or matched; then its meta. The bytes
-    /// read must hash to the meta's hash, or nothing is recorded.
+    /// bytes read one at a time; each created if absent or matched; then its meta, created if
+    /// absent (a meta of the name with other bytes is a conflict: the name's first file keeps
+    /// it, whatever its size). The bytes read must hash to the meta's hash, or nothing is
+    /// recorded. Returns whether the store's copy is this very file (the meta is this upload's
+    /// or an earlier attempt's, same `created_ms`) and whole (its data still there after the
+    /// meta: an expiry of an older file of the name deletes data before meta): only then may
+    /// the local bytes go.
     pub(crate) async fn upload(
         &self,
         tenant: &str,
         stream: &str,
         f: &RelayFile,
         path: &Path,
-    ) -> Result<(), RelayError> {
+    ) -> Result<bool, RelayError> {
         use tokio::io::AsyncReadExt;
         let _slot = self
             .transfers
@@ -142,16 +147,53 @@ impl Relay {
             parts: parted.then_some(parts),
         })
         .map_err(store_err)?;
-        self.store
+        let put = self
+            .store
             .put_value_opts(
                 &Self::meta_key(tenant, stream, &f.name),
                 Bytes::from(body),
-                PutOptions::default(),
+                PutOptions {
+                    mode: PutMode::Create,
+                    ..Default::default()
+                },
             )
-            .await
-            .map_err(store_err)?;
+            .await;
+        let ours = match put {
+            Ok(_) => true,
+            Err(object_store::Error::AlreadyExists { .. }) => {
+                match self.remote_meta(tenant, stream, &f.name).await? {
+                    Some((m, _)) if m.size == f.size && m.blake3 == f.blake3 => {
+                        m.created_ms == f.created_ms
+                    }
+                    Some((m, _)) => {
+                        self.conflicts.fetch_add(1, Relaxed);
+                        return Err(conflict(&f.name, &m.blake3));
+                    }
+                    // Expired between the create and the read: the next attempt creates it.
+                    None => return Err(store_err(format!("meta of {:?} vanished", f.name))),
+                }
+            }
+            Err(e) => return Err(store_err(e)),
+        };
         self.uploaded_bytes.fetch_add(f.size, Relaxed);
-        Ok(())
+        if !ours {
+            return Ok(false);
+        }
+        let data: Vec<object_store::path::Path> = if n == 1 {
+            vec![Self::data_key(tenant, stream, &f.name)]
+        } else {
+            (0..n)
+                .map(|i| Self::part_key(tenant, stream, &f.name, i))
+                .collect()
+        };
+        for key in &data {
+            if !self.store.exists(key).await.map_err(store_err)? {
+                // An expiry of an older file of this name took it after we matched it: the
+                // next attempt creates it again (the meta is ours and stays).
+                return Err(store_err(format!("data of {:?} vanished", f.name)));
+            }
+        }
+        Ok(true)
     }
 
     /// One pass of the background uploader: every pending file, oldest first.
@@ -180,7 +222,7 @@ impl Relay {
             };
             let path = self.dir(&t, &s).join(&n);
             match self.upload(&t, &s, &f, &path).await {
-                Ok(()) => {
+                Ok(ours) => {
                     f.uploaded_ms = Some(now_ms());
                     if let Err(e) = self.write_meta(&t, &s, &f) {
                         tracing::warn!(error = %e, "relay: recording an upload failed (it will be re-verified)");
@@ -190,9 +232,13 @@ impl Relay {
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .remove(&(t.clone(), s.clone(), n));
-                    if let Err(e) = self.evict(&t, &s, &f) {
-                        // Only space: the next open evicts it.
-                        tracing::warn!(error = %e, "relay: evicting an uploaded file failed");
+                    // Another node's copy of the same bytes is not ours to lean on: its own
+                    // retention clock runs from its creation. Keep ours then.
+                    if ours {
+                        if let Err(e) = self.evict(&t, &s, &f) {
+                            // Only space: the next open uploads it again and evicts it.
+                            tracing::warn!(error = %e, "relay: evicting an uploaded file failed");
+                        }
                     }
                 }
                 Err(e) => {

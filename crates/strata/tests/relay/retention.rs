@@ -36,8 +36,8 @@ fn store_keys(data: &Path, stream: &str, name: &str) -> Vec<String> {
 }
 
 /// Once uploaded, a file's bytes leave this node's disk (reads come from the store, verified;
-/// retries are still answered from the local meta); a copy a crash kept is evicted when the
-/// daemon starts. Streams with a retention lose their old files at a GC pass, from the store
+/// retries are still answered from the local meta); a copy a crash kept is uploaded again
+/// and evicted after the daemon starts. Streams with a retention lose their old files at a GC pass, from the store
 /// and the node; a dry run only counts; streams without one keep everything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uploaded_files_leave_the_disk_and_old_ones_expire_by_retention() {
@@ -86,13 +86,15 @@ async fn uploaded_files_leave_the_disk_and_old_ones_expire_by_retention() {
     assert_eq!(p.status, StatusCode::CONFLICT, "{}", p.body);
 
     // A crash between the upload's record and the eviction leaves the bytes: the next start
-    // evicts them, and reads are unchanged.
+    // uploads the file again (the store's copy must be this file and whole) and evicts them;
+    // reads are unchanged.
     drop(a);
     std::fs::write(data.join("relay/alpha/art/report.tar"), &one).unwrap();
     a = serve(&data, &flags);
     alpha = a.api(&alpha.token);
     let beta = a.api(&beta.token);
     let admin = a.api(ADMIN);
+    wait_uploaded(&alpha, "art").await;
     assert_eq!(local_len(&data, "art", "report.tar"), Some(0));
     let (s, got, _) = get_bytes(&a.url, &alpha.token, "/v1/relay/art/report.tar").await;
     assert_eq!((s, got == one), (StatusCode::OK, true));
@@ -179,4 +181,90 @@ async fn uploaded_files_leave_the_disk_and_old_ones_expire_by_retention() {
     let (_, r) = admin.post("/v1/gc", json!({})).await;
     assert_eq!(r["relay_files_expired"], 0, "{r}");
     assert_eq!(store_keys(&data, "wal", "seg2").len(), 2);
+}
+
+/// Two nodes share the catalog and the store. A name stays with its first file whatever the
+/// sizes: another node's different file (in parts, so no data key collides) is a conflict in
+/// the background and never replaces it, and the first node, which evicted its copy, still
+/// serves its own bytes. A file one node's GC pass expired is forgotten by the node that
+/// relayed it at the next PUT of the name, which stores it again (not a `200` for a file that
+/// is nowhere).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_keeps_its_first_file_and_expiry_on_one_node_frees_it_on_all() {
+    let d = tempfile::tempdir().unwrap();
+    let (data_a, data_b) = (d.path().join("a"), d.path().join("b"));
+    let a = serve(&data_a, &["--gc-interval", "off"]);
+    let alpha = tenant(&a.url, "alpha").await;
+    let (_, art) = alpha.post("/v1/relay", json!({"name": "art"})).await;
+    let art_a = art["token"].as_str().unwrap().to_string();
+    let (_, wal) = alpha
+        .post("/v1/relay", json!({"name": "wal", "keep_secs": 1}))
+        .await;
+    let wal_a = wal["token"].as_str().unwrap().to_string();
+    let b = super::node_b(&data_a, &data_b);
+    let alpha_b = b.api(&alpha.token);
+    let (_, art) = alpha_b.post("/v1/relay/art", json!({})).await;
+    let art_b = art["token"].as_str().unwrap().to_string();
+
+    let small = vec![1u8; 1 << 20];
+    let p = put(&a.url, &art_a, "/v1/relay/art/out.tar", small.clone()).await;
+    assert_eq!(p.status, StatusCode::CREATED, "{}", p.body);
+    wait_uploaded(&alpha, "art").await;
+    assert_eq!(local_len(&data_a, "art", "out.tar"), Some(0));
+    let big = vec![2u8; 17 << 20];
+    let p = put(&b.url, &art_b, "/v1/relay/art/out.tar", big.clone()).await;
+    assert_eq!(
+        p.status,
+        StatusCode::CREATED,
+        "b does not know it yet: {}",
+        p.body
+    );
+    wait_uploaded(&alpha_b, "art").await; // the conflict ends b's attempts
+    let (_, m) = b.api(ADMIN).get("/metrics").await;
+    assert!(
+        m.as_str()
+            .unwrap()
+            .lines()
+            .any(|l| l.starts_with("strata_relay_conflicts_total") && !l.ends_with(" 0")),
+        "{m}"
+    );
+    let (s, got, h) = get_bytes(&a.url, &alpha.token, "/v1/relay/art/out.tar").await;
+    assert_eq!(
+        (s, got == small, h.as_deref()),
+        (
+            StatusCode::OK,
+            true,
+            Some(super::blake3_hex(&small).as_str())
+        ),
+        "a's acknowledged file is the store's"
+    );
+    assert_eq!(
+        local_len(&data_b, "art", "out.tar"),
+        Some(17 << 20),
+        "b keeps its own"
+    );
+
+    // Expired by b's pass; a, which relayed it, takes it again as a new file.
+    let seg = vec![3u8; 10_000];
+    let p = put(&a.url, &wal_a, "/v1/relay/wal/seg", seg.clone()).await;
+    assert_eq!(p.status, StatusCode::CREATED, "{}", p.body);
+    wait_uploaded(&alpha, "wal").await;
+    assert_eq!(local_len(&data_a, "wal", "seg"), Some(0));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (s, r) = b.api(ADMIN).post("/v1/gc", json!({})).await;
+    assert_eq!(
+        (s, r["relay_files_expired"].as_u64()),
+        (StatusCode::OK, Some(1)),
+        "{r}"
+    );
+    let p = put(&a.url, &wal_a, "/v1/relay/wal/seg", seg.clone()).await;
+    assert_eq!(
+        p.status,
+        StatusCode::CREATED,
+        "stored again, not 'already there': {}",
+        p.body
+    );
+    wait_uploaded(&alpha, "wal").await;
+    let (s, got, _) = get_bytes(&b.url, &alpha.token, "/v1/relay/wal/seg").await;
+    assert_eq!((s, got == seg), (StatusCode::OK, true));
 }
