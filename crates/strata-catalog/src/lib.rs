@@ -354,13 +354,6 @@ pub trait Catalog: Send + Sync + 'static {
     async fn create_stream(&self, s: &RelayStream) -> Result<()>;
     async fn get_stream(&self, tenant: &str, name: &str) -> Result<RelayStream>;
     async fn list_streams(&self, tenant: &str) -> Result<Vec<RelayStream>>;
-    /// Sets a stream's retention (`None`: keep its files) and returns the stream.
-    async fn set_stream_keep(
-        &self,
-        tenant: &str,
-        name: &str,
-        keep_ms: Option<u64>,
-    ) -> Result<RelayStream>;
 
     /// Records that `manifest` exists and references `objects` (idempotent).
     async fn record_manifest(

@@ -867,8 +867,8 @@ impl Catalog for PostgresCatalog {
         let tx = c.transaction().await.map_err(be)?;
         live_tenant(&tx, &st.tenant, " FOR SHARE").await?;
         tx.execute(
-            "INSERT INTO relay_streams (tenant, name, sync, created_ms, keep_ms) VALUES ($1, $2, $3, $4, $5)",
-            &[&st.tenant, &st.name, &st.sync, &(st.created_ms as i64), &st.keep_ms.map(|k| k as i64)],
+            "INSERT INTO relay_streams (tenant, name, sync, created_ms) VALUES ($1, $2, $3, $4)",
+            &[&st.tenant, &st.name, &st.sync, &(st.created_ms as i64)],
         )
         .await
         .map_err(exists_or_backend("relay stream", &st.name))?;
@@ -878,7 +878,7 @@ impl Catalog for PostgresCatalog {
     async fn get_stream(&self, tenant: &str, name: &str) -> Result<RelayStream> {
         let c = self.conn().await?;
         c.query_opt(
-            &format!("SELECT {STREAM_COLS} FROM relay_streams WHERE tenant = $1 AND name = $2"),
+            "SELECT tenant, name, sync, created_ms FROM relay_streams WHERE tenant = $1 AND name = $2",
             &[&tenant, &name],
         )
         .await
@@ -892,35 +892,16 @@ impl Catalog for PostgresCatalog {
 
     async fn list_streams(&self, tenant: &str) -> Result<Vec<RelayStream>> {
         let c = self.conn().await?;
-        Ok(c.query(
-            &format!("SELECT {STREAM_COLS} FROM relay_streams WHERE tenant = $1 ORDER BY name"),
-            &[&tenant],
-        )
-        .await
-        .map_err(be)?
-        .iter()
-        .map(stream_row)
-        .collect())
-    }
-
-    async fn set_stream_keep(
-        &self,
-        tenant: &str,
-        name: &str,
-        keep_ms: Option<u64>,
-    ) -> Result<RelayStream> {
-        let c = self.conn().await?;
-        c.query_opt(
-            &format!("UPDATE relay_streams SET keep_ms = $3 WHERE tenant = $1 AND name = $2 RETURNING {STREAM_COLS}"),
-            &[&tenant, &name, &keep_ms.map(|k| k as i64)],
-        )
-        .await
-        .map_err(be)?
-        .map(|r| stream_row(&r))
-        .ok_or(CatalogError::NotFound {
-            what: "relay stream",
-            name: name.into(),
-        })
+        Ok(c
+            .query(
+                "SELECT tenant, name, sync, created_ms FROM relay_streams WHERE tenant = $1 ORDER BY name",
+                &[&tenant],
+            )
+            .await
+            .map_err(be)?
+            .iter()
+            .map(stream_row)
+            .collect())
     }
 
     async fn list_tenants(&self) -> Result<Vec<String>> {

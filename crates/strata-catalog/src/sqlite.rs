@@ -796,8 +796,8 @@ impl Catalog for SqliteCatalog {
                 .map_err(be)?;
             live_tenant(&tx, &st.tenant)?;
             tx.execute(
-                "INSERT INTO relay_streams (tenant, name, sync, created_ms, keep_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
-                params![st.tenant, st.name, st.sync as i64, st.created_ms as i64, st.keep_ms.map(|k| k as i64)],
+                "INSERT INTO relay_streams (tenant, name, sync, created_ms) VALUES (?1, ?2, ?3, ?4)",
+                params![st.tenant, st.name, st.sync as i64, st.created_ms as i64],
             )
             .map_err(exists_or_backend("relay stream", &st.name))?;
             tx.commit().map_err(be)
@@ -809,16 +809,13 @@ impl Catalog for SqliteCatalog {
         let (t, n) = (tenant.to_string(), name.to_string());
         self.run(move |c| {
             c.query_row(
-                &format!("SELECT {STREAM_COLS} FROM relay_streams WHERE tenant = ?1 AND name = ?2"),
+                "SELECT tenant, name, sync, created_ms FROM relay_streams WHERE tenant = ?1 AND name = ?2",
                 params![t, n],
                 stream_row,
             )
             .optional()
             .map_err(be)?
-            .ok_or(CatalogError::NotFound {
-                what: "relay stream",
-                name: n,
-            })
+            .ok_or(CatalogError::NotFound { what: "relay stream", name: n })
         })
         .await
     }
@@ -827,32 +824,10 @@ impl Catalog for SqliteCatalog {
         let t = tenant.to_string();
         self.run(move |c| {
             let mut s = c
-                .prepare(&format!(
-                    "SELECT {STREAM_COLS} FROM relay_streams WHERE tenant = ?1 ORDER BY name"
-                ))
+                .prepare("SELECT tenant, name, sync, created_ms FROM relay_streams WHERE tenant = ?1 ORDER BY name")
                 .map_err(be)?;
             let rows = s.query_map(params![t], stream_row).map_err(be)?;
             rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
-        })
-        .await
-    }
-
-    async fn set_stream_keep(
-        &self,
-        tenant: &str,
-        name: &str,
-        keep_ms: Option<u64>,
-    ) -> Result<RelayStream> {
-        let (t, n) = (tenant.to_string(), name.to_string());
-        self.run(move |c| {
-            c.query_row(
-                &format!("UPDATE relay_streams SET keep_ms = ?3 WHERE tenant = ?1 AND name = ?2 RETURNING {STREAM_COLS}"),
-                params![t, n, keep_ms.map(|k| k as i64)],
-                stream_row,
-            )
-            .optional()
-            .map_err(be)?
-            .ok_or(CatalogError::NotFound { what: "relay stream", name: n })
         })
         .await
     }

@@ -241,10 +241,6 @@ pub struct RelayStream {
     /// `true`: a PUT is answered only after the object store holds the file.
     pub sync: bool,
     pub created_ms: u64,
-    /// Retention: files older than this (by their `created_ms`) are deleted by GC once
-    /// uploaded (None: kept until the stream's tenant is deleted).
-    #[serde(default)]
-    pub keep_ms: Option<u64>,
 }
 
 /// A token to record. The catalog keeps its hash, never the token.

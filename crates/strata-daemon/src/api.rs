@@ -230,33 +230,6 @@ pub struct CreateStream {
     /// Answer a PUT only once the object store holds the file (default: once on local disk).
     #[serde(default)]
     pub sync: bool,
-    /// Retention: GC deletes files older than this many seconds (default: kept).
-    #[serde(default)]
-    pub keep_secs: Option<u64>,
-}
-
-/// `PATCH /v1/relay/{stream}`: a stream's retention.
-#[derive(Debug, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct StreamSettings {
-    /// GC deletes files older than this many seconds (null: keep them). Required.
-    #[serde(default, deserialize_with = "present")]
-    #[schema(value_type = Option<u64>, required = true)]
-    pub keep_secs: Option<Option<u64>>,
-}
-
-/// A field that must be present but may be null: `Some(None)` for null, `None` if absent.
-fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<u64>>, D::Error> {
-    Option::<u64>::deserialize(d).map(Some)
-}
-
-/// A relay stream's settings.
-#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct StreamInfo {
-    pub name: String,
-    pub sync: bool,
-    pub created_ms: u64,
-    pub keep_secs: Option<u64>,
 }
 
 /// A token that can only add files to one relay stream (hand it to a sandbox).

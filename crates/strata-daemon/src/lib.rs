@@ -234,17 +234,10 @@ impl Daemon {
         use std::sync::atomic::Ordering::Relaxed;
         let _one = self.gc.lock.lock().await;
         let cfg = self.engine.config();
-        // Relay retention first: a tenant whose pass fails must not hold up the others'.
-        let mut relay = strata_engine::GcReport::default();
-        self.expire_relay(dry_run, &mut relay).await;
-        let mut r = self
+        let r = self
             .engine
             .gc(&strata_engine::GcOptions::from_config(cfg, dry_run))
             .await;
-        if let Ok(rep) = &mut r {
-            rep.relay_files_expired = relay.relay_files_expired;
-            rep.relay_bytes_expired = relay.relay_bytes_expired;
-        }
         match &r {
             Ok(rep) => {
                 if !dry_run {
@@ -272,50 +265,6 @@ impl Daemon {
             }
         }
         r
-    }
-
-    /// Relay retention: the files of streams with a `keep` that are older than it leave the
-    /// object store and this node. A tenant or stream that fails is skipped with a warning
-    /// (the next pass retries), never the pass.
-    async fn expire_relay(&self, dry_run: bool, rep: &mut strata_engine::GcReport) {
-        let cat = self.engine.catalog();
-        let tenants = match cat.list_tenants().await {
-            Ok(t) => t,
-            Err(e) => {
-                tracing::warn!(error = %e, "relay retention skipped: tenants unlisted");
-                return;
-            }
-        };
-        let now = strata_format::now_ms();
-        for t in tenants {
-            // A tenant being deleted loses everything anyway, through its own path.
-            if !matches!(cat.get_tenant(&t).await, Ok(i) if i.deleting_ms.is_none()) {
-                continue;
-            }
-            let streams = match cat.list_streams(&t).await {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(tenant = %t, error = %e, "relay retention skipped a tenant");
-                    continue;
-                }
-            };
-            for s in streams {
-                let Some(keep) = s.keep_ms else { continue };
-                let r = match self.refresh_placement(&t).await {
-                    Ok(()) => self.relay.expire(&t, &s.name, keep, now, dry_run).await,
-                    Err(e) => Err(relay::RelayError::Store(e.message)),
-                };
-                match r {
-                    Ok(x) => {
-                        rep.relay_files_expired += x.files;
-                        rep.relay_bytes_expired += x.bytes;
-                    }
-                    Err(e) => {
-                        tracing::warn!(tenant = %t, stream = %s.name, error = %e, "relay retention skipped a stream")
-                    }
-                }
-            }
-        }
     }
 
     /// Sets the size limit of one relayed file.

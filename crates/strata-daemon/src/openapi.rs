@@ -68,7 +68,6 @@ use crate::{relay_api, routes, template_api, tenants, tokens, workspace_api};
         relay_api::create_stream,
         relay_api::list_relay_files,
         relay_api::stream_token,
-        relay_api::set_stream,
         relay_api::put_relay_file,
         relay_api::get_relay_file,
     ),

@@ -105,7 +105,6 @@ pub(crate) async fn create_stream(
     // Both steps in a task of their own: a client that leaves (or a request timeout) between
     // them would leave a stream without a token.
     let (cat, name, sync) = (d.engine.catalog().clone(), b.name.clone(), b.sync);
-    let keep_ms = keep_ms(b.keep_secs)?;
     let expires = caller.expires_ms;
     let token = crate::exports::own_task(async move {
         cat.create_stream(&RelayStream {
@@ -113,7 +112,6 @@ pub(crate) async fn create_stream(
             name: name.clone(),
             sync,
             created_ms: now,
-            keep_ms,
         })
         .await?;
         let token = new_token();
@@ -130,51 +128,6 @@ pub(crate) async fn create_stream(
             token,
         }),
     ))
-}
-
-/// Retention in milliseconds, from seconds a request names (at most 100 years).
-fn keep_ms(keep_secs: Option<u64>) -> Result<Option<u64>, ApiError> {
-    const MAX_SECS: u64 = 100 * 365 * 86_400;
-    match keep_secs {
-        Some(s) if s == 0 || s > MAX_SECS => Err(ApiError::invalid(format!(
-            "keep_secs must be between 1 and {MAX_SECS} (omit it to keep files)"
-        ))),
-        k => Ok(k.map(|s| s * 1000)),
-    }
-}
-
-#[utoipa::path(
-    patch,
-    path = "/v1/relay/{stream}",
-    summary = "Set a stream's retention: GC deletes files older than keep_secs from the object store and every node (null: keep them)",
-    params(("stream" = String, Path, description = "Stream name")),
-    request_body = StreamSettings,
-    responses((status = 200, description = "The stream", body = StreamInfo)),
-    tag = "relay",
-    security(("bearer" = [])),
-)]
-pub(crate) async fn set_stream(
-    Tenant(t, _caller): Tenant,
-    State(d): D,
-    Path(stream): Path<String>,
-    b: Result<Json<StreamSettings>, JsonRejection>,
-) -> R<StreamInfo> {
-    let b = body(b)?;
-    check_stream_name(&stream)?;
-    let keep = b
-        .keep_secs
-        .ok_or_else(|| ApiError::invalid("keep_secs is required (null keeps files)"))?;
-    let s = d
-        .engine
-        .catalog()
-        .set_stream_keep(&t, &stream, keep_ms(keep)?)
-        .await?;
-    Ok(Json(StreamInfo {
-        name: s.name,
-        sync: s.sync,
-        created_ms: s.created_ms,
-        keep_secs: s.keep_ms.map(|k| k / 1000),
-    }))
 }
 
 /// Another token for an existing stream.
@@ -230,7 +183,6 @@ pub(crate) async fn list_streams(Tenant(t, _caller): Tenant, State(d): D) -> R<s
                     .unwrap_or_default();
                 serde_json::json!({
                     "name": s.name, "sync": s.sync, "created_ms": s.created_ms,
-                    "keep_secs": s.keep_ms.map(|k| k / 1000),
                     "pending_files": l.pending_files, "pending_bytes": l.pending_bytes,
                     "lag_ms": l.lag_ms,
                 })

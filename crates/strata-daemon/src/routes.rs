@@ -32,9 +32,7 @@ fn relay_routes() -> Router<Arc<Daemon>> {
         )
         .route(
             "/v1/relay/{stream}",
-            get(relay_api::list_relay_files)
-                .post(relay_api::stream_token)
-                .patch(relay_api::set_stream),
+            get(relay_api::list_relay_files).post(relay_api::stream_token),
         )
         .route(
             "/v1/relay/{stream}/{name}",

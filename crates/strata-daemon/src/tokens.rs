@@ -91,8 +91,7 @@ impl Scope {
                             "/v1/workspaces/{name}/attach" | "/v1/workspaces/{name}/detach"
                         ))
             }
-            // Everything on the relay but its retention, which deletes files.
-            Scope::Relay => route.starts_with("/v1/relay") && method != Method::PATCH,
+            Scope::Relay => route.starts_with("/v1/relay"),
             // The relay's own extractor lets a stream token PUT to its stream.
             Scope::Stream(_) | Scope::Unknown(_) => false,
         }

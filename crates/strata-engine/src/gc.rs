@@ -129,12 +129,6 @@ pub struct GcReport {
     /// Staged files of interrupted puts swept from local object directories.
     #[serde(default)]
     pub staged_removed: u64,
-    /// Relay files deleted by their stream's retention (would be, in a dry run), and their
-    /// bytes (a daemon's pass; the engine has no relay).
-    #[serde(default)]
-    pub relay_files_expired: u64,
-    #[serde(default)]
-    pub relay_bytes_expired: u64,
 }
 
 /// Whether a version was published without anyone asking for a restore point: by the

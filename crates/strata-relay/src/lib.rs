@@ -7,8 +7,7 @@
 //!     ─▶ hard link to DIR/{name} (never replaces) ─▶ unlink tmp ─▶ meta ─▶ fsync DIR ─▶ 201
 //! background ─▶ oldest pending first: create-if-absent in the object store, then its meta,
 //!     then mark the local meta uploaded (the upload lag per stream is a metric), then evict
-//!     the local bytes (see `retention`: reads come from the store from then on)
-//! GC ─▶ files older than their stream's retention leave the store and this node
+//!     the local bytes (see `eviction`: reads come from the store from then on)
 //! ```
 //! `DIR` = `DATA/relay/{tenant}/{stream}`. A name once written never changes: the same bytes
 //! again are a success (idempotent retry), other bytes a `409` that leaves the original alone.
@@ -32,10 +31,8 @@ use object_store::{ObjectStore, PutMode, PutOptions};
 use serde::{Deserialize, Serialize};
 use strata_store::Store;
 
-mod retention;
+mod eviction;
 mod upload;
-
-pub use retention::Expired;
 
 /// What is known about one relayed file (also its on-disk and in-store meta format, version 1).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
@@ -163,10 +160,6 @@ pub struct Relay {
     /// Held for each background upload and by [`Relay::forget_tenant`]: a deleted tenant's
     /// file is never uploaded after its keys were removed.
     upload_gate: tokio::sync::Mutex<()>,
-    /// Held by each eviction and each removal of an expired file's local copy, so an eviction
-    /// never renames its placeholder over a name an expiry just removed (an empty file with no
-    /// meta would pass for an empty file after a restart).
-    local_gate: Mutex<()>,
 }
 
 use strata_format::now_ms;
@@ -217,7 +210,6 @@ impl Relay {
             failures: AtomicU64::new(0),
             transfers: tokio::sync::Semaphore::new(TRANSFERS),
             upload_gate: tokio::sync::Mutex::new(()),
-            local_gate: Mutex::new(()),
         };
         // A crash between creating and unlinking a spool file is all that can leave one.
         for e in std::fs::read_dir(relay.root.join(".spool"))
@@ -274,10 +266,9 @@ impl Relay {
                     m
                 }
             };
-            // Not uploaded yet; or uploaded and its bytes still here (a crash before the
-            // eviction, or an older version): uploaded again (idempotent), which checks the
-            // store's copy is this file and whole before evicting.
-            if meta.uploaded_ms.is_none() || (len == meta.size && meta.size > 0) {
+            // (Uploaded with its bytes still here: a crash before the eviction, or an older
+            // version. Served from disk as before; only the space is not given back.)
+            if meta.uploaded_ms.is_none() {
                 self.queue(tenant, stream, &meta);
             }
         }
@@ -400,7 +391,7 @@ impl Relay {
             created_ms: now_ms(),
             uploaded_ms: None,
         };
-        if let Some(old) = self.existing(tenant, stream, name).await? {
+        if let Some(old) = self.existing(tenant, stream, name)? {
             return if old.blake3 == f.blake3 {
                 Ok((old, false))
             } else {
@@ -408,9 +399,8 @@ impl Relay {
             };
         }
         let mut f = f;
-        let mut ours = false;
         if sync {
-            ours = self.upload(tenant, stream, &f, &tmp).await?;
+            self.upload(tenant, stream, &f, &tmp).await?;
             f.uploaded_ms = Some(now_ms());
         }
         let target = dir.join(name);
@@ -418,7 +408,7 @@ impl Relay {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                 // A concurrent PUT of the same name won the link.
-                let old = self.existing(tenant, stream, name).await?.ok_or_else(|| {
+                let old = self.existing(tenant, stream, name)?.ok_or_else(|| {
                     io("resolving a concurrent upload")(std::io::Error::other("no meta"))
                 })?;
                 return if old.blake3 == f.blake3 {
@@ -436,43 +426,22 @@ impl Relay {
         sync_dir(&dir).map_err(io("fsync of the stream directory"))?;
         if f.uploaded_ms.is_none() {
             self.queue(tenant, stream, &f);
-        } else if ours {
-            if let Err(e) = self.evict(tenant, stream, &f) {
-                // Only space: the next open uploads it again (idempotent) and evicts it.
-                tracing::warn!(error = %e, "relay: evicting an uploaded file failed");
-            }
+        } else if let Err(e) = self.evict(tenant, stream, &f) {
+            // Only space: the file is served from disk as before.
+            tracing::warn!(error = %e, "relay: evicting an uploaded file failed");
         }
         Ok((f, true))
     }
 
     /// The file of that name on this node (meta, or derived from a file whose meta a crash
-    /// lost). An uploaded one the store no longer has (or has with other bytes) was expired
-    /// by a GC pass: this node forgets it, and the name is free (or the store's file's). (If the store cannot be asked, the
-    /// local answer stands: a retry is not refused for an outage.)
-    async fn existing(
+    /// lost).
+    fn existing(
         &self,
         tenant: &str,
         stream: &str,
         name: &str,
     ) -> Result<Option<RelayFile>, RelayError> {
         if let Some(m) = self.local_meta(tenant, stream, name) {
-            if m.uploaded_ms.is_some() {
-                match self.remote_meta(tenant, stream, name).await {
-                    Ok(None) => {
-                        self.forget_local(tenant, stream, name);
-                        return Ok(None);
-                    }
-                    // Expired, and the name taken again since by other bytes: theirs now.
-                    Ok(Some((r, _))) if r.blake3 != m.blake3 || r.size != m.size => {
-                        self.forget_local(tenant, stream, name);
-                        return Ok(Some(r));
-                    }
-                    Ok(Some(_)) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, "relay: the store could not confirm an uploaded file; answering from this node")
-                    }
-                }
-            }
             return Ok(Some(m));
         }
         let p = self.dir(tenant, stream).join(name);
@@ -591,12 +560,7 @@ impl Relay {
                 if name.starts_with('.') {
                     continue;
                 }
-                // An uploaded file the store no longer lists was expired (by another node's
-                // GC pass: this node's removes its copy).
-                if let Some(f) = self
-                    .local_meta(tenant, stream, &name)
-                    .filter(|f| f.uploaded_ms.is_none())
-                {
+                if let Some(f) = self.local_meta(tenant, stream, &name) {
                     out.entry(name).or_insert(f);
                 }
             }

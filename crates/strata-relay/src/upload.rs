@@ -86,19 +86,17 @@ impl Relay {
 
     /// Uploads the local file at `path` (whose meta is `f`): one object, or parts of [`PART`]
     /// bytes read one at a time; each created if absent or matched; then its meta, created if
-    /// absent (a meta of the name with other bytes is a conflict: the name's first file keeps
-    /// it, whatever its size). The bytes read must hash to the meta's hash, or nothing is
-    /// recorded. Returns whether the store's copy is this very file (the meta is this upload's
-    /// or an earlier attempt's, same `created_ms`) and whole (its data still there after the
-    /// meta: an expiry of an older file of the name deletes data before meta): only then may
-    /// the local bytes go.
+    /// absent (one already there must name the same size and bytes: otherwise the name's first
+    /// file keeps it, whatever its size, and this is a conflict); then every data key is
+    /// checked to be there. The bytes read must hash to the meta's hash, or nothing is
+    /// recorded. Success means the store holds this file whole: its local bytes may go.
     pub(crate) async fn upload(
         &self,
         tenant: &str,
         stream: &str,
         f: &RelayFile,
         path: &Path,
-    ) -> Result<bool, RelayError> {
+    ) -> Result<(), RelayError> {
         use tokio::io::AsyncReadExt;
         let _slot = self
             .transfers
@@ -158,26 +156,20 @@ impl Relay {
                 },
             )
             .await;
-        let ours = match put {
-            Ok(_) => true,
+        match put {
+            Ok(_) => {}
+            // An earlier attempt whose reply was lost, or another node's file of the name.
             Err(object_store::Error::AlreadyExists { .. }) => {
                 match self.remote_meta(tenant, stream, &f.name).await? {
-                    Some((m, _)) if m.size == f.size && m.blake3 == f.blake3 => {
-                        m.created_ms == f.created_ms
-                    }
+                    Some((m, _)) if m.size == f.size && m.blake3 == f.blake3 => {}
                     Some((m, _)) => {
                         self.conflicts.fetch_add(1, Relaxed);
                         return Err(conflict(&f.name, &m.blake3));
                     }
-                    // Expired between the create and the read: the next attempt creates it.
                     None => return Err(store_err(format!("meta of {:?} vanished", f.name))),
                 }
             }
             Err(e) => return Err(store_err(e)),
-        };
-        self.uploaded_bytes.fetch_add(f.size, Relaxed);
-        if !ours {
-            return Ok(false);
         }
         let data: Vec<object_store::path::Path> = if n == 1 {
             vec![Self::data_key(tenant, stream, &f.name)]
@@ -188,12 +180,11 @@ impl Relay {
         };
         for key in &data {
             if !self.store.exists(key).await.map_err(store_err)? {
-                // An expiry of an older file of this name took it after we matched it: the
-                // next attempt creates it again (the meta is ours and stays).
                 return Err(store_err(format!("data of {:?} vanished", f.name)));
             }
         }
-        Ok(true)
+        self.uploaded_bytes.fetch_add(f.size, Relaxed);
+        Ok(())
     }
 
     /// One pass of the background uploader: every pending file, oldest first.
@@ -222,24 +213,20 @@ impl Relay {
             };
             let path = self.dir(&t, &s).join(&n);
             match self.upload(&t, &s, &f, &path).await {
-                Ok(ours) => {
+                Ok(()) => {
                     f.uploaded_ms = Some(now_ms());
                     if let Err(e) = self.write_meta(&t, &s, &f) {
                         tracing::warn!(error = %e, "relay: recording an upload failed (it will be re-verified)");
                         continue;
                     }
+                    if let Err(e) = self.evict(&t, &s, &f) {
+                        // Only space: the file is served from disk as before.
+                        tracing::warn!(error = %e, "relay: evicting an uploaded file failed");
+                    }
                     self.pending
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
-                        .remove(&(t.clone(), s.clone(), n));
-                    // Another node's copy of the same bytes is not ours to lean on: its own
-                    // retention clock runs from its creation. Keep ours then.
-                    if ours {
-                        if let Err(e) = self.evict(&t, &s, &f) {
-                            // Only space: the next open uploads it again and evicts it.
-                            tracing::warn!(error = %e, "relay: evicting an uploaded file failed");
-                        }
-                    }
+                        .remove(&(t, s, n));
                 }
                 Err(e) => {
                     self.failures.fetch_add(1, Relaxed);

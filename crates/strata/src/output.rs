@@ -313,8 +313,7 @@ fn gc(v: &Value) -> String {
     let b = |k: &str| fmt_size(n(v, k));
     format!(
         "{}{} checkpoint(s) expired, {} purged; live {} in {} object(s) and {} manifest(s) of {} stored; \
-         unreferenced {} ({} key(s)); condemned {} key(s) now; deleted {} key(s), {} reclaimed; \
-         {} relay file(s) expired, {} ({} ms)",
+         unreferenced {} ({} key(s)); condemned {} key(s) now; deleted {} key(s), {} reclaimed ({} ms)",
         if v["dry_run"] == true { "dry run: " } else { "" },
         v["checkpoints_expired"],
         v["checkpoints_purged"],
@@ -327,8 +326,6 @@ fn gc(v: &Value) -> String {
         v["condemned"],
         v["deleted_keys"],
         b("deleted_bytes"),
-        n(v, "relay_files_expired"),
-        b("relay_bytes_expired"),
         v["duration_ms"]
     )
 }

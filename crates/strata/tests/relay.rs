@@ -2,11 +2,11 @@
 //! the original, stream tokens that can only append, bad input, uploads to the object store
 //! and reads from another node; kill -9 mid-body, crash points between fsync, link and meta;
 //! and a PostgreSQL point-in-time recovery from WAL archived through the relay; local copies
-//! evicted once uploaded, and streams' retention.
+//! evicted once uploaded, and a name that keeps its first file across nodes.
 
 mod common;
-#[path = "relay/retention.rs"]
-mod retention;
+#[path = "relay/eviction.rs"]
+mod eviction;
 
 use std::io::{Read, Write};
 use std::path::Path;

@@ -73,10 +73,6 @@ CREATE TABLE usage_meter (tenant TEXT PRIMARY KEY, live_bytes BIGINT NOT NULL,
 ALTER TABLE tenants ADD COLUMN store TEXT;
 ALTER TABLE tenants ADD COLUMN data_key TEXT;
 "#,
-    // A relay stream's retention (NULL: its files are kept).
-    r#"
-ALTER TABLE relay_streams ADD COLUMN keep_ms BIGINT;
-"#,
 ];
 
 /// A row written by a node of an older version has no id: it is derived the same way.
@@ -422,8 +418,5 @@ pub(super) fn stream_row(r: &Row) -> RelayStream {
         name: r.get(1),
         sync: r.get(2),
         created_ms: u(r, 3),
-        keep_ms: r.get::<_, Option<i64>>(4).map(|v| v as u64),
     }
 }
-
-pub(super) const STREAM_COLS: &str = "tenant, name, sync, created_ms, keep_ms";

@@ -75,10 +75,6 @@ CREATE TABLE usage_meter (tenant TEXT PRIMARY KEY, live_bytes INTEGER NOT NULL,
 ALTER TABLE tenants ADD COLUMN store TEXT;
 ALTER TABLE tenants ADD COLUMN data_key TEXT;
 "#,
-    // A relay stream's retention (NULL: its files are kept).
-    r#"
-ALTER TABLE relay_streams ADD COLUMN keep_ms INTEGER;
-"#,
 ];
 
 /// A row written by a node of an older version has no id: it is derived the same way.
@@ -344,11 +340,8 @@ pub(super) fn stream_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RelayStream>
         name: r.get(1)?,
         sync: r.get::<_, i64>(2)? != 0,
         created_ms: r.get::<_, i64>(3)? as u64,
-        keep_ms: r.get::<_, Option<i64>>(4)?.map(|v| v as u64),
     })
 }
-
-pub(super) const STREAM_COLS: &str = "tenant, name, sync, created_ms, keep_ms";
 
 #[cfg(test)]
 mod tests {

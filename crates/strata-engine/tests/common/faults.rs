@@ -286,9 +286,6 @@ impl Catalog for LossyCatalog {
     async fn list_streams(&self, tenant: &str) -> Result<Vec<RelayStream>> {
         self.inner.list_streams(tenant).await
     }
-    async fn set_stream_keep(&self, t: &str, n: &str, keep: Option<u64>) -> Result<RelayStream> {
-        self.inner.set_stream_keep(t, n, keep).await
-    }
     async fn record_manifest(&self, t: &str, m: Hash, objects: &[ObjectRef]) -> Result<()> {
         if self.refuse_manifests.load(SeqCst) {
             return Err(CatalogError::unavailable("catalog unreachable"));

@@ -187,9 +187,6 @@ impl Api {
     pub async fn delete(&self, p: &str) -> (StatusCode, Value) {
         self.call(reqwest::Method::DELETE, p, None).await
     }
-    pub async fn patch(&self, p: &str, b: Value) -> (StatusCode, Value) {
-        self.call(reqwest::Method::PATCH, p, Some(b)).await
-    }
     /// A PUT whose body is `bytes` (template uploads).
     pub async fn put_bytes(&self, p: &str, bytes: Vec<u8>) -> (StatusCode, Value) {
         let resp = self
