@@ -1,0 +1,185 @@
+//! SQLite: retention and garbage-collection state (expired checkpoints, references, condemned
+//! keys, pruning). The `Catalog` impl in `sqlite.rs` delegates here.
+
+use super::*;
+
+pub(super) async fn expire_checkpoints(
+    cat: &SqliteCatalog,
+    tenant: &str,
+    workspace: &str,
+    versions: &[u64],
+) -> Result<u64> {
+    let (t, n, versions) = (tenant.to_string(), workspace.to_string(), versions.to_vec());
+    let clock = cat.clock.clone();
+    cat.run(move |c| {
+        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(be)?;
+        let ws = get_ws(&tx, &t, &n)?;
+        let now = clock.now_ms() as i64;
+        let mut k = 0;
+        for v in versions.into_iter().filter(|&v| v != ws.head_version) {
+            k += tx
+                .execute(
+                    "UPDATE checkpoints SET expired_ms = ?4 WHERE tenant = ?1 AND workspace = ?2 AND version = ?3 AND expired_ms IS NULL",
+                    params![t, n, v as i64, now],
+                )
+                .map_err(be)? as u64;
+        }
+        tx.commit().map_err(be)?;
+        Ok(k)
+    })
+    .await
+}
+
+pub(super) async fn gc_references(
+    cat: &SqliteCatalog,
+    tenant: &str,
+    grace_ms: u64,
+) -> Result<Vec<Hash>> {
+    let t = tenant.to_string();
+    let clock = cat.clock.clone();
+    cat.run(move |c| {
+        let since = clock.now_ms() as i64 - grace_ms as i64;
+        let mut s = c
+            .prepare(
+                "SELECT head_manifest FROM workspaces WHERE tenant = ?1
+                 UNION SELECT manifest FROM checkpoints WHERE tenant = ?1 AND (expired_ms IS NULL OR expired_ms >= ?2)
+                 UNION SELECT manifest FROM templates WHERE tenant = ?1",
+            )
+            .map_err(be)?;
+        let rows = s
+            .query_map(params![t, since], |r| hash(r.get(0)?))
+            .map_err(be)?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
+    })
+    .await
+}
+
+pub(super) async fn purge_expired_checkpoints(
+    cat: &SqliteCatalog,
+    tenant: &str,
+    grace_ms: u64,
+) -> Result<u64> {
+    let t = tenant.to_string();
+    let clock = cat.clock.clone();
+    cat.run(move |c| {
+        let before = clock.now_ms() as i64 - grace_ms as i64;
+        Ok(c.execute(
+            "DELETE FROM checkpoints WHERE tenant = ?1 AND expired_ms IS NOT NULL AND expired_ms < ?2",
+            params![t, before],
+        )
+        .map_err(be)? as u64)
+    })
+    .await
+}
+
+pub(super) async fn gc_condemn(cat: &SqliteCatalog, tenant: &str, keys: &[String]) -> Result<()> {
+    let (t, keys) = (tenant.to_string(), keys.to_vec());
+    let clock = cat.clock.clone();
+    cat.run(move |c| {
+        let tx = c.transaction().map_err(be)?;
+        let now = clock.now_ms() as i64;
+        {
+            let mut s = tx
+                .prepare_cached("INSERT OR IGNORE INTO gc_condemned (tenant, key, condemned_ms) VALUES (?1, ?2, ?3)")
+                .map_err(be)?;
+            for k in &keys {
+                s.execute(params![t, k, now]).map_err(be)?;
+            }
+        }
+        tx.commit().map_err(be)
+    })
+    .await
+}
+
+pub(super) async fn gc_condemned(cat: &SqliteCatalog, tenant: &str) -> Result<Vec<(String, u64)>> {
+    let t = tenant.to_string();
+    let clock = cat.clock.clone();
+    cat.run(move |c| {
+        let now = clock.now_ms() as i64;
+        let mut s = c
+            .prepare("SELECT key, condemned_ms FROM gc_condemned WHERE tenant = ?1 ORDER BY key")
+            .map_err(be)?;
+        let rows = s
+            .query_map(params![t], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    (now - r.get::<_, i64>(1)?).max(0) as u64,
+                ))
+            })
+            .map_err(be)?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
+    })
+    .await
+}
+
+pub(super) async fn prune_references(
+    cat: &SqliteCatalog,
+    tenant: &str,
+    manifests: &[Hash],
+    objects: &[Hash],
+) -> Result<u64> {
+    let t = tenant.to_string();
+    let (ms, os): (Vec<String>, Vec<String>) = (
+        manifests.iter().map(|h| h.to_hex()).collect(),
+        objects.iter().map(|h| h.to_hex()).collect(),
+    );
+    cat.run(move |c| {
+        let tx = c.transaction().map_err(be)?;
+        let mut n = 0usize;
+        {
+            let mut links = tx
+                .prepare_cached("DELETE FROM manifest_objects WHERE tenant = ?1 AND manifest = ?2")
+                .map_err(be)?;
+            let mut man = tx
+                .prepare_cached("DELETE FROM manifests WHERE tenant = ?1 AND id = ?2")
+                .map_err(be)?;
+            let mut obj = tx
+                .prepare_cached("DELETE FROM objects WHERE tenant = ?1 AND id = ?2")
+                .map_err(be)?;
+            for m in &ms {
+                n += links.execute(params![t, m]).map_err(be)?;
+                n += man.execute(params![t, m]).map_err(be)?;
+            }
+            for o in &os {
+                n += obj.execute(params![t, o]).map_err(be)?;
+            }
+        }
+        tx.commit().map_err(be)?;
+        Ok(n as u64)
+    })
+    .await
+}
+
+pub(super) async fn recorded_references(cat: &SqliteCatalog, tenant: &str) -> Result<(u64, u64)> {
+    let t = tenant.to_string();
+    cat.run(move |c| {
+        let count = |table: &str| -> Result<u64> {
+            c.query_row(
+                &format!("SELECT COUNT(*) FROM {table} WHERE tenant = ?1"),
+                params![t],
+                |r| r.get::<_, i64>(0),
+            )
+            .map(|n| n as u64)
+            .map_err(be)
+        };
+        Ok((count("manifests")?, count("objects")?))
+    })
+    .await
+}
+
+pub(super) async fn gc_forget(cat: &SqliteCatalog, tenant: &str, keys: &[String]) -> Result<()> {
+    let (t, keys) = (tenant.to_string(), keys.to_vec());
+    cat.run(move |c| {
+        let tx = c.transaction().map_err(be)?;
+        {
+            let mut s = tx
+                .prepare_cached("DELETE FROM gc_condemned WHERE tenant = ?1 AND key = ?2")
+                .map_err(be)?;
+            for k in &keys {
+                s.execute(params![t, k]).map_err(be)?;
+            }
+        }
+        tx.commit().map_err(be)
+    })
+    .await
+}
