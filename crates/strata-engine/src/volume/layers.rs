@@ -332,8 +332,10 @@ impl Volume {
     }
 
     /// The retention a layer's version is published with: its own, and while a pending local
-    /// rollback still targets it, at least a day from now (its manifest must not expire before
-    /// the rollback publishes it again; a labelled one without a date is kept anyway).
+    /// rollback still targets it, at least a week from now (its manifest must not expire before
+    /// the rollback publishes it again, even if this node is down for days meanwhile: automatic
+    /// versions are otherwise expired at the next GC pass; a labelled one without a date is
+    /// kept anyway).
     pub(super) fn keep_for(&self, rec: &LayerRecord) -> Option<u64> {
         // Decided here, once: a rollback cut later cannot target this version locally.
         let targeted = {
@@ -346,8 +348,8 @@ impl Volume {
         if !targeted || (rec.label.is_some() && rec.keep_until_ms.is_none()) {
             return rec.keep_until_ms;
         }
-        let day = crate::now_ms() + 24 * 3600 * 1000;
-        Some(rec.keep_until_ms.map_or(day, |k| k.max(day)))
+        let week = crate::now_ms() + 7 * 24 * 3600 * 1000;
+        Some(rec.keep_until_ms.map_or(week, |k| k.max(week)))
     }
 
     /// After a head CAS known not to have committed: no version past the base has had its
