@@ -208,6 +208,7 @@ pub(crate) async fn list_relay_files(
     let t = c.may_read()?;
     check_stream_name(&stream)?;
     d.engine.catalog().get_stream(t, &stream).await?;
+    d.bind_relay(t).await?;
     Ok(Json(d.relay.list(t, &stream).await?))
 }
 
@@ -237,6 +238,7 @@ pub(crate) async fn put_relay_file(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok());
     d.refresh_placement(&t).await?;
+    d.bind_relay(&t).await?;
     d.relay_quota(&t, declared.unwrap_or(0)).await?;
     d.live_quota(&t, "a relay file").await?;
     let (f, created) = d
@@ -276,6 +278,7 @@ pub(crate) async fn get_relay_file(
     check_stream_name(&stream)?;
     strata_format::name::validate_file_name(&name).map_err(|e| ApiError::invalid(e.to_string()))?;
     d.engine.catalog().get_stream(t, &stream).await?;
+    d.bind_relay(t).await?;
     let (f, file) = d.relay.get(t, &stream, &name).await?;
     let body = axum::body::Body::from_stream(crate::relay::file_stream(file));
     Ok((

@@ -178,7 +178,14 @@ impl Daemon {
         }
         for t in tenants {
             let gone = match self.engine.catalog().get_tenant(&t).await {
-                Ok(i) => i.deleting_ms.is_some(),
+                Ok(i) if i.deleting_ms.is_none() => {
+                    // Files of an earlier tenant of the name are dropped here.
+                    if let Err(e) = self.relay.bind_tenant(&t, i.created_ms).await {
+                        tracing::warn!(tenant = %t, error = %e, "binding relay files to their tenant failed");
+                    }
+                    false
+                }
+                Ok(_) => true,
                 Err(strata_catalog::CatalogError::NotFound { .. }) => true,
                 Err(_) => false, // unknown now: asked again at the next pass
             };
@@ -193,6 +200,18 @@ impl Daemon {
                 }
             }
         }
+    }
+
+    /// Binds this node's relay files of `t` to the tenant of that name now (see
+    /// `Relay::bind_tenant`), before a relay request of it is served.
+    pub(crate) async fn bind_relay(&self, t: &str) -> Result<(), ApiError> {
+        let created_ms = self.engine.catalog().get_tenant(t).await?.created_ms;
+        self.relay.bind_tenant(t, created_ms).await.map_err(|e| {
+            ApiError::from(crate::relay::RelayError::Io {
+                what: "binding relay files to their tenant",
+                source: e,
+            })
+        })
     }
 
     pub(crate) async fn usage(&self, t: &str) -> Result<Usage, ApiError> {

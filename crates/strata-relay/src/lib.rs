@@ -226,6 +226,13 @@ impl Relay {
             }
             for s in std::fs::read_dir(t.path())?.flatten() {
                 let stream = s.file_name().to_string_lossy().into_owned();
+                if stream.starts_with(".tmp-") {
+                    std::fs::remove_file(s.path())?; // a `.tenant` marker never renamed
+                    continue;
+                }
+                if stream.starts_with('.') || !s.file_type()?.is_dir() {
+                    continue; // `.tenant`: which tenant of this name the files belong to
+                }
                 relay.recover_stream(&tenant, &stream)?;
             }
         }
@@ -250,6 +257,13 @@ impl Relay {
                 // placeholder, which must never pass for an empty file. Left alone.
                 Err(err) if len == 0 => {
                     tracing::warn!(tenant, stream, name, error = %err, "relay: unreadable meta beside an empty file; left alone");
+                    continue;
+                }
+                // An empty file without a meta was never answered `201` (the meta is durable
+                // before that): an interrupted PUT of an empty body, or a placeholder whose
+                // meta went with a tenant's removal cut short. Never taken for a file.
+                Ok(None) if len == 0 => {
+                    std::fs::remove_file(e.path())?;
                     continue;
                 }
                 _ => {
@@ -467,7 +481,8 @@ impl Relay {
         stream: &str,
         name: &str,
     ) -> Result<(RelayFile, tokio::fs::File), RelayError> {
-        if let Some(m) = self.local_meta(tenant, stream, name) {
+        let local = self.local_meta(tenant, stream, name);
+        if let Some(m) = local.clone() {
             match tokio::fs::File::open(self.dir(tenant, stream).join(name)).await {
                 // Still holding its bytes (an eviction after the open leaves them to us).
                 Ok(f) if f.metadata().await.is_ok_and(|x| x.len() == m.size) => return Ok((m, f)),
@@ -481,6 +496,10 @@ impl Relay {
                 "no file {name:?} in relay stream {stream:?}"
             )));
         };
+        // An evicted file is read back only as the file this node acknowledged.
+        if local.is_some_and(|l| l.size != m.size || l.blake3 != m.blake3) {
+            return Err(corrupt_remote(name));
+        }
         let _slot = self
             .transfers
             .acquire()
@@ -584,6 +603,39 @@ impl Relay {
             l.lag_ms = l.lag_ms.max(now.saturating_sub(*created));
         }
         out
+    }
+
+    /// Binds this node's relay files of `tenant` to the tenant created at `created_ms` (a
+    /// `.tenant` marker in its directory): files of an earlier tenant of the name, deleted
+    /// through another node while this one was away and then created again, are dropped first,
+    /// never served, uploaded or taken for the new tenant's. A directory from before the
+    /// markers is adopted.
+    pub async fn bind_tenant(&self, tenant: &str, created_ms: u64) -> std::io::Result<()> {
+        let dir = self.root.join(tenant);
+        let marker = dir.join(".tenant");
+        let want = created_ms.to_string();
+        match std::fs::read_to_string(&marker) {
+            Ok(s) if s == want => return Ok(()),
+            Ok(_) => {
+                self.forget_tenant(tenant).await?;
+                tracing::info!(
+                    tenant,
+                    "relay files of an earlier tenant of this name dropped"
+                );
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        std::fs::create_dir_all(&dir)?;
+        let tmp = dir.join(format!(".tmp-tenant-{}", rand_suffix()));
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create_new(&tmp)?;
+            f.write_all(want.as_bytes())?;
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, &marker)?;
+        sync_dir(&dir)
     }
 
     /// The tenants with files on this node's disk (uploaded or not).

@@ -159,3 +159,50 @@ async fn a_name_keeps_its_first_file_across_nodes() {
     let (s, got, _) = get_bytes(&b.url, &alpha.token, "/v1/relay/art/same.tar").await;
     assert_eq!((s, got == small), (StatusCode::OK, true));
 }
+
+/// A tenant deleted through another node while this one was down, and created again under the
+/// same name: this node's relay files of the old tenant are dropped, never taken for the new
+/// one's. The new tenant's PUT of the same bytes under the old name is a new file (`201`),
+/// stored, and reads back everywhere (answering `200` from the old tenant's meta would lose it:
+/// the store was purged).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_created_again_never_inherits_the_old_ones_relay_files() {
+    let d = tempfile::tempdir().unwrap();
+    let (data_a, data_b) = (d.path().join("a"), d.path().join("b"));
+    let a = serve(&data_a, &[]);
+    let alpha = tenant(&a.url, "alpha").await;
+    let (_, art) = alpha.post("/v1/relay", json!({"name": "art"})).await;
+    let token = art["token"].as_str().unwrap().to_string();
+    let bytes = vec![7u8; 200_000];
+    let p = put(&a.url, &token, "/v1/relay/art/f", bytes.clone()).await;
+    assert_eq!(p.status, StatusCode::CREATED, "{}", p.body);
+    let pending = vec![8u8; 1000];
+    wait_uploaded(&alpha, "art").await;
+    assert_eq!(local_len(&data_a, "art", "f"), Some(0));
+    // A file still to upload when the node goes down (written as a crash would leave it).
+    std::fs::write(data_a.join("relay/alpha/art/g"), &pending).unwrap();
+    drop(a);
+
+    let b = super::node_b(&data_a, &data_b);
+    let (s, v) = b.api(ADMIN).delete("/v1/tenants/alpha").await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let alpha2 = tenant(&b.url, "alpha").await;
+    let (_, art) = alpha2.post("/v1/relay", json!({"name": "art"})).await;
+    let token2 = art["token"].as_str().unwrap().to_string();
+
+    let a = serve(&data_a, &[]);
+    let p = put(&a.url, &token2, "/v1/relay/art/f", bytes.clone()).await;
+    assert_eq!(p.status, StatusCode::CREATED, "a new file: {}", p.body);
+    let alpha2_a = a.api(&alpha2.token);
+    wait_uploaded(&alpha2_a, "art").await;
+    let (s, got, _) = get_bytes(&b.url, &alpha2.token, "/v1/relay/art/f").await;
+    assert_eq!((s, got == bytes), (StatusCode::OK, true));
+    let (s, _, _) = get_bytes(&b.url, &alpha2.token, "/v1/relay/art/g").await;
+    assert_eq!(
+        s,
+        StatusCode::NOT_FOUND,
+        "the old tenant's pending file was never uploaded"
+    );
+    let (_, list) = alpha2_a.get("/v1/relay/art").await;
+    assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
+}
