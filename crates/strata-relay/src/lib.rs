@@ -615,18 +615,29 @@ impl Relay {
         let marker = dir.join(".tenant");
         let want = created_ms.to_string();
         match std::fs::read_to_string(&marker) {
-            Ok(s) if s == want => return Ok(()),
+            Ok(s) if s == want => Ok(()),
             Ok(_) => {
-                self.forget_tenant(tenant).await?;
+                // Under the gate, and only if no other request bound it meanwhile (which may
+                // have stored the new tenant's first file already).
+                let _gate = self.upload_gate.lock().await;
+                if std::fs::read_to_string(&marker).is_ok_and(|s| s == want) {
+                    return Ok(());
+                }
+                self.drop_tenant_files(tenant)?;
                 tracing::info!(
                     tenant,
                     "relay files of an earlier tenant of this name dropped"
                 );
+                Self::write_marker(&dir, &want)
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Self::write_marker(&dir, &want),
+            Err(e) => Err(e),
         }
-        std::fs::create_dir_all(&dir)?;
+    }
+
+    /// Writes `dir/.tenant` durably (temp, fsync, rename, fsync of the directory).
+    fn write_marker(dir: &Path, want: &str) -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
         let tmp = dir.join(format!(".tmp-tenant-{}", rand_suffix()));
         {
             use std::io::Write;
@@ -634,8 +645,8 @@ impl Relay {
             f.write_all(want.as_bytes())?;
             f.sync_all()?;
         }
-        std::fs::rename(&tmp, &marker)?;
-        sync_dir(&dir)
+        std::fs::rename(&tmp, dir.join(".tenant"))?;
+        sync_dir(dir)
     }
 
     /// The tenants with files on this node's disk (uploaded or not).
@@ -653,6 +664,11 @@ impl Relay {
     /// way finishes first) and its files leave this node's disk. `tenant` is a validated name.
     pub async fn forget_tenant(&self, tenant: &str) -> std::io::Result<()> {
         let _gate = self.upload_gate.lock().await;
+        self.drop_tenant_files(tenant)
+    }
+
+    /// What [`Relay::forget_tenant`] does, for a caller holding the upload gate.
+    fn drop_tenant_files(&self, tenant: &str) -> std::io::Result<()> {
         self.pending
             .lock()
             .unwrap_or_else(|p| p.into_inner())
