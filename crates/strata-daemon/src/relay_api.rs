@@ -80,6 +80,21 @@ fn stream_token_of(
     }
 }
 
+/// The stream `t` names, with this node's relay files bound to the tenant of that name now
+/// (`Relay::bind_tenant`): what every request touching a stream's files starts with.
+async fn stream_files(d: &Daemon, t: &str, stream: &str) -> Result<RelayStream, ApiError> {
+    let st = d.engine.catalog().get_stream(t, stream).await?;
+    let created_ms = d.engine.catalog().get_tenant(t).await?.created_ms;
+    d.relay
+        .bind_tenant(t, created_ms)
+        .await
+        .map_err(|source| crate::relay::RelayError::Io {
+            what: "binding relay files to their tenant",
+            source,
+        })?;
+    Ok(st)
+}
+
 fn check_stream_name(stream: &str) -> Result<(), ApiError> {
     strata_format::name::validate("stream name", stream)
         .map_err(|e| ApiError::invalid(e.to_string()))
@@ -207,8 +222,7 @@ pub(crate) async fn list_relay_files(
 ) -> R<Vec<crate::relay::RelayFile>> {
     let t = c.may_read()?;
     check_stream_name(&stream)?;
-    d.engine.catalog().get_stream(t, &stream).await?;
-    d.bind_relay(t).await?;
+    stream_files(&d, t, &stream).await?;
     Ok(Json(d.relay.list(t, &stream).await?))
 }
 
@@ -232,13 +246,12 @@ pub(crate) async fn put_relay_file(
     check_stream_name(&stream)?;
     let t = c.may_put(&stream)?.to_string();
     strata_format::name::validate_file_name(&name).map_err(|e| ApiError::invalid(e.to_string()))?;
-    let st = d.engine.catalog().get_stream(&t, &stream).await?;
+    let st = stream_files(&d, &t, &stream).await?;
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok());
     d.refresh_placement(&t).await?;
-    d.bind_relay(&t).await?;
     d.relay_quota(&t, declared.unwrap_or(0)).await?;
     d.live_quota(&t, "a relay file").await?;
     let (f, created) = d
@@ -277,8 +290,7 @@ pub(crate) async fn get_relay_file(
     let t = c.may_read()?;
     check_stream_name(&stream)?;
     strata_format::name::validate_file_name(&name).map_err(|e| ApiError::invalid(e.to_string()))?;
-    d.engine.catalog().get_stream(t, &stream).await?;
-    d.bind_relay(t).await?;
+    stream_files(&d, t, &stream).await?;
     let (f, file) = d.relay.get(t, &stream, &name).await?;
     let body = axum::body::Body::from_stream(crate::relay::file_stream(file));
     Ok((

@@ -202,18 +202,6 @@ impl Daemon {
         }
     }
 
-    /// Binds this node's relay files of `t` to the tenant of that name now (see
-    /// `Relay::bind_tenant`), before a relay request of it is served.
-    pub(crate) async fn bind_relay(&self, t: &str) -> Result<(), ApiError> {
-        let created_ms = self.engine.catalog().get_tenant(t).await?.created_ms;
-        self.relay.bind_tenant(t, created_ms).await.map_err(|e| {
-            ApiError::from(crate::relay::RelayError::Io {
-                what: "binding relay files to their tenant",
-                source: e,
-            })
-        })
-    }
-
     pub(crate) async fn usage(&self, t: &str) -> Result<Usage, ApiError> {
         let cat = self.engine.catalog();
         let quotas = cat.get_tenant(t).await?.quotas;

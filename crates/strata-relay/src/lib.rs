@@ -440,9 +440,8 @@ impl Relay {
         sync_dir(&dir).map_err(io("fsync of the stream directory"))?;
         if f.uploaded_ms.is_none() {
             self.queue(tenant, stream, &f);
-        } else if let Err(e) = self.evict(tenant, stream, &f) {
-            // Only space: the file is served from disk as before.
-            tracing::warn!(error = %e, "relay: evicting an uploaded file failed");
+        } else {
+            self.evict(tenant, stream, &f);
         }
         Ok((f, true))
     }
@@ -482,10 +481,12 @@ impl Relay {
         name: &str,
     ) -> Result<(RelayFile, tokio::fs::File), RelayError> {
         let local = self.local_meta(tenant, stream, name);
-        if let Some(m) = local.clone() {
+        if let Some(m) = &local {
             match tokio::fs::File::open(self.dir(tenant, stream).join(name)).await {
                 // Still holding its bytes (an eviction after the open leaves them to us).
-                Ok(f) if f.metadata().await.is_ok_and(|x| x.len() == m.size) => return Ok((m, f)),
+                Ok(f) if f.metadata().await.is_ok_and(|x| x.len() == m.size) => {
+                    return Ok((m.clone(), f))
+                }
                 Ok(_) => {} // evicted: the store has it
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(io("reading the file")(e)),

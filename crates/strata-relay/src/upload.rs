@@ -87,9 +87,9 @@ impl Relay {
     /// Uploads the local file at `path` (whose meta is `f`): one object, or parts of [`PART`]
     /// bytes read one at a time; each created if absent or matched; then its meta, created if
     /// absent (one already there must name the same size and bytes: otherwise the name's first
-    /// file keeps it, whatever its size, and this is a conflict); then every data key is
-    /// checked to be there. The bytes read must hash to the meta's hash, or nothing is
-    /// recorded. Success means the store holds this file whole: its local bytes may go.
+    /// file keeps it, whatever its size, and this is a conflict). The bytes read must hash to
+    /// the meta's hash, or nothing is recorded. Success means the store holds this file whole
+    /// (names leave the store only with their tenant): its local bytes may go.
     pub(crate) async fn upload(
         &self,
         tenant: &str,
@@ -171,18 +171,6 @@ impl Relay {
             }
             Err(e) => return Err(store_err(e)),
         }
-        let data: Vec<object_store::path::Path> = if n == 1 {
-            vec![Self::data_key(tenant, stream, &f.name)]
-        } else {
-            (0..n)
-                .map(|i| Self::part_key(tenant, stream, &f.name, i))
-                .collect()
-        };
-        for key in &data {
-            if !self.store.exists(key).await.map_err(store_err)? {
-                return Err(store_err(format!("data of {:?} vanished", f.name)));
-            }
-        }
         self.uploaded_bytes.fetch_add(f.size, Relaxed);
         Ok(())
     }
@@ -219,10 +207,7 @@ impl Relay {
                         tracing::warn!(error = %e, "relay: recording an upload failed (it will be re-verified)");
                         continue;
                     }
-                    if let Err(e) = self.evict(&t, &s, &f) {
-                        // Only space: the file is served from disk as before.
-                        tracing::warn!(error = %e, "relay: evicting an uploaded file failed");
-                    }
+                    self.evict(&t, &s, &f);
                     self.pending
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())

@@ -118,6 +118,18 @@ async fn log_of(api: &Api, ws: &str) -> Vec<(u64, String)> {
         .collect()
 }
 
+/// Waits until `ws`'s log lists a version newer than `past`.
+async fn wait_listed_past(api: &Api, ws: &str, past: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while log_of(api, ws).await.last().unwrap().0 <= past {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no version of {ws} past {past} published"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Writes, flushes and waits until the background uploader has published a new version.
 async fn write_until_published(
     api: &Api,
@@ -128,14 +140,7 @@ async fn write_until_published(
     let before = log_of(api, ws).await.last().unwrap().0;
     c.write(0, &vec![fill; 256 << 10], false).await.unwrap();
     c.flush().await.unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while log_of(api, ws).await.last().unwrap().0 == before {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no background publish"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_listed_past(api, ws, before).await;
 }
 
 /// Background publishes are the durable window's uploads, not restore points: by default a GC
@@ -167,9 +172,7 @@ async fn automatic_versions_are_kept_only_when_asked_for() {
         assert_eq!(s, StatusCode::OK, "{made}");
         let made = made["version"].as_u64().unwrap();
         // A checkpoint answers at its cut; its version is listed once published.
-        while log_of(&a, "w").await.last().unwrap().0 < made {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_listed_past(&a, "w", made - 1).await;
         write_until_published(&a, &mut c, "w", 4).await;
         write_until_published(&a, &mut c, "w", 5).await;
         let before = log_of(&a, "w").await;
