@@ -615,14 +615,29 @@ impl Relay {
         let dir = self.root.join(tenant);
         let marker = dir.join(".tenant");
         let want = created_ms.to_string();
-        match std::fs::read_to_string(&marker) {
-            Ok(s) if s == want => Ok(()),
-            Ok(_) => {
+        // The incarnation bound now: a tenant created again has a later `created_ms`.
+        let bound = |m: &Path| -> std::io::Result<Option<u64>> {
+            match std::fs::read_to_string(m) {
+                // Unreadable: never taken for an earlier tenant's (that would drop files).
+                Ok(s) => s.trim().parse().map(Some).map_err(std::io::Error::other),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(e),
+            }
+        };
+        // A caller holding an earlier incarnation's `created_ms` (read before the tenant was
+        // created again) must not undo a later binding, nor drop the files stored under it.
+        let stale = || std::io::Error::other("the tenant was deleted and created again");
+        match bound(&marker)? {
+            Some(have) if have == created_ms => Ok(()),
+            Some(have) if have > created_ms => Err(stale()),
+            Some(_) => {
                 // Under the gate, and only if no other request bound it meanwhile (which may
                 // have stored the new tenant's first file already).
                 let _gate = self.upload_gate.lock().await;
-                if std::fs::read_to_string(&marker).is_ok_and(|s| s == want) {
-                    return Ok(());
+                match bound(&marker)? {
+                    Some(have) if have == created_ms => return Ok(()),
+                    Some(have) if have > created_ms => return Err(stale()),
+                    _ => {}
                 }
                 self.drop_tenant_files(tenant)?;
                 tracing::info!(
@@ -631,8 +646,7 @@ impl Relay {
                 );
                 Self::write_marker(&dir, &want)
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Self::write_marker(&dir, &want),
-            Err(e) => Err(e),
+            None => Self::write_marker(&dir, &want),
         }
     }
 
