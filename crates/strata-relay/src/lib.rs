@@ -11,6 +11,8 @@
 //! ```
 //! `DIR` = `DATA/relay/{tenant}/{stream}`. A name once written never changes: the same bytes
 //! again are a success (idempotent retry), other bytes a `409` that leaves the original alone.
+//! A retry finding the file linked without its meta (the meta write failed, `500`) writes the
+//! meta, fsyncs and queues the file before its `200`, as recovery at start does.
 //! Store keys: `t/{tenant}/relay/{stream}/data/{name}` and `…/meta/{name}` (JSON, below); a
 //! file over [`PART`] bytes is stored as parts `…/data/{name}.p{i}`, each created if absent and
 //! hashed in its meta (format 2), so no transfer ever holds more than one part in memory.
@@ -160,6 +162,9 @@ pub struct Relay {
     /// Held for each background upload and by [`Relay::forget_tenant`]: a deleted tenant's
     /// file is never uploaded after its keys were removed.
     upload_gate: tokio::sync::Mutex<()>,
+    /// Held from a PUT's look-up of its name to its meta being durable (no await inside), so
+    /// a PUT never sees another's file between its link and its meta.
+    names: Mutex<()>,
 }
 
 use strata_format::now_ms;
@@ -188,6 +193,15 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
+/// A PUT of a name already taken: the same bytes are the file (`200`), others a conflict.
+fn same_or_conflict(old: RelayFile, new: &RelayFile) -> Result<(RelayFile, bool), RelayError> {
+    if old.blake3 == new.blake3 {
+        Ok((old, false))
+    } else {
+        Err(conflict(&new.name, &old.blake3))
+    }
+}
+
 fn conflict(name: &str, have: &str) -> RelayError {
     RelayError::Conflict {
         name: name.into(),
@@ -210,6 +224,7 @@ impl Relay {
             failures: AtomicU64::new(0),
             transfers: tokio::sync::Semaphore::new(TRANSFERS),
             upload_gate: tokio::sync::Mutex::new(()),
+            names: Mutex::new(()),
         };
         // A crash between creating and unlinking a spool file is all that can leave one.
         for e in std::fs::read_dir(relay.root.join(".spool"))
@@ -277,6 +292,7 @@ impl Relay {
                         uploaded_ms: None,
                     };
                     self.write_meta(tenant, stream, &m)?;
+                    sync_dir(&dir)?; // the link itself may not be durable yet
                     m
                 }
             };
@@ -406,38 +422,26 @@ impl Relay {
             uploaded_ms: None,
         };
         if let Some(old) = self.existing(tenant, stream, name)? {
-            return if old.blake3 == f.blake3 {
-                Ok((old, false))
-            } else {
-                Err(conflict(name, &old.blake3))
-            };
+            return same_or_conflict(old, &f);
         }
         let mut f = f;
         if sync {
             self.upload(tenant, stream, &f, &tmp).await?;
             f.uploaded_ms = Some(now_ms());
         }
-        let target = dir.join(name);
-        match std::fs::hard_link(&tmp, &target) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                // A concurrent PUT of the same name won the link.
-                let old = self.existing(tenant, stream, name)?.ok_or_else(|| {
-                    io("resolving a concurrent upload")(std::io::Error::other("no meta"))
-                })?;
-                return if old.blake3 == f.blake3 {
-                    Ok((old, false))
-                } else {
-                    Err(conflict(name, &old.blake3))
-                };
+        {
+            let _names = self.names.lock().unwrap_or_else(|p| p.into_inner());
+            // A concurrent PUT of the same name may have committed meanwhile.
+            if let Some(old) = self.existing_locked(tenant, stream, name)? {
+                return same_or_conflict(old, &f);
             }
-            Err(e) => return Err(io("linking the file into place")(e)),
+            std::fs::hard_link(&tmp, dir.join(name)).map_err(io("linking the file into place"))?;
+            drop(guard); // removes the temp name; the data lives on under `name`
+            fault("abort-after-link");
+            self.write_meta(tenant, stream, &f)
+                .map_err(io("writing the file's meta"))?;
+            sync_dir(&dir).map_err(io("fsync of the stream directory"))?;
         }
-        drop(guard); // removes the temp name; the data lives on under `name`
-        fault("abort-after-link");
-        self.write_meta(tenant, stream, &f)
-            .map_err(io("writing the file's meta"))?;
-        sync_dir(&dir).map_err(io("fsync of the stream directory"))?;
         if f.uploaded_ms.is_none() {
             self.queue(tenant, stream, &f);
         } else {
@@ -446,29 +450,52 @@ impl Relay {
         Ok((f, true))
     }
 
-    /// The file of that name on this node (meta, or derived from a file whose meta a crash
-    /// lost).
+    /// The file of that name on this node (see [`Relay::existing_locked`]).
     fn existing(
         &self,
         tenant: &str,
         stream: &str,
         name: &str,
     ) -> Result<Option<RelayFile>, RelayError> {
-        if let Some(m) = self.local_meta(tenant, stream, name) {
+        let _names = self.names.lock().unwrap_or_else(|p| p.into_inner());
+        self.existing_locked(tenant, stream, name)
+    }
+
+    /// The file of that name on this node, with the name lock held: its meta, or, for a file
+    /// linked whose meta was never written (a crash, or a meta write that failed and was
+    /// answered `500`), a meta derived from its bytes, made durable and queued here as the
+    /// recovery at start does, so a `200` from it promises what a `201` does. An unreadable
+    /// meta is an error: the file beside it may be an evicted file's placeholder.
+    fn existing_locked(
+        &self,
+        tenant: &str,
+        stream: &str,
+        name: &str,
+    ) -> Result<Option<RelayFile>, RelayError> {
+        if let Some(m) = self
+            .read_local_meta(tenant, stream, name)
+            .map_err(io("reading the file's meta"))?
+        {
             return Ok(Some(m));
         }
-        let p = self.dir(tenant, stream).join(name);
-        match hash_file(&p) {
-            Ok((blake3, size)) => Ok(Some(RelayFile {
-                name: name.into(),
-                size,
-                blake3,
-                created_ms: now_ms(),
-                uploaded_ms: None,
-            })),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(io("reading an existing file")(e)),
-        }
+        let dir = self.dir(tenant, stream);
+        let (blake3, size) = match hash_file(&dir.join(name)) {
+            Ok(h) => h,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io("reading an existing file")(e)),
+        };
+        let m = RelayFile {
+            name: name.into(),
+            size,
+            blake3,
+            created_ms: now_ms(),
+            uploaded_ms: None,
+        };
+        self.write_meta(tenant, stream, &m)
+            .map_err(io("writing the file's meta"))?;
+        sync_dir(&dir).map_err(io("fsync of the stream directory"))?;
+        self.queue(tenant, stream, &m);
+        Ok(Some(m))
     }
 
     /// A file's meta and an open file of its bytes (read it from the start): from this node's disk, else from the

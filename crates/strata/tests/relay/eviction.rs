@@ -206,3 +206,81 @@ async fn a_tenant_created_again_never_inherits_the_old_ones_relay_files() {
     let (_, list) = alpha2_a.get("/v1/relay/art").await;
     assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
 }
+
+/// A PUT whose meta cannot be written after its link is answered `500`; its retry is answered
+/// `200` only once the meta is durable and the file queued: it is uploaded and evicted like any
+/// other. (Before, the retry's `200` came from the linked bytes alone: no meta, no upload.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_a_failed_meta_write_is_made_durable_before_its_answer() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("a");
+    let a = serve(&data, &[]);
+    let alpha = tenant(&a.url, "alpha").await;
+    let (_, art) = alpha.post("/v1/relay", json!({"name": "art"})).await;
+    let token = art["token"].as_str().unwrap().to_string();
+    let first = vec![3u8; 50_000];
+    let p = put(&a.url, &token, "/v1/relay/art/first", first).await;
+    assert_eq!(p.status, StatusCode::CREATED, "{}", p.body);
+    wait_uploaded(&alpha, "art").await;
+
+    // The meta directory made immutable (even root cannot create in it): the meta's write
+    // fails after the file was linked, as a full or failing disk would make it.
+    let metas = data.join("relay/alpha/art/.meta");
+    let meta = metas.join("out.bin.json");
+    let immutable = Immutable::set(&metas);
+    let body: Vec<u8> = (0..200_000u32).map(|i| (i % 241) as u8).collect();
+    let p = put(&a.url, &token, "/v1/relay/art/out.bin", body.clone()).await;
+    assert_eq!(p.status, StatusCode::INTERNAL_SERVER_ERROR, "{}", p.body);
+    assert_eq!(local_len(&data, "art", "out.bin"), Some(200_000), "linked");
+    let p = put(&a.url, &token, "/v1/relay/art/out.bin", body.clone()).await;
+    assert_eq!(
+        p.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "no 200 while the meta cannot be written: {}",
+        p.body
+    );
+
+    drop(immutable);
+    let p = put(&a.url, &token, "/v1/relay/art/out.bin", body.clone()).await;
+    assert_eq!(p.status, StatusCode::OK, "{}", p.body);
+    assert!(meta.is_file(), "the retry's answer came after the meta");
+    wait_uploaded(&alpha, "art").await;
+    assert_eq!(
+        local_len(&data, "art", "out.bin"),
+        Some(0),
+        "uploaded, evicted"
+    );
+    let (s, got, _) = get_bytes(&a.url, &alpha.token, "/v1/relay/art/out.bin").await;
+    assert_eq!((s, got == body), (StatusCode::OK, true));
+}
+
+/// The immutable flag on a directory, cleared on drop (also when the test fails, so its
+/// temporary directory can be removed). It needs root and a file system with the flag (ext4
+/// here); without them the test fails loudly.
+struct Immutable(std::path::PathBuf);
+
+impl Immutable {
+    fn set(dir: &Path) -> Immutable {
+        let out = std::process::Command::new("chattr")
+            .arg("+i")
+            .arg(dir)
+            .output()
+            .expect("chattr (e2fsprogs) is needed by this test");
+        assert!(
+            out.status.success(),
+            "chattr +i {}: {} (this test needs root and a file system with the immutable flag)",
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Immutable(dir.to_path_buf())
+    }
+}
+
+impl Drop for Immutable {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("chattr")
+            .arg("-i")
+            .arg(&self.0)
+            .status();
+    }
+}
