@@ -149,12 +149,22 @@ pub struct Lag {
 
 type Key = (String, String, String); // tenant, stream, name
 
+/// A file waiting for its upload.
+struct Pending {
+    size: u64,
+    created_ms: u64,
+    /// Failed attempts in a row, and when the next may start: a file that keeps failing
+    /// backs off on its own and never holds up the files behind it.
+    failures: u32,
+    retry_at: Option<std::time::Instant>,
+}
+
 pub struct Relay {
     root: PathBuf,
     pub max_bytes: AtomicU64,
     store: Store,
     /// Files on local disk only, oldest first by creation.
-    pending: Mutex<BTreeMap<Key, (u64, u64)>>, // (size, created_ms)
+    pending: Mutex<BTreeMap<Key, Pending>>,
     pub uploaded_bytes: AtomicU64,
     pub conflicts: AtomicU64,
     pub failures: AtomicU64,
@@ -366,7 +376,12 @@ impl Relay {
             .unwrap_or_else(|p| p.into_inner())
             .insert(
                 (tenant.into(), stream.into(), f.name.clone()),
-                (f.size, f.created_ms),
+                Pending {
+                    size: f.size,
+                    created_ms: f.created_ms,
+                    failures: 0,
+                    retry_at: None,
+                },
             );
     }
 
@@ -619,7 +634,7 @@ impl Relay {
     pub fn lag(&self) -> BTreeMap<(String, String), Lag> {
         let now = now_ms();
         let mut out: BTreeMap<(String, String), Lag> = BTreeMap::new();
-        for ((t, s, _), (size, created)) in self
+        for ((t, s, _), p) in self
             .pending
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -627,8 +642,8 @@ impl Relay {
         {
             let l = out.entry((t.clone(), s.clone())).or_default();
             l.pending_files += 1;
-            l.pending_bytes += size;
-            l.lag_ms = l.lag_ms.max(now.saturating_sub(*created));
+            l.pending_bytes += p.size;
+            l.lag_ms = l.lag_ms.max(now.saturating_sub(p.created_ms));
         }
         out
     }

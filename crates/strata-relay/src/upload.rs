@@ -175,14 +175,19 @@ impl Relay {
         Ok(())
     }
 
-    /// One pass of the background uploader: every pending file, oldest first.
+    /// One pass of the background uploader: every pending file whose turn has come, oldest
+    /// first. A failing file waits longer after each failure (up to [`MAX_BACKOFF`]) and the
+    /// pass goes on with the next, so one tenant's failing file (a store prefix refusing
+    /// writes, a key the store keeps failing) never stalls the others'.
     pub async fn upload_pending(&self) {
+        let now = std::time::Instant::now();
         let mut todo: Vec<(Key, u64)> = self
             .pending
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
-            .map(|(k, v)| (k.clone(), v.1))
+            .filter(|(_, p)| p.retry_at.is_none_or(|at| at <= now))
+            .map(|(k, p)| (k.clone(), p.created_ms))
             .collect();
         todo.sort_by_key(|(_, created)| *created);
         for ((t, s, n), _) in todo {
@@ -200,38 +205,50 @@ impl Relay {
                 continue;
             };
             let path = self.dir(&t, &s).join(&n);
-            match self.upload(&t, &s, &f, &path).await {
+            let res = match self.upload(&t, &s, &f, &path).await {
                 Ok(()) => {
                     f.uploaded_ms = Some(now_ms());
-                    if let Err(e) = self.write_meta(&t, &s, &f) {
+                    self.write_meta(&t, &s, &f).map_err(|e| {
                         tracing::warn!(error = %e, "relay: recording an upload failed (it will be re-verified)");
-                        continue;
-                    }
-                    self.evict(&t, &s, &f);
-                    self.pending
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&(t, s, n));
+                        RelayError::Io { what: "recording an upload", source: e }
+                    })
                 }
                 Err(e) => {
                     self.failures.fetch_add(1, Relaxed);
                     tracing::warn!(tenant = t, stream = s, name = n, error = %e, "relay: upload failed; will retry");
-                    if matches!(
-                        e,
-                        RelayError::Conflict { .. }
-                            | RelayError::CorruptLocal(_)
-                            | RelayError::CorruptRemote(_)
-                    ) {
-                        // Another node holds other bytes under this name: keep ours local,
-                        // stop retrying, count it.
-                        self.pending
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .remove(&(t, s, n));
+                    Err(e)
+                }
+            };
+            if res.is_ok() {
+                self.evict(&t, &s, &f);
+            }
+            let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+            match res {
+                Ok(())
+                // Another node holds other bytes under this name: keep ours local, stop
+                // retrying (counted).
+                | Err(
+                    RelayError::Conflict { .. }
+                    | RelayError::CorruptLocal(_)
+                    | RelayError::CorruptRemote(_),
+                ) => {
+                    pending.remove(&key);
+                }
+                Err(_) => {
+                    if let Some(p) = pending.get_mut(&key) {
+                        p.failures = p.failures.saturating_add(1);
+                        let wait = FIRST_BACKOFF
+                            .saturating_mul(2u32.saturating_pow(p.failures - 1))
+                            .min(MAX_BACKOFF);
+                        p.retry_at = Some(std::time::Instant::now() + wait);
                     }
-                    return; // back off until the next pass
                 }
             }
         }
     }
 }
+
+/// How long a file waits after its first failed upload; each further failure doubles it.
+const FIRST_BACKOFF: std::time::Duration = std::time::Duration::from_millis(500);
+/// The longest a failing file waits between attempts.
+pub const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(30);

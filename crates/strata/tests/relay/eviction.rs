@@ -284,3 +284,57 @@ impl Drop for Immutable {
             .status();
     }
 }
+
+/// One tenant's file that keeps failing to upload (its prefix in the store made immutable)
+/// backs off on its own: another tenant's newer file is uploaded meanwhile, and the failing
+/// one goes up once the store takes it again. (Before, the oldest failing file ended every
+/// pass, so no tenant's file behind it was ever uploaded.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_upload_never_holds_up_other_tenants_files() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("a");
+    let a = serve(&data, &[]);
+    let mut streams = vec![];
+    for name in ["alpha", "beta"] {
+        let api = tenant(&a.url, name).await;
+        let (_, art) = api.post("/v1/relay", json!({"name": "art"})).await;
+        let token = art["token"].as_str().unwrap().to_string();
+        let p = put(&a.url, &token, "/v1/relay/art/first", vec![1; 1000]).await;
+        assert_eq!(p.status, StatusCode::CREATED, "{}", p.body);
+        wait_uploaded(&api, "art").await;
+        streams.push((api, token));
+    }
+    let alpha_data = data.join("objects/t/alpha/relay/art/data");
+    assert!(
+        alpha_data.is_dir(),
+        "the store layout changed: {alpha_data:?}"
+    );
+    let immutable = Immutable::set(&alpha_data);
+    let (alpha, beta) = (&streams[0], &streams[1]);
+    let p = put(&a.url, &alpha.1, "/v1/relay/art/stuck", vec![2; 5000]).await;
+    assert_eq!(p.status, StatusCode::CREATED, "{}", p.body);
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await; // a failed attempt or two
+    let p = put(&a.url, &beta.1, "/v1/relay/art/next", vec![3; 5000]).await;
+    assert_eq!(p.status, StatusCode::CREATED, "{}", p.body);
+    wait_uploaded(&beta.0, "art").await;
+    let (_, list) = alpha.0.get("/v1/relay").await;
+    assert_eq!(list[0]["pending_files"], 1, "still failing: {list}");
+    let (_, m) = a.api(ADMIN).get("/metrics").await;
+    let failures: u64 = m
+        .as_str()
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("strata_relay_upload_failures_total "))
+        .expect("a failure counter")
+        .parse()
+        .unwrap();
+    assert!(failures >= 1, "the upload was attempted and failed");
+
+    drop(immutable);
+    wait_uploaded(&alpha.0, "art").await;
+    assert_eq!(
+        local_len(&data, "art", "stuck"),
+        Some(0),
+        "uploaded, evicted"
+    );
+}
