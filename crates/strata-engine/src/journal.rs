@@ -50,7 +50,8 @@ struct SegMeta {
     file: Arc<dyn FsFile>,
     len: u64,
     last_seq: u64,
-    nonce: u64,
+    /// Its incarnation: nonce and version (which check its records carry).
+    header: rec::SegmentHeader,
     /// Bytes already written in the file when it became this segment: non-zero for one from
     /// the pool (recycled or zero-filled), whose appends overwrite written blocks. A record
     /// wholly below it allocates nothing (so no ENOSPC) and may be written outside the
@@ -145,23 +146,24 @@ impl Journal {
             let len = file.len()?;
             // The segment header names this incarnation; without it nothing here is trusted.
             let mut sh = [0u8; SEGMENT_HEADER_LEN];
-            let nonce = match file
+            let header = file
                 .read_at(&mut sh, 0)
                 .ok()
                 .and_then(|_| rec::decode_segment_header(&sh).ok())
-            {
-                Some((hid, nonce)) if hid == id => Some(nonce),
-                _ => None,
-            };
+                .filter(|h| h.id == id);
             let mut pos = SEGMENT_HEADER_LEN as u64;
             let mut ended = false;
             let mut seg_last = 0u64;
             let mut head = [0u8; HEADER_LEN];
-            if nonce.is_none() {
+            if header.is_none() {
                 torn = true;
                 pos = 0;
             }
-            let nonce = nonce.unwrap_or(0);
+            let header = header.unwrap_or(rec::SegmentHeader {
+                id,
+                nonce: 0,
+                version: rec::SEGMENT_VERSION,
+            });
             while !torn && pos < len {
                 let ok = (|| {
                     if pos + HEADER_LEN as u64 > len {
@@ -178,7 +180,7 @@ impl Journal {
                     }
                     let mut payload = vec![0u8; h.payload_len as usize];
                     file.read_at(&mut payload, pos + HEADER_LEN as u64).ok()?;
-                    if !rec::verify(nonce, &head, &h, &payload) {
+                    if !rec::verify(&header, &head, &h, &payload) {
                         return None;
                     }
                     // A valid record that does not follow the previous one: a record between
@@ -242,7 +244,7 @@ impl Journal {
                     file,
                     len: pos,
                     last_seq: seg_last,
-                    nonce,
+                    header,
                     alloc: 0,
                 },
             );
@@ -272,18 +274,18 @@ impl Journal {
     }
 
     /// A journal over segments hard-linked from a live source (a live fork): their
-    /// metadata (id, length, last record, nonce) is taken from the source's journal, which
+    /// metadata (id, length, last record, incarnation) is taken from the source's journal, which
     /// wrote and synced them, instead of replaying them; records continue after `last_seq`
     /// in a new active segment.
     pub fn adopt(
         fs: Arc<dyn Fs>,
         dir: &Path,
-        segs: &[(u64, u64, u64, u64)],
+        segs: &[(u64, u64, u64, rec::SegmentHeader)],
         last_seq: u64,
         max_segment: u64,
     ) -> io::Result<Journal> {
         let mut segments = BTreeMap::new();
-        for &(id, len, last, nonce) in segs {
+        for &(id, len, last, header) in segs {
             let file = fs.open(&seg_path(dir, id), false)?;
             segments.insert(
                 id,
@@ -291,7 +293,7 @@ impl Journal {
                     file,
                     len,
                     last_seq: last,
-                    nonce,
+                    header,
                     alloc: 0,
                 },
             );
@@ -317,11 +319,12 @@ impl Journal {
         Ok(j)
     }
 
-    /// (id, length, last record, nonce) of the segments before segment `id`, oldest first.
-    pub fn sealed_meta_before(&self, id: u64) -> Vec<(u64, u64, u64, u64)> {
+    /// (id, length, last record, incarnation) of the segments before segment `id`, oldest
+    /// first.
+    pub fn sealed_meta_before(&self, id: u64) -> Vec<(u64, u64, u64, rec::SegmentHeader)> {
         self.segments
             .range(..id)
-            .map(|(i, m)| (*i, m.len, m.last_seq, m.nonce))
+            .map(|(i, m)| (*i, m.len, m.last_seq, m.header))
             .collect()
     }
 
@@ -378,9 +381,16 @@ impl Journal {
             None => self.fs.open(&path, true),
         };
         // A fresh nonce per incarnation: records left in a recycled file never verify again.
-        let nonce: u64 = rand::random();
+        let header = rec::SegmentHeader {
+            id,
+            nonce: rand::random(),
+            version: rec::SEGMENT_VERSION,
+        };
         let file = file.and_then(|f| {
-            f.write_at(&rec::encode_segment_header(id, nonce), 0)?;
+            f.write_at(
+                &rec::encode_segment_header_version(header.version, id, header.nonce),
+                0,
+            )?;
             Ok(f)
         });
         let file = file.and_then(|f| {
@@ -404,7 +414,7 @@ impl Journal {
                 file: file.clone(),
                 len: SEGMENT_HEADER_LEN as u64,
                 last_seq: 0,
-                nonce,
+                header,
                 alloc,
             },
         );
@@ -501,7 +511,7 @@ impl Journal {
             seg: self.active,
             at: seg.len,
             file: seg.file.clone(),
-            nonce: seg.nonce,
+            header: seg.header,
             kind,
             lba,
             nblocks,
@@ -636,7 +646,7 @@ pub(crate) struct Reserved {
     pub seg: u64,
     at: u64,
     file: Arc<dyn FsFile>,
-    nonce: u64,
+    header: rec::SegmentHeader,
     kind: Kind,
     lba: u64,
     nblocks: u32,
@@ -645,8 +655,9 @@ pub(crate) struct Reserved {
 impl Reserved {
     /// Writes the record; returns the offset of its payload.
     pub fn write(&self, payload: &[u8]) -> io::Result<u64> {
-        let record = rec::encode(
-            self.nonce,
+        let record = rec::encode_version(
+            self.header.version,
+            self.header.nonce,
             self.kind,
             self.seq,
             self.lba,

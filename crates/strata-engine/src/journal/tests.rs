@@ -179,3 +179,54 @@ fn held_bytes_match_a_recount_through_appends_rotations_and_retirement() {
     assert!(n > 0);
     assert_eq!(n, recount(&j));
 }
+
+/// A journal written before the CRC check (segment version 1, BLAKE3 checks) replays after an
+/// upgrade, torn tail and all, and the records that follow go into a version-2 segment; both
+/// replay together after another restart.
+#[test]
+fn a_version_1_journal_replays_and_continues_in_version_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = seg_path(dir.path(), 1);
+    let mut bytes = rec::encode_segment_header_version(1, 1, 0x5eed).to_vec();
+    for seq in 1..=3u64 {
+        bytes.extend(rec::encode_version(
+            1,
+            0x5eed,
+            Kind::Write,
+            seq,
+            seq * 10,
+            1,
+            &[seq as u8; 4096],
+        ));
+    }
+    let good = bytes.len() as u64;
+    // A torn fourth record, and one with the current check: neither is version 1's.
+    let mut torn = rec::encode_version(1, 0x5eed, Kind::Write, 4, 0, 1, &[4; 4096]);
+    torn[100] ^= 1;
+    bytes.extend(&torn);
+    std::fs::write(&path, &bytes).unwrap();
+    let mut v2 = bytes[..good as usize].to_vec();
+    v2.extend(rec::encode(0x5eed, Kind::Write, 4, 0, 1, &[4; 4096]));
+
+    let (mut j, seqs) = open(dir.path(), 0);
+    assert_eq!(seqs, vec![1, 2, 3]);
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().len(),
+        good,
+        "torn tail cut"
+    );
+    let more = append(&mut j, 2);
+    assert_eq!(more.iter().map(|m| m.0).collect::<Vec<_>>(), vec![4, 5]);
+    let head = std::fs::read(seg_path(dir.path(), more[0].1)).unwrap();
+    let h = rec::decode_segment_header(&head).unwrap();
+    assert_eq!((h.id, h.version), (more[0].1, rec::SEGMENT_VERSION));
+    drop(j);
+    let (_, seqs) = open(dir.path(), 0);
+    assert_eq!(seqs, vec![1, 2, 3, 4, 5]);
+
+    // The same version-1 segment with a version-2 record after its last: not taken.
+    let d2 = tempfile::tempdir().unwrap();
+    std::fs::write(seg_path(d2.path(), 1), &v2).unwrap();
+    let (_, seqs) = open(d2.path(), 0);
+    assert_eq!(seqs, vec![1, 2, 3]);
+}

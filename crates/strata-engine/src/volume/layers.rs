@@ -111,7 +111,7 @@ pub(crate) struct ForkBase {
 /// their journal metadata and the blocks they hold after the base (the source's pending layers
 /// up to the fork's cut, merged), with their remote-window bytes.
 pub(crate) struct Inheritance {
-    pub segs: Vec<(u64, u64, u64, u64)>,
+    pub segs: Vec<(u64, u64, u64, strata_format::journal::SegmentHeader)>,
     pub last_seq: u64,
     pub overlay: Overlay,
     pub bytes: u64,
