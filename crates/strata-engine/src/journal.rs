@@ -146,11 +146,16 @@ impl Journal {
             let len = file.len()?;
             // The segment header names this incarnation; without it nothing here is trusted.
             let mut sh = [0u8; SEGMENT_HEADER_LEN];
-            let header = file
-                .read_at(&mut sh, 0)
-                .ok()
-                .and_then(|_| rec::decode_segment_header(&sh).ok())
-                .filter(|h| h.id == id);
+            // A file too short for a header is one a crash cut right after its creation; an
+            // error reading one that is long enough is the disk's, and fails the open: taking it
+            // for a torn segment would drop this segment's acknowledged records and every later
+            // segment's.
+            let header = if len >= SEGMENT_HEADER_LEN as u64 {
+                file.read_at(&mut sh, 0)?;
+                rec::decode_segment_header(&sh).ok().filter(|h| h.id == id)
+            } else {
+                None
+            };
             let mut pos = SEGMENT_HEADER_LEN as u64;
             let mut ended = false;
             let mut seg_last = 0u64;
@@ -165,32 +170,36 @@ impl Journal {
                 version: rec::SEGMENT_VERSION,
             });
             while !torn && pos < len {
-                let ok = (|| {
+                // Bytes that are not a valid record end the segment; an error reading bytes
+                // that are there fails the open (as above).
+                let ok = (|| -> io::Result<Option<Result<rec::RecordHeader, ()>>> {
                     if pos + HEADER_LEN as u64 > len {
-                        return None;
+                        return Ok(None);
                     }
-                    file.read_at(&mut head, pos).ok()?;
-                    let h = rec::decode_header(&head).ok()?;
+                    file.read_at(&mut head, pos)?;
+                    let Ok(h) = rec::decode_header(&head) else {
+                        return Ok(None);
+                    };
                     // Unpublished sequence numbers are contiguous: a gap means a lost record, so
                     // stop there. (Published records, <= skip_upto, may be left over from an
                     // interrupted deletion; they are skipped, not checked.)
                     // (No record of ours lies past what the overlay can name.)
                     if pos + h.total_len() > len.min(crate::overlay::MAX_OFF) {
-                        return None;
+                        return Ok(None);
                     }
                     let mut payload = vec![0u8; h.payload_len as usize];
-                    file.read_at(&mut payload, pos + HEADER_LEN as u64).ok()?;
+                    file.read_at(&mut payload, pos + HEADER_LEN as u64)?;
                     if !rec::verify(&header, &head, &h, &payload) {
-                        return None;
+                        return Ok(None);
                     }
                     // A valid record that does not follow the previous one: a record between
                     // them was lost. (Bytes from a file's earlier life never verify, so they
                     // cannot look like a gap.)
                     if h.seq > skip_upto && prev_seq.is_some_and(|p| h.seq != p + 1) {
-                        return Some(Err(()));
+                        return Ok(Some(Err(())));
                     }
-                    Some(Ok(h))
-                })();
+                    Ok(Some(Ok(h)))
+                })()?;
                 let h = match ok {
                     Some(Ok(h)) => h,
                     // A gap in the sequence: a record was lost, nothing after it counts.
