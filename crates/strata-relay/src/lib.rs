@@ -22,10 +22,10 @@
 //! their first byte is served, local files are streamed; at most [`TRANSFERS`] transfers hold a
 //! part in memory at once.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use futures::StreamExt;
@@ -172,9 +172,10 @@ pub struct Relay {
     /// Held for each background upload and by [`Relay::forget_tenant`]: a deleted tenant's
     /// file is never uploaded after its keys were removed.
     upload_gate: tokio::sync::Mutex<()>,
-    /// Held from a PUT's look-up of its name to its meta being durable (no await inside), so
-    /// a PUT never sees another's file between its link and its meta.
-    names: Mutex<()>,
+    /// A lock per name being PUT (see [`Relay::lock_name`]): a PUT holds its name from the
+    /// look-up to its meta being durable (released only around a sync stream's upload, and
+    /// looked up again after), so no PUT sees another's file between its link and its meta.
+    names: Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 use strata_format::now_ms;
@@ -196,6 +197,27 @@ fn fault(point: &str) {
     if std::env::var("STRATA_RELAY_FAULT").as_deref() == Ok(point) {
         tracing::error!(point, "STRATA_RELAY_FAULT: aborting");
         std::process::abort();
+    }
+}
+
+/// A name held by [`Relay::lock_name`]; its lock leaves the table when no one else holds or
+/// waits for it.
+struct NameGuard<'a> {
+    relay: &'a Relay,
+    key: Key,
+    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl Drop for NameGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        let mut names = self.relay.names.lock().unwrap_or_else(|p| p.into_inner());
+        if names
+            .get(&self.key)
+            .is_some_and(|m| Arc::strong_count(m) == 1)
+        {
+            names.remove(&self.key);
+        }
     }
 }
 
@@ -234,7 +256,7 @@ impl Relay {
             failures: AtomicU64::new(0),
             transfers: tokio::sync::Semaphore::new(TRANSFERS),
             upload_gate: tokio::sync::Mutex::new(()),
-            names: Mutex::new(()),
+            names: Mutex::new(HashMap::new()),
         };
         // A crash between creating and unlinking a spool file is all that can leave one.
         for e in std::fs::read_dir(relay.root.join(".spool"))
@@ -436,8 +458,11 @@ impl Relay {
             created_ms: now_ms(),
             uploaded_ms: None,
         };
-        if let Some(old) = self.existing(tenant, stream, name)? {
-            return same_or_conflict(old, &f);
+        {
+            let _name = self.lock_name(tenant, stream, name).await;
+            if let Some(old) = self.existing(tenant, stream, name).await? {
+                return same_or_conflict(old, &f);
+            }
         }
         let mut f = f;
         if sync {
@@ -445,9 +470,9 @@ impl Relay {
             f.uploaded_ms = Some(now_ms());
         }
         {
-            let _names = self.names.lock().unwrap_or_else(|p| p.into_inner());
+            let _name = self.lock_name(tenant, stream, name).await;
             // A concurrent PUT of the same name may have committed meanwhile.
-            if let Some(old) = self.existing_locked(tenant, stream, name)? {
+            if let Some(old) = self.existing(tenant, stream, name).await? {
                 return same_or_conflict(old, &f);
             }
             std::fs::hard_link(&tmp, dir.join(name)).map_err(io("linking the file into place"))?;
@@ -465,40 +490,75 @@ impl Relay {
         Ok((f, true))
     }
 
-    /// The file of that name on this node (see [`Relay::existing_locked`]).
-    fn existing(
-        &self,
-        tenant: &str,
-        stream: &str,
-        name: &str,
-    ) -> Result<Option<RelayFile>, RelayError> {
-        let _names = self.names.lock().unwrap_or_else(|p| p.into_inner());
-        self.existing_locked(tenant, stream, name)
+    /// Waits for a name of a stream, held until the guard drops: PUTs of other names (of any
+    /// tenant) never wait for it. The lock table keeps only names in use (and, after a PUT
+    /// cancelled while waiting, at most a bounded number of idle ones).
+    async fn lock_name(&self, tenant: &str, stream: &str, name: &str) -> NameGuard<'_> {
+        let key: Key = (tenant.into(), stream.into(), name.into());
+        let m = {
+            let mut names = self.names.lock().unwrap_or_else(|p| p.into_inner());
+            if names.len() >= 1024 {
+                names.retain(|_, m| Arc::strong_count(m) > 1);
+            }
+            names.entry(key.clone()).or_default().clone()
+        };
+        let guard = m.lock_owned().await;
+        NameGuard {
+            relay: self,
+            key,
+            guard: Some(guard),
+        }
     }
 
-    /// The file of that name on this node, with the name lock held: its meta, or, for a file
-    /// linked whose meta was never written (a crash, or a meta write that failed and was
-    /// answered `500`), a meta derived from its bytes, made durable and queued here as the
-    /// recovery at start does, so a `200` from it promises what a `201` does. An unreadable
-    /// meta is an error: the file beside it may be an evicted file's placeholder.
-    fn existing_locked(
+    /// The file of that name on this node, with [`Relay::lock_name`] held by the caller: its
+    /// meta, or, for a file linked whose meta was never written (a crash, or a meta write that
+    /// failed and was answered `500`), a meta derived from its bytes.
+    ///
+    /// A `200` from it promises what a `201` does: a file not uploaded and not queued (its PUT
+    /// failed after the link, at the meta or at an fsync) has its meta and directories made
+    /// durable and is queued first, as the recovery at start does. An unreadable meta is an
+    /// error, and an empty file without a meta is removed, never taken for a file: either may
+    /// be an evicted file's placeholder.
+    async fn existing(
         &self,
         tenant: &str,
         stream: &str,
         name: &str,
     ) -> Result<Option<RelayFile>, RelayError> {
+        let dir = self.dir(tenant, stream);
         if let Some(m) = self
             .read_local_meta(tenant, stream, name)
             .map_err(io("reading the file's meta"))?
         {
+            let key: Key = (tenant.into(), stream.into(), name.into());
+            let queued = self
+                .pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains_key(&key);
+            if m.uploaded_ms.is_none() && !queued {
+                sync_dir(&dir.join(".meta")).map_err(io("fsync of the meta directory"))?;
+                sync_dir(&dir).map_err(io("fsync of the stream directory"))?;
+                self.queue(tenant, stream, &m);
+            }
             return Ok(Some(m));
         }
-        let dir = self.dir(tenant, stream);
-        let (blake3, size) = match hash_file(&dir.join(name)) {
-            Ok(h) => h,
+        let path = dir.join(name);
+        match std::fs::metadata(&path) {
+            Ok(md) if md.len() == 0 => {
+                // Never answered `201` (its meta would be here): not a file yet.
+                std::fs::remove_file(&path).map_err(io("removing an empty file"))?;
+                return Ok(None);
+            }
+            Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io("reading an existing file")(e)),
-        };
+        }
+        // Up to `max_bytes` to hash: off the runtime's workers.
+        let (blake3, size) = tokio::task::spawn_blocking(move || hash_file(&path))
+            .await
+            .map_err(|e| io("hashing an existing file")(std::io::Error::other(e)))?
+            .map_err(io("reading an existing file"))?;
         let m = RelayFile {
             name: name.into(),
             size,

@@ -177,8 +177,10 @@ impl Relay {
 
     /// One pass of the background uploader: every pending file whose turn has come, oldest
     /// first. A failing file waits longer after each failure (up to [`MAX_BACKOFF`]) and the
-    /// pass goes on with the next, so one tenant's failing file (a store prefix refusing
-    /// writes, a key the store keeps failing) never stalls the others'.
+    /// pass goes on with the next tenant's files, so one tenant's failing uploads (a store
+    /// prefix refusing writes, a key the store keeps failing) never stall the others'. Uploads
+    /// run one at a time: a store that fails only after a long timeout still delays the other
+    /// tenants by that attempt, once per pass.
     pub async fn upload_pending(&self) {
         let now = std::time::Instant::now();
         let mut todo: Vec<(Key, u64)> = self
@@ -190,7 +192,14 @@ impl Relay {
             .map(|(k, p)| (k.clone(), p.created_ms))
             .collect();
         todo.sort_by_key(|(_, created)| *created);
+        // Tenants whose upload failed in this pass: their other files wait for the next one
+        // (they most likely fail the same way), so a store that fails slowly costs the other
+        // tenants one attempt per failing tenant and pass, not one per file.
+        let mut failed = std::collections::HashSet::new();
         for ((t, s, n), _) in todo {
+            if failed.contains(&t) {
+                continue;
+            }
             let _gate = self.upload_gate.lock().await;
             let key = (t.clone(), s.clone(), n.clone());
             if !self
@@ -204,6 +213,15 @@ impl Relay {
             let Some(mut f) = self.local_meta(&t, &s, &n) else {
                 continue;
             };
+            if f.uploaded_ms.is_some() {
+                // Queued again by a PUT that read the meta just before this uploader marked
+                // it uploaded: done (its bytes may be gone already).
+                self.pending
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&key);
+                continue;
+            }
             let path = self.dir(&t, &s).join(&n);
             let res = match self.upload(&t, &s, &f, &path).await {
                 Ok(()) => {
@@ -235,6 +253,7 @@ impl Relay {
                     pending.remove(&key);
                 }
                 Err(_) => {
+                    failed.insert(t.clone());
                     if let Some(p) = pending.get_mut(&key) {
                         p.failures = p.failures.saturating_add(1);
                         let wait = FIRST_BACKOFF

@@ -338,3 +338,59 @@ async fn a_failing_upload_never_holds_up_other_tenants_files() {
         "uploaded, evicted"
     );
 }
+
+/// Concurrent PUTs of one name, on a sync stream (which uploads before it takes the name) and
+/// on a normal one: exactly one `201`, the same bytes `200`, other bytes `409`, and the stored
+/// file is the `201`'s; PUTs of other names go on meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_puts_of_one_name_have_one_winner() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("a");
+    let a = serve(&data, &[]);
+    let alpha = tenant(&a.url, "alpha").await;
+    for (stream, sync) in [("art", false), ("wal", true)] {
+        let (_, st) = alpha
+            .post("/v1/relay", json!({"name": stream, "sync": sync}))
+            .await;
+        let token = st["token"].as_str().unwrap().to_string();
+        for round in 0..3 {
+            let name = format!("/v1/relay/{stream}/f{round}");
+            let puts = (0..8u8).map(|i| {
+                let (url, token, name) = (a.url.clone(), token.clone(), name.clone());
+                // Four PUTs of one body, four of another, and one of another name each.
+                let body = vec![i % 2; 70_000];
+                let other = format!("{name}-{i}");
+                async move {
+                    let (p, q) = tokio::join!(
+                        put(&url, &token, &name, body.clone()),
+                        put(&url, &token, &other, vec![9; 1000])
+                    );
+                    assert_eq!(q.status, StatusCode::CREATED, "{}", q.body);
+                    (p.status, body)
+                }
+            });
+            let got = futures::future::join_all(puts).await;
+            let won: Vec<_> = got
+                .iter()
+                .filter(|(s, _)| *s == StatusCode::CREATED)
+                .collect();
+            assert_eq!(
+                won.len(),
+                1,
+                "{stream} {round}: {:?}",
+                got.iter().map(|g| g.0).collect::<Vec<_>>()
+            );
+            let winner = won[0].1.clone();
+            for (s, body) in &got {
+                let want = if *body == winner {
+                    [StatusCode::CREATED, StatusCode::OK]
+                } else {
+                    [StatusCode::CONFLICT, StatusCode::CONFLICT]
+                };
+                assert!(want.contains(s), "{stream} {round}: {s}");
+            }
+            let (s, stored, _) = get_bytes(&a.url, &alpha.token, &name).await;
+            assert_eq!((s, stored == winner), (StatusCode::OK, true));
+        }
+    }
+}
