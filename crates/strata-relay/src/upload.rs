@@ -210,8 +210,22 @@ impl Relay {
             {
                 continue; // its tenant was deleted meanwhile
             }
-            let Some(mut f) = self.local_meta(&t, &s, &n) else {
-                continue;
+            let mut f = match self.read_local_meta(&t, &s, &n) {
+                Ok(Some(f)) => f,
+                // No meta: its directory went (a tenant removed), nothing to upload.
+                Ok(None) => {
+                    self.pending
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&key);
+                    continue;
+                }
+                // Unreadable: kept, and retried after the backoff like a failed upload.
+                Err(e) => {
+                    tracing::warn!(tenant = t, stream = s, name = n, error = %e, "relay: a queued file's meta cannot be read; will retry");
+                    self.back_off(&key);
+                    continue;
+                }
             };
             if f.uploaded_ms.is_some() {
                 // Queued again by a PUT that read the meta just before this uploader marked
@@ -254,15 +268,23 @@ impl Relay {
                 }
                 Err(_) => {
                     failed.insert(t.clone());
-                    if let Some(p) = pending.get_mut(&key) {
-                        p.failures = p.failures.saturating_add(1);
-                        let wait = FIRST_BACKOFF
-                            .saturating_mul(2u32.saturating_pow(p.failures - 1))
-                            .min(MAX_BACKOFF);
-                        p.retry_at = Some(std::time::Instant::now() + wait);
-                    }
+                    drop(pending);
+                    self.back_off(&key);
                 }
             }
+        }
+    }
+
+    /// A queued file's attempt failed: its next waits longer (0.5 s, doubling to
+    /// [`MAX_BACKOFF`]).
+    fn back_off(&self, key: &Key) {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = pending.get_mut(key) {
+            p.failures = p.failures.saturating_add(1);
+            let wait = FIRST_BACKOFF
+                .saturating_mul(2u32.saturating_pow(p.failures - 1))
+                .min(MAX_BACKOFF);
+            p.retry_at = Some(std::time::Instant::now() + wait);
         }
     }
 }
