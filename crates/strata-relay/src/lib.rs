@@ -460,7 +460,7 @@ impl Relay {
         };
         {
             let _name = self.lock_name(tenant, stream, name).await;
-            if let Some(old) = self.existing(tenant, stream, name).await? {
+            if let Some(old) = self.existing(tenant, stream, name, (&tmp, &f)).await? {
                 return same_or_conflict(old, &f);
             }
         }
@@ -472,7 +472,7 @@ impl Relay {
         {
             let _name = self.lock_name(tenant, stream, name).await;
             // A concurrent PUT of the same name may have committed meanwhile.
-            if let Some(old) = self.existing(tenant, stream, name).await? {
+            if let Some(old) = self.existing(tenant, stream, name, (&tmp, &f)).await? {
                 return same_or_conflict(old, &f);
             }
             std::fs::hard_link(&tmp, dir.join(name)).map_err(io("linking the file into place"))?;
@@ -515,15 +515,18 @@ impl Relay {
     /// failed and was answered `500`), a meta derived from its bytes.
     ///
     /// A `200` from it promises what a `201` does: a file not uploaded and not queued (its PUT
-    /// failed after the link, at the meta or at an fsync) has its meta and directories made
-    /// durable and is queued first, as the recovery at start does. An unreadable meta is an
-    /// error, and an empty file without a meta is removed, never taken for a file: either may
-    /// be an evicted file's placeholder.
+    /// failed after the link, at the meta or at an fsync; or the uploader gave it up) has its
+    /// bytes checked against its meta, repaired from `incoming` (the PUT's own fsync'd temp
+    /// file and meta) when those are the same bytes, its meta and directories made durable,
+    /// and is queued, as the recovery at start does. An unreadable meta is an error, and an
+    /// empty file without a meta is removed, never taken for a file: either may be an evicted
+    /// file's placeholder.
     async fn existing(
         &self,
         tenant: &str,
         stream: &str,
         name: &str,
+        incoming: (&Path, &RelayFile),
     ) -> Result<Option<RelayFile>, RelayError> {
         let dir = self.dir(tenant, stream);
         if let Some(m) = self
@@ -536,7 +539,9 @@ impl Relay {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .contains_key(&key);
-            if m.uploaded_ms.is_none() && !queued {
+            // (Other bytes get their `409` from the meta alone.)
+            if m.uploaded_ms.is_none() && !queued && incoming.1.blake3 == m.blake3 {
+                self.restore_bytes(&dir, &m, incoming).await?;
                 sync_dir(&dir.join(".meta")).map_err(io("fsync of the meta directory"))?;
                 sync_dir(&dir).map_err(io("fsync of the stream directory"))?;
                 self.queue(tenant, stream, &m);
@@ -571,6 +576,48 @@ impl Relay {
         sync_dir(&dir).map_err(io("fsync of the stream directory"))?;
         self.queue(tenant, stream, &m);
         Ok(Some(m))
+    }
+
+    /// Makes sure the bytes under `m`'s name are `m`'s (hashed off the runtime): a file whose
+    /// PUT failed before its directory was synced may have lost its link in a crash, and one
+    /// the uploader gave up on may not match its hash. When they are not, the incoming PUT's
+    /// temp file takes their place if it holds `m`'s bytes; otherwise the PUT fails (`500`),
+    /// never answered `200` for bytes this node does not hold.
+    async fn restore_bytes(
+        &self,
+        dir: &Path,
+        m: &RelayFile,
+        (tmp, f): (&Path, &RelayFile),
+    ) -> Result<(), RelayError> {
+        let path = dir.join(&m.name);
+        let p = path.clone();
+        let have = tokio::task::spawn_blocking(move || hash_file(&p))
+            .await
+            .map_err(|e| io("hashing a file")(std::io::Error::other(e)))?;
+        match have {
+            Ok((h, size)) if h == m.blake3 && size == m.size => return Ok(()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io("reading an existing file")(e)),
+        }
+        if f.blake3 != m.blake3 || f.size != m.size {
+            return Err(io("checking an existing file")(std::io::Error::other(
+                "its bytes on this node do not match its meta",
+            )));
+        }
+        // A rename of a link to the temp file replaces the name atomically; the temp name
+        // stays the PUT's (its guard removes it).
+        let repair = dir.join(format!(".tmp-repair-{}", rand_suffix()));
+        std::fs::hard_link(tmp, &repair).map_err(io("repairing a file"))?;
+        if let Err(e) = std::fs::rename(&repair, &path) {
+            let _ = std::fs::remove_file(&repair);
+            return Err(io("repairing a file")(e));
+        }
+        tracing::warn!(
+            name = m.name,
+            "relay: a file's bytes were restored from a retried PUT"
+        );
+        Ok(())
     }
 
     /// A file's meta and an open file of its bytes (read it from the start): from this node's disk, else from the

@@ -229,7 +229,8 @@ impl Relay {
             };
             if f.uploaded_ms.is_some() {
                 // Queued again by a PUT that read the meta just before this uploader marked
-                // it uploaded: done (its bytes may be gone already).
+                // it uploaded: done (its bytes may be gone already, else they go now).
+                self.evict(&t, &s, &f);
                 self.pending
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())

@@ -231,16 +231,16 @@ fn a_version_1_journal_replays_and_continues_in_version_2() {
     assert_eq!(seqs, vec![1, 2, 3]);
 }
 
-/// The real file system, with every read failing (EIO) while `fail` is set.
-struct EioFs(Arc<std::sync::atomic::AtomicBool>);
-struct EioFile(Arc<dyn FsFile>, Arc<std::sync::atomic::AtomicBool>);
+/// The real file system, with every read at or past an offset failing (EIO).
+struct EioFs(Arc<std::sync::atomic::AtomicU64>);
+struct EioFile(Arc<dyn FsFile>, Arc<std::sync::atomic::AtomicU64>);
 
 impl FsFile for EioFile {
     fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
         self.0.write_at(buf, off)
     }
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
-        if self.1.load(std::sync::atomic::Ordering::SeqCst) {
+        if off + buf.len() as u64 > self.1.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(io::Error::from_raw_os_error(5));
         }
         self.0.read_at(buf, off)
@@ -314,11 +314,18 @@ fn a_read_error_during_replay_fails_the_open_and_drops_nothing() {
     };
     let before = lens(dir.path());
     assert!(before.len() >= 2, "{before:?}");
-    let fail = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let r = Journal::open(Arc::new(EioFs(fail.clone())), dir.path(), 0, MAX, |_, _| {});
-    assert!(r.is_err(), "a read error must fail the open");
-    assert_eq!(lens(dir.path()), before, "nothing truncated or deleted");
-    fail.store(false, std::sync::atomic::Ordering::SeqCst);
+    // Reads failing from the segment header on, from the first record's header on, and from
+    // its payload on.
+    for from in [
+        0,
+        SEGMENT_HEADER_LEN as u64,
+        (SEGMENT_HEADER_LEN + HEADER_LEN) as u64,
+    ] {
+        let fail = Arc::new(std::sync::atomic::AtomicU64::new(from));
+        let r = Journal::open(Arc::new(EioFs(fail)), dir.path(), 0, MAX, |_, _| {});
+        assert!(r.is_err(), "a read error (from {from}) must fail the open");
+        assert_eq!(lens(dir.path()), before, "nothing truncated or deleted");
+    }
     let (_, seqs) = open(dir.path(), 0);
     assert_eq!(seqs, vec![1, 2, 3, 4, 5]);
 }
