@@ -176,6 +176,9 @@ pub struct Relay {
     /// look-up to its meta being durable (released only around a sync stream's upload, and
     /// looked up again after), so no PUT sees another's file between its link and its meta.
     names: Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
+    /// Directories under `root` whose entries (and their parents') this process has made
+    /// durable: a file in one is acknowledged only once the chain up to `root` is.
+    durable_dirs: Mutex<std::collections::HashSet<PathBuf>>,
 }
 
 use strata_format::now_ms;
@@ -246,6 +249,9 @@ impl Relay {
     /// files linked just before a crash, and queues whatever is not yet uploaded.
     pub fn open(root: PathBuf, store: Store, max_bytes: u64) -> std::io::Result<Relay> {
         std::fs::create_dir_all(&root)?;
+        if let Some(parent) = root.parent() {
+            sync_dir(parent)?; // the relay directory's own entry
+        }
         let relay = Relay {
             root,
             max_bytes: AtomicU64::new(max_bytes),
@@ -257,6 +263,7 @@ impl Relay {
             transfers: tokio::sync::Semaphore::new(TRANSFERS),
             upload_gate: tokio::sync::Mutex::new(()),
             names: Mutex::new(HashMap::new()),
+            durable_dirs: Mutex::new(Default::default()),
         };
         // A crash between creating and unlinking a spool file is all that can leave one.
         for e in std::fs::read_dir(relay.root.join(".spool"))
@@ -422,7 +429,8 @@ impl Relay {
             return Err(too_large(n, max));
         }
         let dir = self.dir(tenant, stream);
-        std::fs::create_dir_all(&dir).map_err(io("creating the stream directory"))?;
+        self.durable_dir(&dir)
+            .map_err(io("creating the stream directory"))?;
         let tmp = dir.join(format!(".tmp-{}", rand_suffix()));
         let guard = TmpGuard(Some(tmp.clone()));
         let mut file = tokio::fs::File::create_new(&tmp)
@@ -793,15 +801,51 @@ impl Relay {
                     tenant,
                     "relay files of an earlier tenant of this name dropped"
                 );
-                Self::write_marker(&dir, &want)
+                self.write_marker(&dir, &want)
             }
-            None => Self::write_marker(&dir, &want),
+            None => self.write_marker(&dir, &want),
         }
     }
 
-    /// Writes `dir/.tenant` durably (temp, fsync, rename, fsync of the directory).
-    fn write_marker(dir: &Path, want: &str) -> std::io::Result<()> {
+    /// Creates `dir` (under `root`) if needed and makes its entry and every parent's up to
+    /// `root` durable, once per directory and process: a new stream's first file is never
+    /// acknowledged with the stream's (or its tenant's) directory entry still in the page
+    /// cache, where a power cut takes the file with it. (After a restart the fsyncs run once
+    /// again: a killed process may have left them undone.)
+    fn durable_dir(&self, dir: &Path) -> std::io::Result<()> {
+        let known = |d: &Path| {
+            self.durable_dirs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(d)
+        };
+        if known(dir) {
+            return Ok(());
+        }
         std::fs::create_dir_all(dir)?;
+        let mut d = dir;
+        while d != self.root.as_path() {
+            let Some(parent) = d.parent() else { break };
+            if !known(d) {
+                sync_dir(parent)?;
+            }
+            d = parent;
+        }
+        let mut done = self.durable_dirs.lock().unwrap_or_else(|p| p.into_inner());
+        let mut d = dir;
+        while d != self.root.as_path() {
+            done.insert(d.to_path_buf());
+            match d.parent() {
+                Some(p) => d = p,
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `dir/.tenant` durably (temp, fsync, rename, fsync of the directory).
+    fn write_marker(&self, dir: &Path, want: &str) -> std::io::Result<()> {
+        self.durable_dir(dir)?;
         let tmp = dir.join(format!(".tmp-tenant-{}", rand_suffix()));
         {
             use std::io::Write;
@@ -837,10 +881,18 @@ impl Relay {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .retain(|(t, _, _), _| t != tenant);
-        match std::fs::remove_dir_all(self.root.join(tenant)) {
+        let dir = self.root.join(tenant);
+        let removed = match std::fs::remove_dir_all(&dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
             _ => Ok(()),
-        }
+        };
+        // Made again later, its directories need their fsyncs again (after the removal: one
+        // made meanwhile is at worst synced twice).
+        self.durable_dirs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|d| !d.starts_with(&dir));
+        removed
     }
 }
 
