@@ -11,8 +11,10 @@
 //! ```
 //! `DIR` = `DATA/relay/{tenant}/{stream}`. A name once written never changes: the same bytes
 //! again are a success (idempotent retry), other bytes a `409` that leaves the original alone.
-//! A retry finding the file linked without its meta (the meta write failed, `500`) writes the
-//! meta, fsyncs and queues the file before its `200`, as recovery at start does.
+//! PUTs of one name are serialised by a lock of that name. A same-bytes retry of a file that
+//! is neither uploaded nor queued (its PUT failed after the link: `500`) makes it durable and
+//! queues it before its `200`, as recovery at start does, restoring its bytes from the retry's
+//! body if a crash lost them (`Relay::existing`).
 //! Store keys: `t/{tenant}/relay/{stream}/data/{name}` and `…/meta/{name}` (JSON, below); a
 //! file over [`PART`] bytes is stored as parts `…/data/{name}.p{i}`, each created if absent and
 //! hashed in its meta (format 2), so no transfer ever holds more than one part in memory.

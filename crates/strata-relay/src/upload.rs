@@ -255,7 +255,6 @@ impl Relay {
             if res.is_ok() {
                 self.evict(&t, &s, &f);
             }
-            let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
             match res {
                 Ok(())
                 // Another node holds other bytes under this name: keep ours local, stop
@@ -265,11 +264,13 @@ impl Relay {
                     | RelayError::CorruptLocal(_)
                     | RelayError::CorruptRemote(_),
                 ) => {
-                    pending.remove(&key);
+                    self.pending
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&key);
                 }
                 Err(_) => {
                     failed.insert(t.clone());
-                    drop(pending);
                     self.back_off(&key);
                 }
             }
