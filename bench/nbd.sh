@@ -146,7 +146,8 @@ for rep in $(seq 1 "$reps"); do
     # upload window: its journal and the layers not yet published serve them, not the base).
     # "-published-": one pass over half the disk right after the guest wrote it, past the
     # window (strata's uploads have published most of it into objects by then): whether
-    # reading what was just published comes from the page cache or the disk.
+    # reading what was just published comes from the page cache or the disk. The last window
+    # may still be in the journal; in smoke mode all of it is (the span fits in the window).
     span="$((size_mb / 2))M"; fill=0; timing=(--runtime="$runtime" --time_based)
     case "$name" in
       *-written-*) span=48M; fill=1 ;;
@@ -161,7 +162,7 @@ for rep in $(seq 1 "$reps"); do
       fi
       # The write scenarios land on a fresh overlay/fork: first writes pay copy-on-write.
       run_fio "$srv" --name="$name" --rw="$rw" --bs="$bs" --iodepth="$qd" \
-          --size="$span" "${timing[@]}" --output-format=json "$@" \
+          --size="$span" ${timing[@]+"${timing[@]}"} --output-format=json "$@" \
           > "$work/fio.json" 2>"$work/fio.err" || { echo "fio failed on $srv/$name:" >&2; cat "$work/fio.err" >&2; exit 1; }
       stop_server "$srv"
       [ $first = 1 ] || echo "," >> "$work/results.json"; first=0
