@@ -112,6 +112,9 @@ stop_server() {
   if [ "$1" = strata-s3 ]; then s3cli ws detach "w$n" >/dev/null; s3cli ws delete "w$n" >/dev/null; return; fi
   kill "${pids[-1]}" 2>/dev/null || true; wait "${pids[-1]}" 2>/dev/null || true; unset 'pids[-1]'
   if [ "$1" = strata ]; then rm -rf "$work/strata-run"; fi
+  # Each qemu-nbd run's overlay holds what it wrote (up to the span): a full run's 27 would
+  # fill the disk.
+  if [ "$1" = qemu-nbd ]; then rm -f "$work/ov.$n.qcow2"; fi
 }
 # run_fio SERVER fio-args...: the same job through NBD, or on the raw file for the raw peer.
 run_fio() {
