@@ -18,6 +18,7 @@
 # Installs nothing; needs root for the loop device and the mount (without root the workload part
 # is skipped and said so). Results: ${BENCH_OUT:-docs/bench/coldstart-results.json}.
 set -euo pipefail
+shopt -s inherit_errexit   # a failure inside $(…) stops the run too
 cd "$(dirname "$0")/.."
 
 smoke=${BENCH_SMOKE:-0}
@@ -47,7 +48,14 @@ cleanup() {
 }
 trap cleanup EXIT
 now_ms() { date +%s%3N; }
-metric() { curl -s "$1/metrics" | awk -v m="$2" '$1 == m {print $2}'; }
+# metric URL NAME: one sample of the daemon's /metrics (which wants the admin or scrape token).
+# A missing sample stops the run: read as 0, it made every GET count 0 once /metrics needed a token.
+metric() {
+  local v
+  v=$(curl -sf -H "Authorization: Bearer $STRATA_ADMIN_TOKEN" "$1/metrics" | awk -v m="$2" '$1 == m {print $2}')
+  [ -n "$v" ] || { echo "no sample $2 at $1/metrics" >&2; exit 1; }
+  echo "$v"
+}
 rss_kib() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 
 # The object store: moto, and the latency proxy in front of it.

@@ -126,7 +126,7 @@ if mem:
 sp = res.get("space")
 if sp:
     live = sp[0]["live_bytes"] >> 20
-    print(f"\n### 7. Local disk use of the embedded default ({live} MiB live)\n")
+    print(f"\n### 8. Local disk use of the embedded default ({live} MiB live)\n")
     print("| phase | journal MiB (of which spares) | objects MiB | catalog MiB | (total − spares) ÷ live |")
     print("|---|---|---|---|---|")
     for r in sp:

@@ -16,6 +16,7 @@ mod common;
 
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::*;
 use rand::rngs::SmallRng;
@@ -192,6 +193,8 @@ async fn a_wait_returns_a_published_receipt_and_a_detached_workspace_publishes()
         .await
         .unwrap();
     assert_eq!((p.version, p.state), (2, CheckpointState::Published));
+    // The receipt carries the call's own times (the catalog's row has none: they read 0).
+    assert!(p.stall > Duration::ZERO && p.total >= p.stall, "{p:?}");
     // Local cuts still pending at detach are published by it.
     write_tag(&v, 2, 0, 8).await;
     let l = v.checkpoint_with(None, None, false).await.unwrap();

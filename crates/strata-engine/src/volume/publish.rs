@@ -58,6 +58,7 @@ impl Volume {
         on_cut: Option<tokio::sync::oneshot::Sender<u64>>,
     ) -> Result<Published> {
         self.in_own_task(move |v| async move {
+            let started = std::time::Instant::now();
             let spec = CutSpec {
                 label,
                 keep_until_ms,
@@ -69,7 +70,11 @@ impl Volume {
                 return Ok(local);
             }
             // On failure the cut stays pending and is retried (unless the lease was lost).
-            v.publish_through(local.version).await
+            // The published receipt comes from the catalog's row: this call's own times go on it.
+            let mut p = v.publish_through(local.version).await?;
+            p.stall = local.stall;
+            p.total = started.elapsed();
+            Ok(p)
         })
         .await
     }
