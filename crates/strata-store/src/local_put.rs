@@ -206,10 +206,12 @@ fn write_durably(path: &Path, bytes: &[u8], direct: Option<usize>) -> std::io::R
     let (mut f, staged) = create_staged(path, parent)?;
     let res = (|| {
         let wrote = match direct {
-            Some(pad_to) => match write_direct(&staged, bytes, pad_to) {
+            Some(pad_to) => match write_direct(&f, bytes, pad_to) {
                 Ok(()) => Wrote::Direct,
                 Err(e) if refused(&e) => {
-                    // Whatever the refused writes left is rewritten whole.
+                    // Whatever the refused writes left is rewritten whole, through the page
+                    // cache (the handle may still carry `O_DIRECT`).
+                    set_direct(&f, false)?;
                     f.set_len(0)?;
                     write_buffered(&mut f, bytes)?;
                     Wrote::Refused(e.to_string())
@@ -268,17 +270,16 @@ fn aligned(v: &mut Vec<u8>, len: usize) -> &mut [u8] {
     &mut v[start..start + len]
 }
 
-/// The `O_DIRECT` path: each piece copied into an aligned buffer and written from there; the
-/// last one padded with zeros to the alignment, the file then cut back to `bytes.len()`. The
-/// caller fsyncs (the data is on the device, the file's size and extents are not yet durable).
-fn write_direct(staged: &Path, bytes: &[u8], pad_to: usize) -> std::io::Result<()> {
+/// The `O_DIRECT` path, on the staged file's own handle (never opened again by name): each
+/// piece copied into an aligned buffer and written from there; the last one padded with zeros
+/// to the alignment, the file then cut back to `bytes.len()`. The writes bypass the page cache
+/// but may sit in the device's cache, and the file's size and extents are not durable either:
+/// the caller's fsync makes them so.
+fn write_direct(f: &File, bytes: &[u8], pad_to: usize) -> std::io::Result<()> {
     #[cfg(target_os = "linux")]
     {
-        use std::os::unix::fs::{FileExt, OpenOptionsExt};
-        let f = OpenOptions::new()
-            .write(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(staged)?;
+        use std::os::unix::fs::FileExt;
+        set_direct(f, true)?;
         DIRECT_BUF.with_borrow_mut(|v| {
             let buf = aligned(v, PIECE);
             let mut off = 0u64;
@@ -297,8 +298,43 @@ fn write_direct(staged: &Path, bytes: &[u8], pad_to: usize) -> std::io::Result<(
     }
     #[cfg(not(target_os = "linux"))]
     {
-        let _ = (staged, bytes, pad_to);
+        let _ = (f, bytes, pad_to);
         Err(std::io::Error::from_raw_os_error(libc::EINVAL))
+    }
+}
+
+/// Turns `O_DIRECT` on or off for an open file (`fcntl(F_SETFL)`; a file system without direct
+/// I/O refuses it with `EINVAL`).
+#[allow(unsafe_code)]
+fn set_direct(f: &File, on: bool) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let fd = f.as_raw_fd();
+        // SAFETY: F_GETFL/F_SETFL on a descriptor this `File` owns; no memory is passed.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        if flags < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let want = if on {
+            flags | libc::O_DIRECT
+        } else {
+            flags & !libc::O_DIRECT
+        };
+        // SAFETY: as above.
+        if want != flags && unsafe { libc::fcntl(fd, libc::F_SETFL, want) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = f;
+        if on {
+            Err(std::io::Error::from_raw_os_error(libc::EINVAL))
+        } else {
+            Ok(())
+        }
     }
 }
 
