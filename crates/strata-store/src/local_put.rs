@@ -17,7 +17,8 @@
 //! each piece is copied into one reused aligned buffer (a plain `memcpy`) and written from there
 //! to the device, with no page cache pages to allocate, account, write back or reclaim. The last
 //! piece is padded to the alignment and the file cut back to its length before the `fsync`. A
-//! file system that refuses `O_DIRECT` (`EINVAL` at open or at a write) gets the buffered path
+//! file system that refuses `O_DIRECT` (`EINVAL` when it is set on the staged file's handle, or at
+//! a write) gets the buffered path
 //! above, the whole object rewritten, and the process does not try `O_DIRECT` again.
 //! `STRATA_DIRECT_PUTS=0` chooses the buffered path outright. The trade-off: a block read soon
 //! after its object was published comes from the disk, not from the page cache (objects are
@@ -235,8 +236,8 @@ fn write_durably(path: &Path, bytes: &[u8], direct: Option<usize>) -> std::io::R
     res
 }
 
-/// Whether an error is a file system's refusal of `O_DIRECT` (at open, or a write it cannot
-/// align), not a failure of the disk.
+/// Whether an error is a file system's refusal of `O_DIRECT` (when it is set, or a write it
+/// cannot align), not a failure of the disk.
 fn refused(e: &std::io::Error) -> bool {
     matches!(
         e.raw_os_error(),
@@ -464,16 +465,14 @@ mod tests {
     /// How `dir`'s file system treats `O_DIRECT`: whether it takes an aligned page, and whether
     /// it refuses a length no block size divides (what the fallback test needs of it).
     fn direct_behaviour(dir: &Path) -> (bool, bool) {
-        use std::os::unix::fs::{FileExt, OpenOptionsExt};
+        use std::os::unix::fs::FileExt;
         let probe = dir.join("probe");
-        let Ok(f) = OpenOptions::new()
-            .create(true)
-            .write(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(&probe)
-        else {
+        let f = File::create(&probe).unwrap();
+        if set_direct(&f, true).is_err() {
+            drop(f);
+            std::fs::remove_file(&probe).unwrap();
             return (false, false);
-        };
+        }
         let mut v = vec![];
         let buf = aligned(&mut v, DIRECT_ALIGN);
         let takes = f.write_all_at(buf, 0).is_ok();
