@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use strata_daemon::{
+use strata_api::{
     BuildTemplate, CheckpointRequest, CreateStream, CreateTenant, CreateWorkspace, ForkRequest,
     GcRequest, RollbackRequest,
 };

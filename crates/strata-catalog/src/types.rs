@@ -1,51 +1,8 @@
-use std::fmt;
-use std::str::FromStr;
-
 use serde::{Deserialize, Serialize};
 use strata_format::Hash;
 
-/// A workspace's durability mode (see docs/DURABILITY.md).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default, utoipa::ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    /// FLUSH returns at once; nothing is promised.
-    Ephemeral,
-    /// FLUSH returns when the local journal is fsync'd; uploads run in the background.
-    #[default]
-    Durable,
-    /// FLUSH returns when the data is committed in the object store.
-    Sync,
-}
-
-impl Mode {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Mode::Ephemeral => "ephemeral",
-            Mode::Durable => "durable",
-            Mode::Sync => "sync",
-        }
-    }
-}
-
-impl fmt::Display for Mode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for Mode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "ephemeral" => Ok(Mode::Ephemeral),
-            "durable" => Ok(Mode::Durable),
-            "sync" => Ok(Mode::Sync),
-            _ => Err(format!(
-                "unknown mode {s:?}: use ephemeral, durable or sync"
-            )),
-        }
-    }
-}
+/// A workspace's durability mode: the API's own type (`strata-api`), stored as its name.
+pub use strata_api::Mode;
 
 /// Why a head version exists.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]

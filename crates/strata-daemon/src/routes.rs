@@ -252,7 +252,7 @@ pub(crate) async fn create_tenant(
                 ..Default::default()
             })
             .await?;
-        Ok(TenantToken::issued(info, token))
+        Ok(crate::api::issued(info, token))
     })
     .await?;
     Ok((StatusCode::CREATED, Json(issued)))

@@ -313,7 +313,7 @@ async fn issue(
             label: b.label,
         })
         .await?;
-    Ok(TenantToken::issued(info, token))
+    Ok(crate::api::issued(info, token))
 }
 
 fn check_token_id(id: &str) -> Result<(), ApiError> {

@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use strata_nbd::client::Client;
 
 mod common;
-use common::{block, Found, Ledger};
+use common::{block, lossyfs_bin, Found, Ledger};
 
 const BLOCKS: u64 = 4096; // 16 MiB disk
 const CONNS: u64 = 4;
@@ -187,7 +187,7 @@ fn a_second_signal_stops_a_final_publish_that_hangs() {
     let (backing, mnt) = (d.path().join("backing"), d.path().join("mnt"));
     std::fs::rename(data.join("objects"), &backing).unwrap();
     std::fs::create_dir_all(&mnt).unwrap();
-    let fuse = Command::new(env!("CARGO_BIN_EXE_strata-lossyfs"))
+    let fuse = Command::new(lossyfs_bin())
         .arg(&backing)
         .arg(&mnt)
         .stdin(Stdio::null())

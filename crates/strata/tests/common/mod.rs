@@ -5,7 +5,7 @@
 pub mod faultproxy;
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
 use reqwest::StatusCode;
@@ -238,6 +238,27 @@ pub fn have(tool: &str) -> bool {
         .arg(format!("command -v {tool}"))
         .output()
         .is_ok_and(|o| o.status.success())
+}
+
+/// The `strata-lossyfs` test tool (its own package, so `cargo install` of the CLI installs
+/// `strata` alone): the binary beside this test's target directory, which `cargo test
+/// --workspace` builds (the package has integration tests of its own, so cargo builds its
+/// binary). Missing, the test fails, saying how to build it.
+pub fn lossyfs_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test's own path");
+    // target/<profile>/deps/<test> -> target/<profile>/strata-lossyfs
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("strata-lossyfs"))
+        .expect("a test binary lives in <target>/<profile>/deps");
+    assert!(
+        bin.is_file(),
+        "{} is not built: run `cargo build -p strata-lossyfs` (or `cargo test --workspace`, \
+         which builds it) before this test",
+        bin.display()
+    );
+    bin
 }
 
 pub fn is_root() -> bool {
