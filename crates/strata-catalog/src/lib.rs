@@ -2,16 +2,13 @@
 //!
 //! Tenants, templates, workspaces and their heads, checkpoints (the receipts of published
 //! heads), leases with epochs, and which objects every manifest references (for GC). Every
-//! backend implements [`Catalog`] and passes the same [`conformance`] suite.
+//! backend implements [`Catalog`] and passes the same conformance suite (`tests/conformance/`).
 //!
 //! The one invariant everything else leans on: a head moves only through
 //! [`Catalog::advance_head`], a compare-and-set on the expected version *and* the caller's
 //! lease epoch, in one transaction with the checkpoint row that records it. A writer whose lease
 //! was taken over (a higher epoch exists) can never move the head.
 
-/// Test-only (feature `conformance`): the suite every catalog backend passes.
-#[cfg(any(test, feature = "conformance"))]
-pub mod conformance;
 mod postgres;
 mod sqlite;
 mod types;

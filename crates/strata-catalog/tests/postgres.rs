@@ -5,9 +5,11 @@
 //! Needs `STRATA_TEST_PG` (an admin URL such as `postgres://postgres@127.0.0.1:5432/postgres`);
 //! `.ci/run` starts a throwaway server. With `STRATA_REQUIRE_PG=1` a missing server fails.
 
+mod conformance;
+
 use std::sync::Arc;
 
-use strata_catalog::{conformance, create_database, Catalog, PostgresCatalog};
+use strata_catalog::{create_database, Catalog, PostgresCatalog};
 
 fn admin_url() -> Option<String> {
     match std::env::var("STRATA_TEST_PG") {

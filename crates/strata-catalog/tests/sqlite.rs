@@ -1,6 +1,10 @@
+//! The SQLite catalog passes the conformance suite every backend passes.
+
+mod conformance;
+
 use std::sync::Arc;
 
-use strata_catalog::{conformance, ManualClock, SqliteCatalog};
+use strata_catalog::{ManualClock, SqliteCatalog};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_passes_the_conformance_suite() {

@@ -7,18 +7,17 @@
 //! and moves the head by compare-and-set. See docs/ARCHITECTURE.md for the map.
 
 mod block;
+mod blocking;
 mod config;
 mod engine;
 mod error;
-pub mod fs;
+/// The injectable file layer (`strata-fs`).
+pub use strata_fs as fs;
 pub mod gc;
 mod journal;
 mod local;
 mod overlay;
 mod pack;
-/// Test-only (feature `simfs`, on for this crate's own tests): not in product builds.
-#[cfg(any(test, feature = "simfs"))]
-pub mod simfs;
 mod space;
 pub mod template;
 mod volume;

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use common::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use strata_engine::simfs::SimFs;
 use strata_engine::{Mode, Source};
+use strata_simfs::SimFs;
 
 const BLOCKS: u64 = 64;
 const DISK: u64 = BLOCKS * 4096;

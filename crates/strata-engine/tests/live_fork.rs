@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use strata_catalog::CheckpointKind;
-use strata_engine::simfs::SimFs;
 use strata_engine::{Engine, Error, Mode};
+use strata_simfs::SimFs;
 
 const BLOCKS: u64 = 256;
 const DISK: u64 = BLOCKS * 4096;

@@ -22,8 +22,8 @@ use common::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use strata_catalog::CheckpointKind;
-use strata_engine::simfs::SimFs;
 use strata_engine::{CheckpointState, Engine, Mode};
+use strata_simfs::SimFs;
 
 const BLOCKS: u64 = 64;
 const DISK: u64 = BLOCKS * 4096;

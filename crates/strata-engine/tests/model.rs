@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use common::*;
 use proptest::prelude::*;
-use strata_engine::simfs::SimFs;
 use strata_engine::{Engine, Mode, Source};
+use strata_simfs::SimFs;
 
 const DISK: u64 = 256 * 4096;
 

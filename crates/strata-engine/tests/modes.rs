@@ -9,8 +9,8 @@ use common::*;
 use std::sync::atomic::Ordering::SeqCst;
 use strata_catalog::CatalogError;
 use strata_engine::fs::RealFs;
-use strata_engine::simfs::SimFs;
 use strata_engine::{Engine, Error, Mode, Source};
+use strata_simfs::SimFs;
 
 const DISK: u64 = 1 << 20;
 

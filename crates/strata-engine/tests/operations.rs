@@ -15,8 +15,8 @@ use common::*;
 use object_store::memory::InMemory;
 use object_store::throttle::{ThrottleConfig, ThrottledStore};
 use object_store::ObjectStore;
-use strata_engine::simfs::SimFs;
 use strata_engine::{Engine, Error, Mode};
+use strata_simfs::SimFs;
 use strata_store::Store;
 
 const DISK: u64 = 64 << 20;

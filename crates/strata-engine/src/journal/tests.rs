@@ -86,7 +86,7 @@ fn sync(fs: &dyn Fs, batch: SyncBatch) {
 /// flushed segments. So retirement leaves it for the next flush to sync.
 #[test]
 fn a_retired_segment_is_synced_by_the_next_flush() {
-    let fs = crate::simfs::SimFs::new();
+    let fs = strata_simfs::SimFs::new();
     let dir = Path::new("/vol/journal");
     let (mut j, _) = Journal::open(Arc::new(fs.clone()), dir, 0, MAX, |_, _| {}).unwrap();
     sync(&fs, j.take_dirty());
@@ -111,7 +111,7 @@ fn a_retired_segment_is_synced_by_the_next_flush() {
 
 #[test]
 fn a_segment_shared_with_a_fork_is_never_recycled() {
-    let fs = crate::simfs::SimFs::new();
+    let fs = strata_simfs::SimFs::new();
     let dir = Path::new("/vol/journal");
     let fork = Path::new("/fork/journal");
     fs.create_dir_all(fork).unwrap();

@@ -153,7 +153,7 @@ impl Volume {
         let fs = self.fs.clone();
         // The same path as a flush's fsync (see `blocking_here`): a panic in it comes back as
         // an error, which fails the volume below.
-        let (batch, files, dir) = crate::fs::blocking_here(move || {
+        let (batch, files, dir) = crate::blocking::blocking_here(move || {
             let files = batch.files.iter().try_for_each(|(_, f)| f.sync_data());
             let dir = match (&files, &batch.dir) {
                 (Ok(()), Some(d)) => fs.sync_dir(d),

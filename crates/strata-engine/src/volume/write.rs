@@ -310,7 +310,7 @@ impl Volume {
         let batch = self.journal_whole().await?.take_dirty();
         let fs = self.fs.clone();
         let n = batch.files.len() as u64;
-        let res = crate::fs::blocking_here(move || -> std::io::Result<()> {
+        let res = crate::blocking::blocking_here(move || -> std::io::Result<()> {
             for (_, f) in &batch.files {
                 f.sync_data()?;
             }

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::fs::{Fs, FsFile};
+use strata_fs::{Fs, FsFile};
 
 #[derive(Default)]
 struct Inode {
