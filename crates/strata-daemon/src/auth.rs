@@ -29,6 +29,9 @@ pub struct Caller {
     /// Held while the request runs: a deletion of the tenant waits for it (see
     /// [`Daemon::tenant_gate`]).
     _gate: tokio::sync::OwnedRwLockReadGuard<u32>,
+    /// One of the tenant's requests in the daemon (`shares.rs`): a tenant flooding the node
+    /// with requests is refused past its share, others are not.
+    _share: crate::shares::Share,
 }
 
 impl Caller {
@@ -38,6 +41,7 @@ impl Caller {
         tenant: &str,
         expires_ms: Option<u64>,
     ) -> Result<Caller, ApiError> {
+        let share = d.shares.take(tenant, crate::shares::Kind::Requests, 1)?;
         let gate = d.tenant_gate(tenant).read_owned().await;
         if *gate > 0 {
             return Err(ApiError::new(
@@ -49,6 +53,7 @@ impl Caller {
         Ok(Caller {
             expires_ms,
             _gate: gate,
+            _share: share,
         })
     }
 }

@@ -325,6 +325,10 @@ impl Daemon {
             exports,
             ServerConfig {
                 metrics: Some(self.nbd_metrics.clone()),
+                // One tenant's exports between them hold at most its share of bytes in
+                // flight, each at most its share of connections (`shares.rs`).
+                shared_budget: Some(self.shares.nbd_budget(t)),
+                max_connections: Some(self.shares.limits().nbd_connections as usize),
                 ..ServerConfig::default()
             },
         );
@@ -362,12 +366,15 @@ impl Daemon {
         // The run directory was checked for NBD socket names at start; these are 6 bytes longer.
         fits(&self.run_dir, socket.as_os_str().len()).map_err(io)?;
         // Ephemeral promises nothing at FLUSH: offer none; durable and sync honour every FLUSH.
-        let features = strata_vhost::Features::new(
-            req.read_only,
-            mode != strata_catalog::Mode::Ephemeral,
-            req.queues,
-            format!("strata-{}", &name_hash(t, ws)[..13]),
-        );
+        let features = strata_vhost::Features {
+            unsealed_memory: self.vhost_unsealed_memory,
+            ..strata_vhost::Features::new(
+                req.read_only,
+                mode != strata_catalog::Mode::Ephemeral,
+                req.queues,
+                format!("strata-{}", &name_hash(t, ws)[..13]),
+            )
+        };
         // The record first: without it a restart would serve NBD where the VMM expects
         // vhost-user.
         self.write_vhost_record(t, ws, req).map_err(io)?;

@@ -24,6 +24,7 @@ pub mod openapi;
 pub use strata_relay as relay;
 mod relay_api;
 mod routes;
+mod shares;
 mod template_api;
 mod tenants;
 pub mod tls;
@@ -33,6 +34,7 @@ mod workspace_api;
 pub use api::*;
 pub use auth::LocalCaller;
 pub use error::classify;
+pub use shares::ShareLimits;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -76,7 +78,18 @@ pub struct DaemonConfig {
     /// How long a request that does not move data (see `observe::unbounded`) may take before
     /// the client gets a retryable 503 (default 30 s; `None` in a config: the default).
     pub request_timeout: Option<std::time::Duration>,
+    /// How long a request body may send nothing before the request fails (default 30 s;
+    /// `None` in a config: the default).
+    pub body_idle_timeout: Option<std::time::Duration>,
+    /// What one tenant may hold of this node's shared resources (`shares.rs`).
+    pub shares: ShareLimits,
+    /// vhost-user: accept guest memory not sealed against shrinking (a VMM the operator
+    /// trusts; see `strata_vhost::Features::unsealed_memory`).
+    pub vhost_unsealed_memory: bool,
 }
+
+/// Default of [`DaemonConfig::body_idle_timeout`].
+pub const BODY_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Default of [`DaemonConfig::request_timeout`].
 pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -123,6 +136,12 @@ pub struct Daemon {
     pub(crate) gc: GcState,
     /// See [`DaemonConfig::request_timeout`] (`None`: no limit, in process).
     pub(crate) request_timeout: Option<std::time::Duration>,
+    /// See [`DaemonConfig::body_idle_timeout`] (`None`: no limit, in process).
+    pub(crate) body_idle_timeout: Option<std::time::Duration>,
+    /// Each tenant's part of this node's shared resources.
+    pub(crate) shares: Arc<shares::Shares>,
+    /// See [`DaemonConfig::vhost_unsealed_memory`].
+    pub(crate) vhost_unsealed_memory: bool,
 }
 
 /// Garbage collection: schedule and counters (exported on `/metrics`).
@@ -221,6 +240,10 @@ impl Daemon {
             // One CLI process waits for its own requests as long as they take.
             request_timeout: (!cfg.in_process)
                 .then(|| cfg.request_timeout.unwrap_or(REQUEST_TIMEOUT)),
+            body_idle_timeout: (!cfg.in_process)
+                .then(|| cfg.body_idle_timeout.unwrap_or(BODY_IDLE_TIMEOUT)),
+            shares: shares::Shares::new(cfg.shares),
+            vhost_unsealed_memory: cfg.vhost_unsealed_memory,
         }))
     }
 
@@ -264,7 +287,34 @@ impl Daemon {
                 tracing::warn!(error = %e, "gc pass failed; nothing more was deleted");
             }
         }
+        if !dry_run && r.is_ok() {
+            self.sweep_relay_incarnations().await;
+        }
         r
+    }
+
+    /// Deletes relay keys of tenants' earlier incarnations (`Relay::sweep_other_incarnations`):
+    /// one listing per tenant. Failures are logged; the next pass tries again.
+    async fn sweep_relay_incarnations(&self) {
+        let cat = self.engine.catalog();
+        let Ok(tenants) = cat.list_tenants().await else {
+            return;
+        };
+        for t in tenants {
+            let Ok(info) = cat.get_tenant(&t).await else {
+                continue;
+            };
+            if info.deleting_ms.is_some() {
+                continue;
+            }
+            if let Err(e) = self
+                .relay
+                .sweep_other_incarnations(&t, info.created_ms)
+                .await
+            {
+                tracing::warn!(tenant = %t, error = %e, "sweeping relay keys of an earlier tenant failed");
+            }
+        }
     }
 
     /// Sets the size limit of one relayed file.

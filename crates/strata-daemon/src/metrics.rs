@@ -380,6 +380,13 @@ impl Collector for Scrape {
         ] {
             single(e, name, help, unit, counter(v))?;
         }
+        single(
+            e,
+            "strata_frame_tables",
+            "Memory held by frame tables of objects (bounded; the least recently used go first)",
+            Some(Unit::Bytes),
+            gauge(r.table_bytes),
+        )?;
 
         // Attached volumes.
         let stats: Vec<(Labels, strata_engine::VolumeStats)> = d

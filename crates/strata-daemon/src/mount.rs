@@ -28,6 +28,8 @@ pub(crate) mod kernel;
 mod loopdev;
 mod netlink;
 mod recover;
+
+use crate::shares::Kind;
 pub(crate) mod resize;
 
 use loopdev::{loop_backing, loop_detach, loop_detach_within};
@@ -115,6 +117,8 @@ pub(crate) struct Mounted {
     vol: Arc<Volume>,
     /// This mount's bind is on top of the target (only then is the top layer ours to remove).
     bound: bool,
+    /// The mount in its tenant's share of the node's mounts (`shares.rs`).
+    _share: Option<crate::shares::Share>,
 }
 
 const FSTYPE: &str = "ext4";
@@ -140,6 +144,27 @@ async fn run(cmd: &str, args: &[&str]) -> Result<String, ApiError> {
     if !out.status.success() {
         return Err(ApiError::internal(format!(
             "{cmd} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// [`run`] for a tool that writes or parses a tenant's filesystem: confined
+/// (`strata_engine::confine`), with no capabilities, killed past its limits.
+async fn run_confined(cmd: &str, args: &[&str]) -> Result<String, ApiError> {
+    let mut c = tokio::process::Command::new(cmd);
+    c.args(args).kill_on_drop(true);
+    let limits = strata_engine::confine::Limits::default();
+    strata_engine::confine::confine(c.as_std_mut(), Default::default(), limits);
+    let out = tokio::time::timeout(limits.wall, c.output())
+        .await
+        .map_err(|_| ApiError::internal(format!("{cmd}: killed after {:?}", limits.wall)))?
+        .map_err(|e| ApiError::internal(format!("{cmd}: {e} (is it installed?)")))?;
+    if !out.status.success() {
+        return Err(ApiError::internal(format!(
+            "{cmd} {} failed: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
         )));
@@ -387,15 +412,19 @@ impl Daemon {
         again: bool,
     ) -> Result<MountInfo, ApiError> {
         let (t, ws) = (info.tenant.clone(), info.workspace.clone());
-        let _quota = match again {
+        let (_quota, share) = match again {
             // A remount after a restart brings back what was already counted.
-            true => None,
-            false => self.attach_quota(&t, &ws).await?,
+            true => (None, self.shares.take_over(&t, Kind::Mounts, 1)),
+            false => {
+                let share = self.shares.take(&t, Kind::Mounts, 1)?;
+                (self.attach_quota(&t, &ws).await?, share)
+            }
         };
         let was_attached = self.engine.volume(&t, &ws).is_some();
         let vol = self.engine.attach(&t, &ws).await?;
         match self.bring_up(info, vol, mkfs, again).await {
-            Ok(m) => {
+            Ok(mut m) => {
+                m._share = Some(share);
                 let out = m.info.clone();
                 if let Some(m) = self.insert_unless_stopping((t, ws), m) {
                     // The stop took its list before this mount finished: treat it as stop does.
@@ -502,6 +531,7 @@ impl Daemon {
             kernel,
             vol,
             bound: false,
+            _share: None,
         };
         let up = async {
             let dev = match (&file, nbd_dev) {
@@ -521,7 +551,7 @@ impl Daemon {
             m.info.device = Some(dev.clone());
             write_record(&record, &info).map_err(io_err("mount record"))?;
             if blank && mkfs {
-                run("mkfs.ext4", &["-q", "-F", &dev]).await?;
+                run_confined("mkfs.ext4", &["-q", "-F", &dev]).await?;
             }
             // A disk grown while it was not mounted: its filesystem follows it, offline here
             // only where the kernel would refuse online growth (not at a restart's remount,
@@ -592,17 +622,24 @@ impl Daemon {
         let target = m.info.target.clone().filter(|_| m.bound);
         m.bound = false;
         let dir = PathBuf::from(&m.info.dir);
+        let (root, tenant) = (self.mount_root.clone(), m.info.tenant.clone());
         let _ = blocking(move || {
             // Everything the filesystem holds reaches the volume first, even if a copy of the
             // mount elsewhere (another mount namespace) keeps the filesystem alive.
             host::sync_fs(&dir);
-            if let Some(t) = target {
-                let t = PathBuf::from(t);
-                if is_mount_point(&t) && unmount_now(&t).is_err() {
-                    let _ = rustix::mount::unmount(
-                        &t,
-                        rustix::mount::UnmountFlags::NOFOLLOW | rustix::mount::UnmountFlags::DETACH,
-                    );
+            // The bind, through the checked target (never its path string).
+            if let (Some(t), Some(root)) = (target, root) {
+                match host::CheckedTarget::open(&root, &tenant, &t) {
+                    Ok(ct) => {
+                        if ct.unmount_top(false).is_err() {
+                            let _ = ct.unmount_top(true);
+                        }
+                    }
+                    Err(_) => tracing::error!(
+                        tenant,
+                        target = t,
+                        "a mount target no longer resolves safely (a symlink or a mount on its path): its bind is left"
+                    ),
                 }
             }
             fuse::unmount_retrying(&dir);
@@ -657,12 +694,15 @@ impl Daemon {
                 let rebind = |tg: &str| {
                     let Some(root) = &root else { return };
                     let _one = host::BIND_LOCK.lock().unwrap_or_else(|p| p.into_inner());
-                    let over = host::top_is_placeholder(Path::new(tg));
+                    let Ok(ct) = host::CheckedTarget::open(root, &tenant, tg) else {
+                        return;
+                    };
+                    let over = ct.top_is_placeholder();
                     let rebound = host::open_target(root, &tenant, tg, over)
                         .ok()
                         .is_some_and(|fd| host::bind_onto(Path::new(&dir), &fd).is_ok());
                     if !rebound {
-                        host::cover(Path::new(tg));
+                        ct.cover();
                     }
                 };
                 let busy = |p: &str| {
@@ -670,8 +710,20 @@ impl Daemon {
                         conflict(format!("cannot unmount {p}: {e} (is something using it?)"))
                     })
                 };
+                // The bind at the target, through the checked target: a target that no longer
+                // resolves safely (its sandbox put a symlink or a mount on its path) is
+                // refused, and nothing of anyone else's is unmounted in its place.
                 if let Some(tg) = &target {
-                    busy(tg)?;
+                    let refused = || {
+                        conflict(format!(
+                            "the mount target {tg} no longer resolves beneath the tenant's mount root without a symlink or a mount on its path: restore it, then umount"
+                        ))
+                    };
+                    let root = root.as_ref().ok_or_else(refused)?;
+                    let ct = host::CheckedTarget::open(root, &tenant, tg).map_err(|_| refused())?;
+                    ct.unmount_top(false).map_err(|e| {
+                        conflict(format!("cannot unmount {tg}: {e} (is something using it?)"))
+                    })?;
                 }
                 if let Err(e) = busy(&dir) {
                     if let Some(tg) = &target {
@@ -707,9 +759,10 @@ impl Daemon {
             }
             m.bound = false; // its bind is gone already
             d.tear_down(&mut m).await;
+            let t2 = t.clone();
             // Layers left under the bind by an earlier crash (a placeholder, a dead mount).
-            if let Some(tg) = m.info.target.clone() {
-                let _ = blocking(move || host::unmount_all(Path::new(&tg))).await;
+            if let (Some(tg), Some(root)) = (m.info.target.clone(), d.mount_root.clone()) {
+                let _ = blocking(move || host::unmount_all(&root, &t2, &tg)).await;
             }
             let home = d.mount_home(&t, &ws);
             let _ = std::fs::remove_file(home.join("mount.json"));

@@ -213,3 +213,46 @@ mod tests {
         assert!(!ok(&"x".repeat(65)));
     }
 }
+
+/// The error a request body yields when its client sent nothing for the daemon's body idle
+/// timeout; a handler reading the body reports it (the upload is dropped, its spool removed).
+#[derive(Debug)]
+pub(crate) struct BodyIdle(pub std::time::Duration);
+
+impl std::fmt::Display for BodyIdle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the client sent nothing for {} s (the daemon's body idle timeout)",
+            self.0.as_secs()
+        )
+    }
+}
+
+impl std::error::Error for BodyIdle {}
+
+/// Bounds the wait for each piece of a request body: a client that opens an upload and then
+/// sends nothing (or stops halfway) has its request fail after the idle timeout instead of
+/// holding what the request took (a share, a spool file, its tenant's gate, which a deletion
+/// of the tenant waits for) for ever. Routes that move data are not held to the request
+/// timeout ([`unbounded`]); this holds them to keep moving.
+pub(crate) async fn idle_body(State(d): State<Arc<Daemon>>, req: Request, next: Next) -> Response {
+    let Some(idle) = d.body_idle_timeout else {
+        return next.run(req).await;
+    };
+    let (parts, body) = req.into_parts();
+    let stream = futures::stream::unfold(Some(body.into_data_stream()), move |s| async move {
+        let mut s = s?;
+        match tokio::time::timeout(idle, futures::StreamExt::next(&mut s)).await {
+            Ok(Some(Ok(chunk))) => Some((Ok(chunk), Some(s))),
+            Ok(Some(Err(e))) => Some((Err(axum::BoxError::from(e)), None)),
+            Ok(None) => None,
+            Err(_) => Some((Err(axum::BoxError::from(BodyIdle(idle))), None)),
+        }
+    });
+    next.run(Request::from_parts(
+        parts,
+        axum::body::Body::from_stream(stream),
+    ))
+    .await
+}

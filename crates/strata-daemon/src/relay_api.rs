@@ -10,6 +10,7 @@ use axum::http::request::Parts;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::Json;
+use futures::StreamExt;
 use strata_catalog::RelayStream;
 
 use crate::api::*;
@@ -252,8 +253,34 @@ pub(crate) async fn put_relay_file(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok());
     d.refresh_placement(&t).await?;
-    d.relay_quota(&t, declared.unwrap_or(0)).await?;
+    // The quota's room now; the body is held to it as it arrives (a chunked body says no
+    // length), and to the node's free-space floor.
+    let room = d.relay_quota(&t, declared.unwrap_or(0)).await?;
     d.live_quota(&t, "a relay file").await?;
+    // Bytes being received count against the quota as they arrive, reserved before they are
+    // checked: two PUTs racing each see the other's, so together they never pass it.
+    let receiving = std::sync::Mutex::new(room.map(|_| {
+        d.shares
+            .take_over(&t, crate::shares::Kind::RelayReceiving, 0)
+    }));
+    let admit = |n: u64| {
+        if let Some((max, _)) = room {
+            let mut r = receiving.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(share) = r.as_mut() {
+                share.add(n);
+            }
+            let waiting = d.relay_waiting(&t);
+            let received = d.shares.used(&t, crate::shares::Kind::RelayReceiving);
+            if waiting.saturating_add(received) > max {
+                return Err(crate::relay::RelayError::Quota(format!(
+                    "quota exceeded: tenant {t:?} may have {max} relay bytes waiting for upload on a node; {waiting} are waiting and {received} are being received here; nothing was stored"
+                )));
+            }
+        }
+        d.engine
+            .admit_local(n)
+            .map_err(|e| crate::relay::RelayError::NoSpace(e.to_string()))
+    };
     let (f, created) = d
         .relay
         .put(
@@ -261,8 +288,11 @@ pub(crate) async fn put_relay_file(
             &stream,
             st.sync,
             &name,
-            declared,
-            body.into_data_stream(),
+            crate::relay::Incoming {
+                declared_len: declared,
+                body: body.into_data_stream(),
+                admit: &admit,
+            },
         )
         .await?;
     let status = if created {
@@ -291,8 +321,24 @@ pub(crate) async fn get_relay_file(
     check_stream_name(&stream)?;
     strata_format::name::validate_file_name(&name).map_err(|e| ApiError::invalid(e.to_string()))?;
     stream_files(&d, t, &stream).await?;
-    let (f, file) = d.relay.get(t, &stream, &name).await?;
-    let body = axum::body::Body::from_stream(crate::relay::file_stream(file));
+    // A file fetched from the store is spooled on this node's disk for as long as the client
+    // takes to read it: the tenant's share of spool bytes and the node's floor admit it first,
+    // and the share is held until the response body is dropped.
+    let spool = |n: u64| {
+        let share = d
+            .shares
+            .take(t, crate::shares::Kind::RelaySpoolBytes, n)
+            .map_err(|e| crate::relay::RelayError::Busy(e.message))?;
+        d.engine
+            .admit_local(n)
+            .map_err(|e| crate::relay::RelayError::NoSpace(e.to_string()))?;
+        Ok(share)
+    };
+    let (f, file, share) = d.relay.get(t, &stream, &name, spool).await?;
+    let body = axum::body::Body::from_stream(crate::relay::file_stream(file).map(move |c| {
+        let _held = &share;
+        c
+    }));
     Ok((
         [
             (header::CONTENT_TYPE, "application/octet-stream".to_string()),
@@ -322,6 +368,9 @@ impl From<crate::relay::RelayError> for ApiError {
             E::CorruptLocal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "corrupt"),
             E::CorruptRemote(_) => (StatusCode::BAD_GATEWAY, "corrupt"),
             E::Closed => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+            E::NoSpace(_) => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
+            E::Quota(_) => (StatusCode::FORBIDDEN, "quota"),
+            E::Busy(_) => (StatusCode::TOO_MANY_REQUESTS, "busy"),
         };
         let mut a = ApiError::new(status, kind, e.to_string());
         a.retryable = e.is_retryable();

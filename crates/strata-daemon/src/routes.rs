@@ -123,6 +123,10 @@ fn layered(r: Router<Arc<Daemon>>, d: Arc<Daemon>, missing: &'static str) -> Rou
         observe::time_route,
     ))
     .fallback(move || async move { ApiError::not_found(missing) })
+    .layer(axum::middleware::from_fn_with_state(
+        d.clone(),
+        observe::idle_body,
+    ))
     .layer(DefaultBodyLimit::max(64 * 1024))
     // Outermost last: a client's over-long request id is dropped, one is made, the
     // request runs in its span, and the id goes back on the response.

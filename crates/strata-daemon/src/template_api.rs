@@ -31,6 +31,7 @@ use crate::auth::{body, Tenant};
 use crate::error::ApiError;
 use crate::exports::own_task;
 use crate::routes::D;
+use crate::shares::Kind;
 use crate::Daemon;
 
 /// Largest disk a tenant's template may describe (ext4 size, an image's virtual size).
@@ -108,17 +109,22 @@ pub(crate) async fn upload_template(
         ));
     }
     check_new(&d, &t, &name).await?;
-    let permit = build_slot(&d).await?;
+    // The tenant's share of uploads first, then the body, and only then one of the node's
+    // build slots: a client that sends nothing holds its own tenant's share until the body
+    // idle timeout, never a slot another tenant's build waits for.
+    let share = d.shares.take(&t, Kind::TemplateUploads, 1)?;
     let tmp = TempDir(strata_engine::tempdir_in(&d.engine.config().data_dir)?);
     let file = tmp.0.join("upload");
     spool(&d, content, &file, d.template_max_bytes).await?;
+    let permit = build_slot(&d).await?;
     let (size, limits) = (q.size, limits(&d));
     let format = q.format.clone();
     let tpl = own_task(async move {
         let _tmp = tmp; // removed once the build is done, whatever happens to the request
         let _permit = permit;
-        // The tenant's gate goes with the build: a deletion waits for it even if the client
-        // left or the request timed out.
+        let _share = share; // the converted image is the upload's too
+                            // The tenant's gate goes with the build: a deletion waits for it even if the client
+                            // left or the request timed out.
         let _caller = caller;
         let e = &d.engine;
         let r = match format.as_str() {
@@ -147,6 +153,29 @@ async fn build_slot(d: &Daemon) -> Result<tokio::sync::OwnedSemaphorePermit, Api
         .map_err(|_| ApiError::internal("template builds are closed"))
 }
 
+/// A request body that failed: the client stopped sending (408) or sent something broken.
+pub(crate) fn body_error(e: axum::Error) -> ApiError {
+    use std::error::Error;
+    let mut cause: Option<&(dyn Error + 'static)> = e.source();
+    let mut idle = false;
+    while let Some(c) = cause {
+        if c.is::<crate::observe::BodyIdle>() {
+            idle = true;
+            break;
+        }
+        cause = c.source();
+    }
+    if idle {
+        ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid",
+            format!("reading the upload: {e}"),
+        )
+    } else {
+        ApiError::invalid(format!("reading the upload: {e}"))
+    }
+}
+
 /// Streams a request body into `file`, refusing it past `max` bytes, and refusing bytes the
 /// node's free-space floor keeps for its own metadata.
 async fn spool(d: &Daemon, content: Body, file: &FsPath, max: u64) -> Result<(), ApiError> {
@@ -155,7 +184,7 @@ async fn spool(d: &Daemon, content: Body, file: &FsPath, max: u64) -> Result<(),
     let mut stream = content.into_data_stream();
     let mut n = 0u64;
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| ApiError::invalid(format!("reading the upload: {e}")))?;
+        let chunk = chunk.map_err(body_error)?;
         n += chunk.len() as u64;
         d.engine.admit_local(chunk.len() as u64)?;
         if n > max {

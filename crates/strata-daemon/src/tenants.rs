@@ -251,9 +251,8 @@ impl Daemon {
             Err(strata_catalog::CatalogError::NotFound { .. }) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        let Some(max) = q.attached_per_node else {
-            return Ok(None);
-        };
+        // Without a quota of its own, the node's default share.
+        let max = q.attached_per_node.unwrap_or(self.shares.limits().attached);
         // Workspace names are never empty: this key is the tenant's own.
         let guard = self
             .op_lock(&(t.to_string(), String::new()))
@@ -323,9 +322,24 @@ impl Daemon {
         Ok(())
     }
 
-    /// Refuses a relay file of `incoming` bytes that would take the tenant's relay bytes
-    /// waiting on this node past its `relay_bytes` quota.
-    pub(crate) async fn relay_quota(&self, t: &str, incoming: u64) -> Result<(), ApiError> {
+    /// The tenant's relay bytes waiting for upload on this node.
+    pub(crate) fn relay_waiting(&self, t: &str) -> u64 {
+        self.relay
+            .lag()
+            .iter()
+            .filter(|((tenant, _), _)| tenant == t)
+            .map(|(_, l)| l.pending_bytes)
+            .sum()
+    }
+
+    /// Refuses a relay file of `incoming` declared bytes past the tenant's `relay_bytes` quota
+    /// on this node; else the quota and the room left under it (`None`: no quota), which the
+    /// body's bytes as received are held to.
+    pub(crate) async fn relay_quota(
+        &self,
+        t: &str,
+        incoming: u64,
+    ) -> Result<Option<(u64, u64)>, ApiError> {
         let Some(max) = self
             .engine
             .catalog()
@@ -334,15 +348,9 @@ impl Daemon {
             .quotas
             .relay_bytes
         else {
-            return Ok(());
+            return Ok(None);
         };
-        let pending: u64 = self
-            .relay
-            .lag()
-            .iter()
-            .filter(|((tenant, _), _)| tenant == t)
-            .map(|(_, l)| l.pending_bytes)
-            .sum();
+        let pending = self.relay_waiting(t);
         if pending.saturating_add(incoming) > max {
             return Err(ApiError::new(
                 StatusCode::FORBIDDEN,
@@ -350,7 +358,7 @@ impl Daemon {
                 format!("quota exceeded: tenant {t:?} may have {max} relay bytes waiting for upload on a node; {pending} are waiting here and this file is {incoming}"),
             ));
         }
-        Ok(())
+        Ok(Some((max, max - pending)))
     }
 
     /// Refuses growing `ws` to `size` past the tenant's `disk_bytes` quota.
@@ -450,9 +458,11 @@ impl Daemon {
                 .forget_tenant(&t)
                 .await
                 .map_err(local("removing the tenant's relay files"))?;
+            d.shares.forget_tenant(&t);
+            // Its frame tables, verified units and cached objects: nothing of it stays in
+            // this node's memory or cache.
             d.engine
                 .reader()
-                .cache()
                 .forget_tenant(&t)
                 .map_err(local("removing the tenant's cached objects"))?;
             let store = d

@@ -325,6 +325,9 @@ pub(crate) async fn resize(
 ) -> R<crate::mount::resize::Resized> {
     let b = body(b)?;
     d.engine.workspace(&t, &name).await?;
+    // The tenant's resizes one at a time: two checked against the same total could both
+    // pass and take the tenant past its quota together.
+    let _one = d.op_lock(&(t.clone(), String::new())).lock_owned().await;
     d.resize_quota(&t, &name, b.size).await?;
     Ok(Json(d.resize_workspace(&t, &name, b.size).await?))
 }

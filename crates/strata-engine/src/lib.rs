@@ -9,6 +9,7 @@
 mod block;
 mod blocking;
 mod config;
+pub mod confine;
 mod engine;
 mod error;
 /// The injectable file layer (`strata-fs`).

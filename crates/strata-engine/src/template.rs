@@ -113,11 +113,13 @@ pub async fn import_raw(
 }
 
 /// Runs a helper tool, turning failure into an error that names it and shows its stderr.
-fn run(cmd: &mut Command, what: &str) -> Result<String> {
-    let out = cmd.output().map_err(|e| {
+/// Runs a host tool on what a tenant sent, confined (`confine.rs`) with `keep` of root's
+/// capabilities; its stdout, or its stderr as the error.
+fn run_keeping(cmd: &mut Command, what: &str, keep: crate::confine::Keep) -> Result<String> {
+    let program = cmd.get_program().to_owned();
+    let out = crate::confine::run(cmd, keep, crate::confine::Limits::default()).map_err(|e| {
         Error::Tool(format!(
-            "{what}: could not run {:?}: {e} (is it installed?)",
-            cmd.get_program()
+            "{what}: could not run {program:?}: {e} (is it installed?)"
         ))
     })?;
     if !out.status.success() {
@@ -128,6 +130,11 @@ fn run(cmd: &mut Command, what: &str) -> Result<String> {
         )));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// [`run_keeping`] with no capabilities at all.
+fn run(cmd: &mut Command, what: &str) -> Result<String> {
+    run_keeping(cmd, what, crate::confine::Keep::default())
 }
 
 /// Bytes of regular files and entries under `dir` (for deriving an image size).
@@ -169,7 +176,8 @@ pub fn mkfs_from_dir(dir: &Path, out: &Path, size: u64) -> Result<()> {
     let f = std::fs::File::create(out).map_err(Error::io(format!("creating {}", out.display())))?;
     f.set_len(size).map_err(Error::io("sizing image"))?;
     drop(f);
-    run(
+    // It reads the tree whatever modes its files were given (a tenant's archive may say 000).
+    run_keeping(
         Command::new("mkfs.ext4")
             .args([
                 "-q",
@@ -183,6 +191,10 @@ pub fn mkfs_from_dir(dir: &Path, out: &Path, size: u64) -> Result<()> {
             .arg(dir)
             .arg(out),
         "mkfs.ext4",
+        crate::confine::Keep {
+            read_any: true,
+            ..Default::default()
+        },
     )?;
     Ok(())
 }
@@ -260,7 +272,18 @@ pub fn check_qcow2_header(image: &Path) -> Result<()> {
 /// Converts a qcow2 `image` to raw at `out`, opened as qcow2 and nothing else: an image that
 /// names a backing file or an external data file is refused, so an import never reads a file
 /// the image's author chose.
-pub fn qcow2_to_raw(image: &Path, out: &Path, max_disk: u64) -> Result<()> {
+///
+/// A qcow2 of compressed clusters expands: 651 KiB of upload once held 256 MiB of `out`. So
+/// before converting, the bytes the raw file will hold (the image's allocated data, read from
+/// its map: metadata only) are checked against `limits.max_bytes` and handed to `admit`
+/// (the node's free-space floor), which may refuse them.
+pub fn qcow2_to_raw(
+    image: &Path,
+    out: &Path,
+    limits: &ImportLimits,
+    admit: &dyn Fn(u64) -> Result<()>,
+) -> Result<()> {
+    let max_disk = limits.max_disk;
     check_qcow2_header(image)?;
     let info = run(
         Command::new("qemu-img")
@@ -290,6 +313,14 @@ pub fn qcow2_to_raw(image: &Path, out: &Path, max_disk: u64) -> Result<()> {
             "the qcow2 image names an external data file; it is not imported".into(),
         ));
     }
+    let data = qcow2_data_bytes(image)?;
+    if data > limits.max_bytes {
+        return Err(Error::Invalid(format!(
+            "the image holds {data} bytes of data, more than the {} allowed",
+            limits.max_bytes
+        )));
+    }
+    admit(data)?;
     run(
         Command::new("qemu-img")
             .args(["convert", "-f", "qcow2", "-O", "raw"])
@@ -300,10 +331,35 @@ pub fn qcow2_to_raw(image: &Path, out: &Path, max_disk: u64) -> Result<()> {
     Ok(())
 }
 
+/// The bytes of data a qcow2 image holds (its allocated, non-zero clusters), from `qemu-img map`
+/// (metadata only): what its conversion to a sparse raw file writes at most.
+fn qcow2_data_bytes(image: &Path) -> Result<u64> {
+    let map = run(
+        Command::new("qemu-img")
+            .args(["map", "-f", "qcow2", "--output=json"])
+            .arg(image),
+        "qemu-img map",
+    )?;
+    let v: serde_json::Value =
+        serde_json::from_str(&map).map_err(|e| Error::Tool(format!("qemu-img map output: {e}")))?;
+    let extents = v
+        .as_array()
+        .ok_or_else(|| Error::Tool("qemu-img map output: not a list".into()))?;
+    let mut data = 0u64;
+    for e in extents {
+        let is = |k: &str| e.get(k).and_then(|b| b.as_bool()).unwrap_or(true);
+        if is("data") && !e.get("zero").and_then(|b| b.as_bool()).unwrap_or(false) {
+            let len = e.get("length").and_then(|n| n.as_u64()).unwrap_or(u64::MAX);
+            data = data.saturating_add(len);
+        }
+    }
+    Ok(data)
+}
+
 /// Limits of one import from content a tenant sent.
 #[derive(Clone, Copy, Debug)]
 pub struct ImportLimits {
-    /// Sum of an archive's entry sizes.
+    /// Sum of an archive's entry sizes; the data a qcow2 image expands to.
     pub max_bytes: u64,
     pub max_entries: u64,
     /// Largest disk a template may describe (an image's virtual size, an ext4 image's size).

@@ -11,12 +11,20 @@
 //! self-verifying against the id, and every frame against the trailer, so any byte range can be
 //! fetched and verified without reading the whole object. Identical data gives an identical id
 //! (content addressing), and the footer binds the data length into the id.
+//!
+//! Version 2 (an encrypted tenant's objects): the frame hashes and the id are BLAKE3 *keyed*
+//! with a key derived from the tenant's data key. An id in a bucket listing then says nothing
+//! of the content to anyone without the key: no confirming a guess of a file's bytes by hashing
+//! it under each of the 2^32 salts, no telling that two objects hold the same bytes. Version 1
+//! (unkeyed) objects stay readable.
 
 use crate::{Error, Hash, Reader};
 
 pub const FRAME_SIZE: u32 = 64 * 1024;
 pub const FOOTER_LEN: u64 = 32;
 pub const OBJECT_VERSION: u32 = 1;
+/// Frame hashes and id keyed (see the module docs).
+pub const KEYED_OBJECT_VERSION: u32 = 2;
 const MAGIC: &[u8; 8] = b"STRATAOB";
 /// Objects larger than this are refused by decoders (bounded memory for frame tables).
 pub const MAX_DATA_LEN: u64 = 1 << 36;
@@ -59,16 +67,31 @@ pub struct Sealer {
     data: Vec<u8>,
     data_len: usize,
     next: usize,
+    key: Option<[u8; 32]>,
+}
+
+/// BLAKE3 of `data`, keyed with `key` if given.
+fn hash_with(key: Option<&[u8; 32]>, data: &[u8]) -> [u8; 32] {
+    match key {
+        Some(k) => *blake3::keyed_hash(k, data).as_bytes(),
+        None => *blake3::hash(data).as_bytes(),
+    }
 }
 
 impl Sealer {
-    pub fn new(mut data: Vec<u8>) -> Sealer {
+    pub fn new(data: Vec<u8>) -> Sealer {
+        Sealer::new_keyed(data, None)
+    }
+
+    /// A version 2 object (frame hashes and id keyed with `key`), or version 1 without one.
+    pub fn new_keyed(mut data: Vec<u8>, key: Option<[u8; 32]>) -> Sealer {
         let data_len = data.len();
         data.reserve(trailer_len(data_len as u64) as usize);
         Sealer {
             data,
             data_len,
             next: 0,
+            key,
         }
     }
 
@@ -79,8 +102,8 @@ impl Sealer {
         while self.next < end {
             let at = self.next * FRAME_SIZE as usize;
             let stop = (at + FRAME_SIZE as usize).min(self.data_len);
-            let h = blake3::hash(&self.data[at..stop]);
-            self.data.extend_from_slice(h.as_bytes());
+            let h = hash_with(self.key.as_ref(), &self.data[at..stop]);
+            self.data.extend_from_slice(&h);
             self.next += 1;
         }
         self.next == total
@@ -92,12 +115,17 @@ impl Sealer {
         let data_len = self.data_len as u64;
         let data = &mut self.data;
         data.extend_from_slice(MAGIC);
-        data.extend_from_slice(&OBJECT_VERSION.to_le_bytes());
+        let version = if self.key.is_some() {
+            KEYED_OBJECT_VERSION
+        } else {
+            OBJECT_VERSION
+        };
+        data.extend_from_slice(&version.to_le_bytes());
         data.extend_from_slice(&FRAME_SIZE.to_le_bytes());
         data.extend_from_slice(&data_len.to_le_bytes());
         data.extend_from_slice(&(n_frames(data_len) as u32).to_le_bytes());
         data.extend_from_slice(&salt.to_le_bytes());
-        let id = Hash::of(&data[self.data_len..]);
+        let id = Hash(hash_with(self.key.as_ref(), &data[self.data_len..]));
         (id, self.data)
     }
 }
@@ -107,11 +135,27 @@ impl Sealer {
 pub struct FrameTable {
     pub data_len: u64,
     hashes: Vec<[u8; 32]>,
+    /// Version 2: the key the frame hashes are keyed with.
+    key: Option<[u8; 32]>,
 }
 
 impl FrameTable {
-    /// Decodes and verifies a trailer fetched for object `id` expected to hold `data_len` bytes.
+    /// Decodes and verifies a trailer fetched for object `id` expected to hold `data_len` bytes
+    /// (a version 1 object: [`FrameTable::decode_keyed`] reads both versions).
     pub fn decode(id: &Hash, data_len: u64, trailer: &[u8]) -> Result<FrameTable, Error> {
+        FrameTable::decode_keyed(id, data_len, trailer, None)
+    }
+
+    /// Decodes and verifies a trailer fetched for object `id` expected to hold `data_len`
+    /// bytes: a version 1 trailer against its BLAKE3, a version 2 trailer against its BLAKE3
+    /// keyed with `key` (refused without one). An encrypted tenant's reader passes its key and
+    /// reads both its new objects and those written before ids were keyed.
+    pub fn decode_keyed(
+        id: &Hash,
+        data_len: u64,
+        trailer: &[u8],
+        key: Option<&[u8; 32]>,
+    ) -> Result<FrameTable, Error> {
         const WHAT: &str = "object trailer";
         if data_len > MAX_DATA_LEN {
             return Err(Error::invalid(WHAT, "object too large"));
@@ -123,10 +167,34 @@ impl FrameTable {
                 have: trailer.len() as u64,
             });
         }
-        if Hash::of(trailer) != *id {
+        let n = n_frames(data_len) as usize;
+        // The version decides how the id is checked; it is checked with it (a changed version
+        // changes the trailer's hash).
+        let at = n * 32 + 8;
+        let version = u32::from_le_bytes(
+            trailer
+                .get(at..at + 4)
+                .and_then(|b| b.try_into().ok())
+                .ok_or(Error::Truncated {
+                    what: WHAT,
+                    need: at as u64 + 4,
+                    have: trailer.len() as u64,
+                })?,
+        );
+        let table_key = match (version, key) {
+            (OBJECT_VERSION, _) => None,
+            (KEYED_OBJECT_VERSION, Some(k)) => Some(*k),
+            (KEYED_OBJECT_VERSION, None) => return Err(Error::Checksum { what: WHAT }),
+            (version, _) => {
+                return Err(Error::UnsupportedVersion {
+                    what: WHAT,
+                    version,
+                })
+            }
+        };
+        if hash_with(table_key.as_ref(), trailer) != id.0 {
             return Err(Error::Checksum { what: WHAT });
         }
-        let n = n_frames(data_len) as usize;
         let mut r = Reader::new(trailer, WHAT);
         let mut hashes = Vec::with_capacity(n);
         for _ in 0..n {
@@ -135,18 +203,16 @@ impl FrameTable {
         if r.take(8)? != MAGIC {
             return Err(Error::BadMagic { what: WHAT });
         }
-        let version = r.u32()?;
-        if version != OBJECT_VERSION {
-            return Err(Error::UnsupportedVersion {
-                what: WHAT,
-                version,
-            });
-        }
+        let _version = r.u32()?;
         let (fs, dl, nf) = (r.u32()?, r.u64()?, r.u32()?);
         if fs != FRAME_SIZE || dl != data_len || nf as usize != n {
             return Err(Error::invalid(WHAT, "footer disagrees with manifest"));
         }
-        Ok(FrameTable { data_len, hashes })
+        Ok(FrameTable {
+            data_len,
+            hashes,
+            key: table_key,
+        })
     }
 
     pub fn n_frames(&self) -> usize {
@@ -169,7 +235,7 @@ impl FrameTable {
                     "range does not end on a frame boundary",
                 ));
             }
-            if blake3::hash(frame).as_bytes() != &self.hashes[i] {
+            if hash_with(self.key.as_ref(), frame) != self.hashes[i] {
                 return Err(Error::Checksum { what: WHAT });
             }
         }
@@ -239,6 +305,51 @@ mod tests {
         assert!(ft
             .verify(1, &data[FRAME_SIZE as usize..FRAME_SIZE as usize + 10])
             .is_err());
+    }
+
+    /// Version 2, built here from the format's definition: frame hashes and id keyed. Its id
+    /// says nothing without the key (the same bytes under the same salt, unkeyed or under
+    /// another key, are other ids); the keyed reader verifies it and version 1 objects alike,
+    /// and refuses a version 2 trailer without the key or under another.
+    #[test]
+    fn keyed_objects_hide_their_content_and_verify_with_the_key() {
+        let key = [7u8; 32];
+        let data: Vec<u8> = (0..(FRAME_SIZE as usize + 100))
+            .map(|i| (i * 3) as u8)
+            .collect();
+        let mut want = data.clone();
+        for f in data.chunks(FRAME_SIZE as usize) {
+            want.extend_from_slice(blake3::keyed_hash(&key, f).as_bytes());
+        }
+        want.extend_from_slice(b"STRATAOB");
+        want.extend_from_slice(&2u32.to_le_bytes());
+        want.extend_from_slice(&65536u32.to_le_bytes());
+        want.extend_from_slice(&(data.len() as u64).to_le_bytes());
+        want.extend_from_slice(&2u32.to_le_bytes());
+        want.extend_from_slice(&5u32.to_le_bytes());
+        let want_id = Hash(*blake3::keyed_hash(&key, &want[data.len()..]).as_bytes());
+        let mut s = Sealer::new_keyed(data.clone(), Some(key));
+        while !s.hash_frames(1) {}
+        let (id, obj) = s.finish(5);
+        assert_eq!((id, &obj), (want_id, &want));
+        let (plain, _) = encode_salted(&data, 5);
+        let mut other = Sealer::new_keyed(data.clone(), Some([8u8; 32]));
+        while !other.hash_frames(1) {}
+        assert!(id != plain && id != other.finish(5).0);
+        let len = data.len() as u64;
+        let t = FrameTable::decode_keyed(&id, len, &obj[data.len()..], Some(&key)).unwrap();
+        t.verify(0, &data[..FRAME_SIZE as usize]).unwrap();
+        t.verify(1, &data[FRAME_SIZE as usize..]).unwrap();
+        let mut bad = data.clone();
+        bad[3] ^= 1;
+        assert!(t.verify(0, &bad[..FRAME_SIZE as usize]).is_err());
+        let tr = &obj[data.len()..];
+        assert!(FrameTable::decode(&id, len, tr).is_err(), "no key");
+        assert!(FrameTable::decode_keyed(&id, len, tr, Some(&[8u8; 32])).is_err());
+        // Version 1 objects (written before keys) still read with a key at hand.
+        let (v1, o1) = encode(&data);
+        let t1 = FrameTable::decode_keyed(&v1, len, &o1[data.len()..], Some(&key)).unwrap();
+        t1.verify(1, &data[FRAME_SIZE as usize..]).unwrap();
     }
 
     #[test]

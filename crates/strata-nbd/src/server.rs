@@ -44,7 +44,7 @@ mod transmit;
 
 use crate::proto::*;
 pub use conn::Conn;
-use conn::{send_replies, Reply, READ_BUFFER};
+use conn::{send_replies, Charge, Reply, READ_BUFFER};
 
 /// One export: a device and how it is offered.
 #[derive(Clone)]
@@ -108,6 +108,12 @@ pub struct ServerConfig {
     /// closes them anyway (a client paused mid-payload, one that reads no replies, a request
     /// waiting on a frozen device). Requests cut off so were never answered.
     pub drain_timeout: Duration,
+    /// Bytes of requests in flight shared with other servers (every export of one tenant):
+    /// each request is charged to it beside its connection's budget. Its owner makes it at
+    /// least `max_request` permits: a request larger than it would wait for ever.
+    pub shared_budget: Option<Arc<tokio::sync::Semaphore>>,
+    /// Connections served at once; one accepted past it is closed at once (None: no limit).
+    pub max_connections: Option<usize>,
 }
 
 impl Default for ServerConfig {
@@ -119,6 +125,8 @@ impl Default for ServerConfig {
             idle_timeout: None,
             metrics: None,
             drain_timeout: Duration::from_secs(10),
+            shared_budget: None,
+            max_connections: None,
         }
     }
 }
@@ -132,6 +140,8 @@ pub struct Server {
     drained: tokio::sync::Mutex<mpsc::Receiver<()>>,
     /// Live connection tasks, to close those that outlast the drain.
     conns: std::sync::Mutex<Vec<tokio::task::AbortHandle>>,
+    /// Accepted connections being served ([`ServerConfig::max_connections`]).
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// Aborts a task when dropped (a connection's reply writer goes with its connection).
@@ -188,6 +198,7 @@ impl Server {
             alive: std::sync::Mutex::new(Some(alive)),
             drained: tokio::sync::Mutex::new(drained),
             conns: Default::default(),
+            accepted: Default::default(),
         })
     }
 
@@ -265,9 +276,30 @@ impl Server {
 
     /// Serves one accepted connection in its own task, unless the server is shutting down (then
     /// the connection is closed at once).
+    /// Past [`ServerConfig::max_connections`] the connection is closed at once: a client
+    /// opening connection after connection holds no more than the limit's worth.
     pub fn spawn_connection<S: Conn>(self: &Arc<Self>, s: S) {
-        let me = self.clone();
-        self.spawn_tracked(async move { me.handle(s).await });
+        use std::sync::atomic::Ordering::SeqCst;
+        let n = self.accepted.fetch_add(1, SeqCst);
+        if self.cfg.max_connections.is_some_and(|max| n >= max) {
+            self.accepted.fetch_sub(1, SeqCst);
+            tracing::debug!(
+                max = self.cfg.max_connections,
+                "nbd connection refused: the export serves its most connections"
+            );
+            return;
+        }
+        struct Live(Arc<std::sync::atomic::AtomicUsize>);
+        impl Drop for Live {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let (me, live) = (self.clone(), Live(self.accepted.clone()));
+        self.spawn_tracked(async move {
+            let _live = live;
+            me.handle(s).await
+        });
     }
 
     /// Serves a connection whose negotiation happened elsewhere, in its own task: the kernel's

@@ -15,9 +15,12 @@
 //! is neither uploaded nor queued (its PUT failed after the link: `500`) makes it durable and
 //! queues it before its `200`, as recovery at start does, restoring its bytes from the retry's
 //! body if a crash lost them (`Relay::existing`).
-//! Store keys: `t/{tenant}/relay/{stream}/data/{name}` and `…/meta/{name}` (JSON, below); a
-//! file over [`PART`] bytes is stored as parts `…/data/{name}.p{i}`, each created if absent and
-//! hashed in its meta (format 2), so no transfer ever holds more than one part in memory.
+//! Store keys: `t/{tenant}/relay2/{incarnation}/{stream}/data/{name}` and `…/meta/{name}`
+//! (JSON, below), where the incarnation is the tenant's `created_ms`; a file over [`PART`]
+//! bytes is stored as parts `…/parts/{name}/{i}`, each created if absent and hashed in its
+//! meta (format 2), so no transfer ever holds more than one part in memory. Files stored
+//! before incarnations were in keys (`t/{tenant}/relay/{stream}/…`) are still read, those
+//! created since the tenant's incarnation began only (`upload::Layout`).
 //!
 //! Memory is bounded whatever the files' sizes: bodies stream to disk, uploads read one part
 //! at a time, reads from the store are spooled to an unlinked temp file and verified before
@@ -133,12 +136,37 @@ pub enum RelayError {
     CorruptRemote(String),
     #[error("relay closed")]
     Closed,
+    /// The caller's admission refused the bytes: the node's free-space floor.
+    #[error("{0}")]
+    NoSpace(String),
+    /// The caller's admission refused the bytes: the tenant's quota or share.
+    #[error("{0}")]
+    Quota(String),
+    /// The caller's admission refused the bytes for now: the tenant holds its share of what
+    /// the node lends (retryable).
+    #[error("{0}")]
+    Busy(String),
 }
 
 impl RelayError {
     pub fn is_retryable(&self) -> bool {
-        matches!(self, RelayError::Io { .. } | RelayError::Store(_))
+        matches!(
+            self,
+            RelayError::Io { .. } | RelayError::Store(_) | RelayError::Busy(_)
+        )
     }
+}
+
+/// Admits bytes before they are written to this node's disk (its free-space floor, the
+/// tenant's quota): called with each piece's length as it arrives, never with a declared
+/// length alone, so a body sent chunked is held to the same limits as one that said its size.
+pub type Admit<'a> = &'a (dyn Fn(u64) -> Result<(), RelayError> + Send + Sync);
+
+/// A PUT's body: what its request declared (`Content-Length`), its bytes, and what admits them.
+pub struct Incoming<'a, S> {
+    pub declared_len: Option<u64>,
+    pub body: S,
+    pub admit: Admit<'a>,
 }
 
 /// Per-stream upload backlog.
@@ -424,9 +452,16 @@ impl Relay {
         stream: &str,
         sync: bool,
         name: &str,
-        declared_len: Option<u64>,
-        body: impl futures::Stream<Item = Result<Bytes, impl std::fmt::Display>> + Send,
+        incoming: Incoming<
+            '_,
+            impl futures::Stream<Item = Result<Bytes, impl std::fmt::Display>> + Send,
+        >,
     ) -> Result<(RelayFile, bool), RelayError> {
+        let Incoming {
+            declared_len,
+            body,
+            admit,
+        } = incoming;
         let max = self.max_bytes.load(Relaxed);
         if let Some(n) = declared_len.filter(|&n| n > max) {
             return Err(too_large(n, max));
@@ -450,6 +485,7 @@ impl Relay {
             if size > max {
                 return Err(too_large(size, max));
             }
+            admit(chunk.len() as u64)?;
             hasher.update(&chunk);
             use tokio::io::AsyncWriteExt;
             file.write_all(&chunk).await.map_err(io("writing"))?;
@@ -620,28 +656,39 @@ impl Relay {
         Ok(())
     }
 
-    /// A file's meta and an open file of its bytes (read it from the start): from this node's disk, else from the
-    /// object store, spooled to an unlinked temp file and verified (every part, and the whole)
-    /// before the first byte is served.
-    pub async fn get(
+    /// A file's meta and an open file of its bytes (read it from the start): from this node's
+    /// disk, else from the object store, spooled to an unlinked temp file and verified (every
+    /// part, and the whole) before the first byte is served.
+    ///
+    /// A spool takes disk until the caller drops the file, which a slow reader of the response
+    /// keeps open: `spool` is asked first, with the file's size, and what it returns (the
+    /// tenant's share of spool bytes, say) goes back beside the file for the caller to hold as
+    /// long as it holds the file. `None` beside a file read from this node's own copy.
+    pub async fn get<G>(
         &self,
         tenant: &str,
         stream: &str,
         name: &str,
-    ) -> Result<(RelayFile, tokio::fs::File), RelayError> {
+        spool: impl FnOnce(u64) -> Result<G, RelayError>,
+    ) -> Result<(RelayFile, tokio::fs::File, Option<G>), RelayError> {
         let local = self.local_meta(tenant, stream, name);
         if let Some(m) = &local {
             match tokio::fs::File::open(self.dir(tenant, stream).join(name)).await {
                 // Still holding its bytes (an eviction after the open leaves them to us).
                 Ok(f) if f.metadata().await.is_ok_and(|x| x.len() == m.size) => {
-                    return Ok((m.clone(), f))
+                    return Ok((m.clone(), f, None))
                 }
                 Ok(_) => {} // evicted: the store has it
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(io("reading the file")(e)),
             }
         }
-        let Some((m, parts)) = self.remote_meta(tenant, stream, name).await? else {
+        let Some(upload::Remote {
+            file: m,
+            parts,
+            layout,
+        }) = self.remote_meta(tenant, stream, name).await?
+        else {
             return Err(RelayError::NotFound(format!(
                 "no file {name:?} in relay stream {stream:?}"
             )));
@@ -650,6 +697,7 @@ impl Relay {
         if local.is_some_and(|l| l.size != m.size || l.blake3 != m.blake3) {
             return Err(corrupt_remote(name));
         }
+        let held = spool(m.size)?;
         let _slot = self
             .transfers
             .acquire()
@@ -664,11 +712,11 @@ impl Relay {
         // Unlinked at once: nothing is left behind, whatever happens to this request.
         let _ = std::fs::remove_file(&spool);
         let keys: Vec<(object_store::path::Path, Option<&String>)> = match &parts {
-            None => vec![(Self::data_key(tenant, stream, name), None)],
+            None => vec![(Self::data_key(tenant, stream, name, layout), None)],
             Some(p) => p
                 .iter()
                 .enumerate()
-                .map(|(i, h)| (Self::part_key(tenant, stream, name, i), Some(h)))
+                .map(|(i, h)| (Self::part_key(tenant, stream, name, i, layout), Some(h)))
                 .collect(),
         };
         let mut whole = blake3::Hasher::new();
@@ -700,27 +748,29 @@ impl Relay {
         out.seek(std::io::SeekFrom::Start(0))
             .await
             .map_err(io("spooling"))?;
-        Ok((m, out))
+        Ok((m, out, Some(held)))
     }
 
-    /// Every file of a stream: this node's and the object store's.
+    /// Every file of a stream: this node's and the object store's (of this incarnation of the
+    /// tenant: see [`Relay::remote_meta`]).
     pub async fn list(&self, tenant: &str, stream: &str) -> Result<Vec<RelayFile>, RelayError> {
         let mut out: BTreeMap<String, RelayFile> = BTreeMap::new();
-        let prefix = object_store::path::Path::from(format!("t/{tenant}/relay/{stream}/meta"));
-        let metas: Vec<_> = self
-            .store
-            .inner_for(tenant)
-            .await
-            .map_err(store_err)?
-            .list(Some(&prefix))
-            .collect::<Vec<_>>()
-            .await;
-        for m in metas {
-            let m = m.map_err(store_err)?;
-            if let Some(name) = m.location.filename() {
-                if let Some((f, _)) = self.remote_meta(tenant, stream, name).await? {
-                    out.insert(f.name.clone(), f);
+        let inc = self.incarnation(tenant)?;
+        let store = self.store.inner_for(tenant).await.map_err(store_err)?;
+        let mut names = std::collections::BTreeSet::new();
+        for layout in [upload::Layout::Incarnation(inc), upload::Layout::Legacy] {
+            let prefix = Self::meta_prefix(tenant, stream, layout);
+            let metas: Vec<_> = store.list(Some(&prefix)).collect::<Vec<_>>().await;
+            for m in metas {
+                let m = m.map_err(store_err)?;
+                if let Some(name) = m.location.filename() {
+                    names.insert(name.to_string());
                 }
+            }
+        }
+        for name in names {
+            if let Some(r) = self.remote_meta(tenant, stream, &name).await? {
+                out.insert(r.file.name.clone(), r.file);
             }
         }
         if let Ok(rd) = std::fs::read_dir(self.dir(tenant, stream)) {

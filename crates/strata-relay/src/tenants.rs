@@ -138,3 +138,52 @@ impl Relay {
         removed
     }
 }
+
+impl Relay {
+    /// Deletes the keys of `tenant`'s other incarnations from the object store (files of an
+    /// earlier tenant of the name that landed after its deletion purged its keys: an upload in
+    /// flight on another node). Never read or listed (they are under another incarnation), they
+    /// only cost space; `current` is the tenant's `created_ms` from the catalog. Returns the
+    /// keys deleted. A listing by prefix of the incarnations, so a pass with none costs one
+    /// request.
+    pub async fn sweep_other_incarnations(
+        &self,
+        tenant: &str,
+        current: u64,
+    ) -> Result<u64, crate::RelayError> {
+        use futures::StreamExt;
+        use object_store::{ObjectStore, ObjectStoreExt};
+        let store = self
+            .store
+            .inner_for(tenant)
+            .await
+            .map_err(crate::store_err)?;
+        let root = object_store::path::Path::from(format!("t/{tenant}/relay2"));
+        let listed = store
+            .list_with_delimiter(Some(&root))
+            .await
+            .map_err(crate::store_err)?;
+        let mut deleted = 0;
+        for p in listed.common_prefixes {
+            if p.filename() == Some(current.to_string().as_str()) {
+                continue;
+            }
+            let keys: Vec<_> = store.list(Some(&p)).collect::<Vec<_>>().await;
+            for k in keys {
+                let k = k.map_err(crate::store_err)?;
+                match store.delete(&k.location).await {
+                    Ok(()) | Err(object_store::Error::NotFound { .. }) => deleted += 1,
+                    Err(e) => return Err(crate::store_err(e)),
+                }
+            }
+        }
+        if deleted > 0 {
+            tracing::info!(
+                tenant,
+                deleted,
+                "relay: keys of an earlier tenant of this name deleted"
+            );
+        }
+        Ok(deleted)
+    }
+}

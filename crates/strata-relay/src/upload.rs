@@ -3,50 +3,129 @@
 
 use super::*;
 
+use object_store::path::Path as ObjectPath;
+
+/// Where a relay file's keys are in the object store (docs/FORMATS.md, "Relay keys").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// `t/{T}/relay/{stream}/{meta,data}/…`, parts `data/{name}.p{i}`: files stored before
+    /// incarnations were in keys. Read only, and only those created since the tenant's current
+    /// incarnation began.
+    Legacy,
+    /// `t/{T}/relay2/{incarnation}/{stream}/{meta,data,parts}/…`, parts `parts/{name}/{i}`:
+    /// the tenant's `created_ms` in every key, so a tenant created again under a deleted one's
+    /// name starts from an empty key space whatever lands late under the old one.
+    Incarnation(u64),
+}
+
+/// A file's meta as the object store holds it.
+pub(crate) struct Remote {
+    pub file: RelayFile,
+    /// Format 2: the BLAKE3 of each part.
+    pub parts: Option<Vec<String>>,
+    pub layout: Layout,
+}
+
 impl Relay {
-    pub(crate) fn data_key(tenant: &str, stream: &str, name: &str) -> object_store::path::Path {
-        object_store::path::Path::from(format!("t/{tenant}/relay/{stream}/data/{name}"))
+    /// A key of a relay file's in `layout`: `what` is `meta`, `data` or `parts`.
+    fn key(tenant: &str, stream: &str, layout: Layout, what: &str, rest: &str) -> ObjectPath {
+        match layout {
+            Layout::Legacy => ObjectPath::from(format!("t/{tenant}/relay/{stream}/{what}/{rest}")),
+            Layout::Incarnation(inc) => {
+                ObjectPath::from(format!("t/{tenant}/relay2/{inc}/{stream}/{what}/{rest}"))
+            }
+        }
     }
 
+    pub(crate) fn data_key(tenant: &str, stream: &str, name: &str, layout: Layout) -> ObjectPath {
+        Self::key(tenant, stream, layout, "data", name)
+    }
+
+    /// Part `i` of a file stored in parts. In the legacy layout `data/{name}.p{i}`, which is
+    /// also the data key of a file named `{name}.p{i}`: the two could not both be stored.
     pub(crate) fn part_key(
         tenant: &str,
         stream: &str,
         name: &str,
         i: usize,
-    ) -> object_store::path::Path {
-        object_store::path::Path::from(format!("t/{tenant}/relay/{stream}/data/{name}.p{i}"))
+        layout: Layout,
+    ) -> ObjectPath {
+        match layout {
+            Layout::Legacy => Self::key(tenant, stream, layout, "data", &format!("{name}.p{i}")),
+            Layout::Incarnation(_) => {
+                Self::key(tenant, stream, layout, "parts", &format!("{name}/{i}"))
+            }
+        }
     }
 
-    pub(crate) fn meta_key(tenant: &str, stream: &str, name: &str) -> object_store::path::Path {
-        object_store::path::Path::from(format!("t/{tenant}/relay/{stream}/meta/{name}"))
+    pub(crate) fn meta_key(tenant: &str, stream: &str, name: &str, layout: Layout) -> ObjectPath {
+        Self::key(tenant, stream, layout, "meta", name)
     }
 
+    /// The prefix of a stream's metas in `layout` (listings).
+    pub(crate) fn meta_prefix(tenant: &str, stream: &str, layout: Layout) -> ObjectPath {
+        match layout {
+            Layout::Legacy => ObjectPath::from(format!("t/{tenant}/relay/{stream}/meta")),
+            Layout::Incarnation(inc) => {
+                ObjectPath::from(format!("t/{tenant}/relay2/{inc}/{stream}/meta"))
+            }
+        }
+    }
+
+    /// The tenant incarnation this node's relay files of `tenant` are bound to (its
+    /// `created_ms`, from the `.tenant` marker [`Relay::bind_tenant`] writes before any file of
+    /// the tenant is stored, read or uploaded).
+    pub(crate) fn incarnation(&self, tenant: &str) -> Result<u64, RelayError> {
+        let marker = self.root.join(tenant).join(".tenant");
+        match std::fs::read_to_string(&marker) {
+            Ok(s) => s.trim().parse().map_err(|e| {
+                io("reading the tenant marker")(std::io::Error::other(format!("{e}")))
+            }),
+            Err(e) => Err(io("reading the tenant marker")(e)),
+        }
+    }
+
+    /// A file's meta in the object store, and where its bytes are: under the tenant's
+    /// incarnation, else (a file stored before incarnations were in keys) the legacy layout,
+    /// but there only a file created since this incarnation of the tenant began. A file of an
+    /// earlier tenant of the name (an upload in flight on another node when that tenant was
+    /// deleted, landing after its keys were purged) is never found, listed or served.
     pub(crate) async fn remote_meta(
         &self,
         tenant: &str,
         stream: &str,
         name: &str,
-    ) -> Result<Option<(RelayFile, Option<Vec<String>>)>, RelayError> {
-        let key = Self::meta_key(tenant, stream, name);
-        match self.store.get_value(&key).await {
-            Ok(b) => {
-                let m: MetaV1 = serde_json::from_slice(&b)
-                    .map_err(|e| store_err(format!("corrupt relay meta for {name:?}: {e}")))?;
-                let parts_ok = match (&m.parts, m.format) {
-                    (None, 1) => true,
-                    (Some(p), 2) => p.len() as u64 == m.file.size.div_ceil(PART),
-                    _ => false,
-                };
-                if !parts_ok || m.file.name != name {
-                    return Err(store_err(format!(
-                        "relay meta for {name:?} is inconsistent"
-                    )));
-                }
-                Ok(Some((m.file, m.parts)))
+    ) -> Result<Option<Remote>, RelayError> {
+        let inc = self.incarnation(tenant)?;
+        for layout in [Layout::Incarnation(inc), Layout::Legacy] {
+            let key = Self::meta_key(tenant, stream, name, layout);
+            let b = match self.store.get_value(&key).await {
+                Ok(b) => b,
+                Err(object_store::Error::NotFound { .. }) => continue,
+                Err(e) => return Err(store_err(e)),
+            };
+            let m: MetaV1 = serde_json::from_slice(&b)
+                .map_err(|e| store_err(format!("corrupt relay meta for {name:?}: {e}")))?;
+            let parts_ok = match (&m.parts, m.format) {
+                (None, 1) => true,
+                (Some(p), 2) => p.len() as u64 == m.file.size.div_ceil(PART),
+                _ => false,
+            };
+            if !parts_ok || m.file.name != name {
+                return Err(store_err(format!(
+                    "relay meta for {name:?} is inconsistent"
+                )));
             }
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(store_err(e)),
+            if layout == Layout::Legacy && m.file.created_ms < inc {
+                return Ok(None); // an earlier tenant's
+            }
+            return Ok(Some(Remote {
+                file: m.file,
+                parts: m.parts,
+                layout,
+            }));
         }
+        Ok(None)
     }
 
     /// Creates `key` with `bytes` if absent; if present, it must hold bytes hashing to `hash`.
@@ -107,6 +186,7 @@ impl Relay {
             .await
             .map_err(io("opening the file to upload"))?;
         let n = f.size.div_ceil(PART).max(1) as usize;
+        let layout = Layout::Incarnation(self.incarnation(tenant)?);
         let mut whole = blake3::Hasher::new();
         let mut parts = vec![];
         for i in 0..n {
@@ -120,13 +200,13 @@ impl Relay {
                 if whole.finalize().to_hex().as_str() != f.blake3 {
                     return Err(corrupt_local(&f.name));
                 }
-                let key = Self::data_key(tenant, stream, &f.name);
+                let key = Self::data_key(tenant, stream, &f.name, layout);
                 self.create_or_match(&key, Bytes::from(buf), &f.blake3, &f.name)
                     .await?;
                 break;
             }
             let h = blake3::hash(&buf).to_hex().to_string();
-            let key = Self::part_key(tenant, stream, &f.name, i);
+            let key = Self::part_key(tenant, stream, &f.name, i, layout);
             if i == n - 1 && whole.finalize().to_hex().as_str() != f.blake3 {
                 return Err(corrupt_local(&f.name));
             }
@@ -148,7 +228,7 @@ impl Relay {
         let put = self
             .store
             .put_value_opts(
-                &Self::meta_key(tenant, stream, &f.name),
+                &Self::meta_key(tenant, stream, &f.name, layout),
                 Bytes::from(body),
                 PutOptions {
                     mode: PutMode::Create,
@@ -161,10 +241,10 @@ impl Relay {
             // An earlier attempt whose reply was lost, or another node's file of the name.
             Err(object_store::Error::AlreadyExists { .. }) => {
                 match self.remote_meta(tenant, stream, &f.name).await? {
-                    Some((m, _)) if m.size == f.size && m.blake3 == f.blake3 => {}
-                    Some((m, _)) => {
+                    Some(r) if r.file.size == f.size && r.file.blake3 == f.blake3 => {}
+                    Some(r) => {
                         self.conflicts.fetch_add(1, Relaxed);
-                        return Err(conflict(&f.name, &m.blake3));
+                        return Err(conflict(&f.name, &r.file.blake3));
                     }
                     None => return Err(store_err(format!("meta of {:?} vanished", f.name))),
                 }
@@ -175,8 +255,9 @@ impl Relay {
         Ok(())
     }
 
-    /// One pass of the background uploader: every pending file whose turn has come, oldest
-    /// first. A failing file waits longer after each failure (up to [`MAX_BACKOFF`]) and the
+    /// One pass of the background uploader: every pending file whose turn has come, each
+    /// tenant's oldest first, the tenants in turn (one file of each in turn, so a tenant with
+    /// thousands of files waiting delays another's by one file, not by its backlog). A failing file waits longer after each failure (up to [`MAX_BACKOFF`]) and the
     /// pass goes on with the next tenant's files, so one tenant's failing uploads (a store
     /// prefix refusing writes, a key the store keeps failing) never stall the others'. Uploads
     /// run one at a time: a store that fails only after a long timeout still delays the other
@@ -192,6 +273,7 @@ impl Relay {
             .map(|(k, p)| (k.clone(), p.created_ms))
             .collect();
         todo.sort_by_key(|(_, created)| *created);
+        let todo = in_turns(todo);
         // Tenants whose upload failed in this pass: their other files wait for the next one
         // (they most likely fail the same way), so a store that fails slowly costs the other
         // tenants one attempt per failing tenant and pass, not one per file.
@@ -295,3 +377,49 @@ impl Relay {
 const FIRST_BACKOFF: std::time::Duration = std::time::Duration::from_millis(500);
 /// The longest a failing file waits between attempts.
 pub const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Files (oldest first) reordered so that tenants take turns: the oldest file of each tenant
+/// in the order of their oldest, then the second of each, and so on.
+fn in_turns(files: Vec<(Key, u64)>) -> Vec<(Key, u64)> {
+    let mut per: Vec<(String, std::collections::VecDeque<(Key, u64)>)> = Vec::new();
+    for f in files {
+        match per.iter_mut().find(|(t, _)| *t == f.0 .0) {
+            Some((_, q)) => q.push_back(f),
+            None => per.push((f.0 .0.clone(), std::collections::VecDeque::from([f]))),
+        }
+    }
+    let mut out = Vec::new();
+    loop {
+        let mut any = false;
+        for (_, q) in per.iter_mut() {
+            if let Some(f) = q.pop_front() {
+                out.push(f);
+                any = true;
+            }
+        }
+        if !any {
+            return out;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 41, item 6: the uploader went oldest file first across tenants, so one tenant's
+    /// backlog held every other tenant's files behind it.
+    #[test]
+    fn tenants_take_turns_in_an_upload_pass() {
+        let k = |t: &str, n: u64| ((t.to_string(), "s".to_string(), n.to_string()), n);
+        let mut files: Vec<_> = (0..50).map(|n| k("heavy", n)).collect();
+        files.push(k("light", 60));
+        files.push(k("late", 70));
+        let order: Vec<String> = in_turns(files)
+            .into_iter()
+            .map(|((t, _, _), _)| t)
+            .collect();
+        assert_eq!(&order[..3], ["heavy", "light", "late"]);
+        assert_eq!(order.len(), 52);
+    }
+}

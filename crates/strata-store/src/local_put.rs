@@ -57,11 +57,77 @@ fn niceness() -> i32 {
 type Job = Box<dyn FnOnce() + Send>;
 
 /// The background threads: object puts, and the rest (journal zero-fills). Two lanes, so a
-/// 64 MiB zero-fill never queues a publish (which a sync-mode FLUSH may be waiting for).
-#[derive(Clone, Copy)]
+/// 64 MiB zero-fill never queues a publish (which a sync-mode FLUSH may be waiting for). Puts
+/// are queued per tenant and taken in turn ([`Turns`]).
 enum Lane {
-    Puts,
+    Puts(String),
     Other,
+}
+
+/// Jobs queued per tenant, taken one per tenant in turn (round robin): fair queueing of one
+/// thread among the tenants of a node.
+#[derive(Default)]
+struct Turns {
+    queues: std::collections::HashMap<String, std::collections::VecDeque<Job>>,
+    /// Tenants with jobs waiting, in the order they get their next turn.
+    order: std::collections::VecDeque<String>,
+}
+
+impl Turns {
+    fn push(&mut self, tenant: String, job: Job) {
+        let q = self.queues.entry(tenant.clone()).or_default();
+        if q.is_empty() {
+            self.order.push_back(tenant);
+        }
+        q.push_back(job);
+    }
+
+    fn pop(&mut self) -> Option<Job> {
+        let tenant = self.order.pop_front()?;
+        let q = self.queues.get_mut(&tenant)?;
+        let job = q.pop_front();
+        if q.is_empty() {
+            self.queues.remove(&tenant);
+        } else {
+            self.order.push_back(tenant);
+        }
+        job
+    }
+}
+
+/// The put thread's queue.
+struct FairQueue {
+    turns: std::sync::Mutex<Turns>,
+    ready: std::sync::Condvar,
+}
+
+fn put_queue() -> &'static FairQueue {
+    static Q: OnceLock<&'static FairQueue> = OnceLock::new();
+    Q.get_or_init(|| {
+        let q: &'static FairQueue = Box::leak(Box::new(FairQueue {
+            turns: Default::default(),
+            ready: std::sync::Condvar::new(),
+        }));
+        std::thread::Builder::new()
+            .name("strata-put".into())
+            .spawn(move || {
+                lower_priority();
+                loop {
+                    let job = {
+                        let mut t = q.turns.lock().unwrap_or_else(|p| p.into_inner());
+                        loop {
+                            if let Some(j) = t.pop() {
+                                break j;
+                            }
+                            t = q.ready.wait(t).unwrap_or_else(|p| p.into_inner());
+                        }
+                    };
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                }
+            })
+            .expect("spawning the put thread");
+        q
+    })
 }
 
 /// The alignment `O_DIRECT` puts keep for their buffer, offsets and lengths: a page, which is at
@@ -88,9 +154,12 @@ enum Wrote {
     Refused(String),
 }
 
-/// Writes `bytes` durably at `path` (a file under a local object directory) on the put thread.
-pub(crate) async fn put(path: PathBuf, bytes: Bytes) -> std::io::Result<()> {
-    run(Lane::Puts, move || {
+/// Writes `bytes` durably at `path` (a file under a local object directory) on the put thread,
+/// in `tenant`'s turn: the thread takes one put of each tenant with puts waiting in turn, so a
+/// tenant publishing gigabytes delays another's put (a sync-mode FLUSH waiting on it) by at
+/// most one object, never by its whole backlog.
+pub(crate) async fn put(tenant: &str, path: PathBuf, bytes: Bytes) -> std::io::Result<()> {
+    run(Lane::Puts(tenant.to_string()), move || {
         let wrote = write_durably(&path, &bytes, direct_wanted().then_some(DIRECT_ALIGN))?;
         if let Wrote::Refused(why) = wrote {
             if !DIRECT_REFUSED.swap(true, Ordering::Relaxed) {
@@ -128,20 +197,28 @@ async fn run<T: Send + 'static>(
             let _ = tx.send(f());
         }
     });
-    if queue(lane).send(job).is_err() {
-        return Err(std::io::Error::other("the background I/O thread is gone"));
+    match lane {
+        Lane::Puts(tenant) => {
+            let q = put_queue();
+            q.turns
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(tenant, job);
+            q.ready.notify_one();
+        }
+        Lane::Other => {
+            if other_queue().send(job).is_err() {
+                return Err(std::io::Error::other("the background I/O thread is gone"));
+            }
+        }
     }
     rx.await
         .map_err(|_| std::io::Error::other("the background I/O thread dropped a job"))?
 }
 
-fn queue(lane: Lane) -> &'static mpsc::Sender<Job> {
-    static PUTS: OnceLock<mpsc::Sender<Job>> = OnceLock::new();
+fn other_queue() -> &'static mpsc::Sender<Job> {
     static OTHER: OnceLock<mpsc::Sender<Job>> = OnceLock::new();
-    let (cell, name) = match lane {
-        Lane::Puts => (&PUTS, "strata-put"),
-        Lane::Other => (&OTHER, "strata-bg-io"),
-    };
+    let (cell, name) = (&OTHER, "strata-bg-io");
     cell.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<Job>();
         std::thread::Builder::new()
@@ -445,15 +522,66 @@ pub(crate) fn sweep_staged(
 mod tests {
     use super::*;
 
+    /// Issue 41, item 6: one put thread served every tenant first come, first served, so a
+    /// heavy writer's backlog delayed another tenant's put (and a sync-mode FLUSH waiting on
+    /// it) by all of it. Turns take one job per waiting tenant in turn.
+    #[test]
+    fn the_put_thread_takes_tenants_in_turn() {
+        let ran = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut t = Turns::default();
+        let job = |who: &'static str| -> Job {
+            let ran = ran.clone();
+            Box::new(move || ran.lock().unwrap().push(who))
+        };
+        for _ in 0..100 {
+            t.push("heavy".into(), job("heavy"));
+        }
+        t.push("light".into(), job("light"));
+        t.push("other".into(), job("other"));
+        while let Some(j) = t.pop() {
+            j();
+        }
+        let ran = ran.lock().unwrap();
+        assert_eq!(ran.len(), 102);
+        let at = |who| ran.iter().position(|w| *w == who).unwrap();
+        assert!(at("light") <= 2 && at("other") <= 2, "{:?}", &ran[..4]);
+        assert!(t.queues.is_empty() && t.order.is_empty());
+    }
+
+    /// Puts of several tenants through the real thread all land.
+    #[tokio::test]
+    async fn puts_of_many_tenants_all_land() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut puts = vec![];
+        for i in 0..40u32 {
+            let tenant = ["a", "b", "c"][i as usize % 3];
+            let path = dir.path().join(format!("t/{tenant}/obj/{i}"));
+            puts.push(tokio::spawn(async move {
+                put(tenant, path.clone(), Bytes::from(vec![i as u8; 10_000]))
+                    .await
+                    .unwrap();
+                path
+            }));
+        }
+        for (i, p) in puts.into_iter().enumerate() {
+            let path = p.await.unwrap();
+            assert_eq!(std::fs::read(path).unwrap(), vec![i as u8; 10_000]);
+        }
+    }
+
     #[tokio::test]
     async fn puts_land_whole_under_new_directories_and_leave_no_staged_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t/a/obj/ab/abcdef");
         let data: Vec<u8> = (0..(3 * PIECE + 17)).map(|i| (i % 251) as u8).collect();
-        put(path.clone(), Bytes::from(data.clone())).await.unwrap();
+        put("a", path.clone(), Bytes::from(data.clone()))
+            .await
+            .unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), data);
         // Overwrites replace whole (a retry of the same key).
-        put(path.clone(), Bytes::from_static(b"x")).await.unwrap();
+        put("a", path.clone(), Bytes::from_static(b"x"))
+            .await
+            .unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"x");
         let names: Vec<_> = std::fs::read_dir(path.parent().unwrap())
             .unwrap()
@@ -540,7 +668,7 @@ mod tests {
     async fn a_failed_put_says_why() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("t"), b"a file, not a directory").unwrap();
-        let e = put(dir.path().join("t/a/obj"), Bytes::from_static(b"x"))
+        let e = put("a", dir.path().join("t/a/obj"), Bytes::from_static(b"x"))
             .await
             .unwrap_err();
         assert!(!e.to_string().is_empty());

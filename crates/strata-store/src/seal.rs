@@ -161,6 +161,9 @@ pub struct DataKey {
     object: [u8; 32],
     iv: [u8; 32],
     value: LessSafeKey,
+    /// Keys the BLAKE3 of an object's frames and of its id (object format version 2), so an id
+    /// in the bucket says nothing of the content.
+    id: [u8; 32],
 }
 
 impl std::fmt::Debug for DataKey {
@@ -178,7 +181,13 @@ impl DataKey {
                 "strata 2026-12 value AES-256-GCM",
                 secret,
             )),
+            id: blake3::derive_key("strata 2026-12 object id keyed BLAKE3", secret),
         }
+    }
+
+    /// The key an encrypted tenant's object ids and frame hashes are keyed with.
+    pub fn object_id_key(&self) -> [u8; 32] {
+        self.id
     }
 
     /// Whether `path` is an object (read by range, enciphered in place) rather than a value.

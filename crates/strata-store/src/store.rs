@@ -428,6 +428,13 @@ impl Store {
         Path::from(format!("t/{tenant}/man/{}", id.to_hex()))
     }
 
+    /// The key `tenant`'s object ids and frame hashes are keyed with (an encrypted tenant's);
+    /// `None` for a tenant in clear.
+    pub async fn object_id_key(&self, tenant: &str) -> Result<Option<[u8; 32]>> {
+        let t = self.target(tenant).await?;
+        Ok(t.key.key()?.map(DataKey::object_id_key))
+    }
+
     /// Uploads `data` as a framed, content-addressed object under a fresh random salt: a new
     /// key every time, even for the same data (see [`Store::put_object_salted`]). Returns the
     /// reference and the encoded object.
@@ -451,7 +458,10 @@ impl Store {
         // an 8 MiB object would otherwise hold a worker (and the requests queued on it) for
         // milliseconds. (Blocking threads were slower: on a small node they take the cores
         // the runtime serves requests with.)
-        let mut sealer = object::Sealer::new(data);
+        // An encrypted tenant's ids are keyed (object format 2): they name nothing to a reader
+        // of the bucket's listing.
+        let key = self.object_id_key(tenant).await?;
+        let mut sealer = object::Sealer::new_keyed(data, key);
         while !sealer.hash_frames(16) {
             tokio::task::yield_now().await;
         }
@@ -465,7 +475,8 @@ impl Store {
     /// Puts immutable bytes; after a failed remote attempt the key is checked (HEAD) before
     /// retrying, so an upload whose reply was lost is recognised rather than assumed.
     async fn put_verified(&self, key: &Path, bytes: Bytes) -> Result<()> {
-        let t = self.target(&Self::tenant_of(key)?).await?;
+        let tenant = Self::tenant_of(key)?;
+        let t = self.target(&tenant).await?;
         let bytes = seal(t.key.key()?, key, bytes);
         // A local directory: puts go to its one paced writer (see `local_put`), each attempt a
         // fresh staged file that is gone if the attempt failed.
@@ -485,7 +496,7 @@ impl Store {
                 }
             }
             let res = match &local {
-                Some(path) => crate::local_put::put(path.clone(), bytes.clone())
+                Some(path) => crate::local_put::put(&tenant, path.clone(), bytes.clone())
                     .await
                     .map_err(|e| object_store::Error::Generic {
                         store: "LocalFileSystem",
@@ -535,7 +546,8 @@ impl Store {
     }
 
     pub async fn get_range(&self, key: &Path, range: Range<u64>) -> Result<Bytes> {
-        let t = self.target(&Self::tenant_of(key)?).await?;
+        let tenant = Self::tenant_of(key)?;
+        let t = self.target(&tenant).await?;
         let k = t.key.key()?;
         let got = t.backend.inner.get_range(key, range.clone()).await?;
         match k {
@@ -558,7 +570,8 @@ impl Store {
         bytes: Bytes,
         opts: object_store::PutOptions,
     ) -> object_store::Result<object_store::PutResult> {
-        let t = self.target(&Self::tenant_of(key)?).await?;
+        let tenant = Self::tenant_of(key)?;
+        let t = self.target(&tenant).await?;
         let bytes = seal(t.key.key()?, key, bytes);
         t.backend
             .inner
@@ -574,7 +587,8 @@ impl Store {
     ) -> object_store::Result<futures::stream::BoxStream<'static, object_store::Result<Bytes>>>
     {
         use futures::StreamExt;
-        let t = self.target(&Self::tenant_of(key)?).await?;
+        let tenant = Self::tenant_of(key)?;
+        let t = self.target(&tenant).await?;
         let get = t.backend.inner.get(key).await?;
         match t.key.key()? {
             None => Ok(get.into_stream()),
@@ -587,7 +601,8 @@ impl Store {
 
     /// Gets a whole value (relay files), opened for an encrypted tenant.
     pub async fn get_value(&self, key: &Path) -> object_store::Result<Bytes> {
-        let t = self.target(&Self::tenant_of(key)?).await?;
+        let tenant = Self::tenant_of(key)?;
+        let t = self.target(&tenant).await?;
         let k = t.key.key()?;
         let bytes = t.backend.inner.get(key).await?.bytes().await?;
         Ok(open_whole(k, key, bytes)?)

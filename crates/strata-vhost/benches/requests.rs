@@ -55,6 +55,7 @@ fn vhost(n: u64, write: bool, depth: u16, rt: &tokio::runtime::Runtime) -> Row {
         num_queues: 1,
         queue_size: 256,
         serial: "bench".into(),
+        unsealed_memory: false,
     };
     let served = strata_vhost::serve(&path, dev, features, rt.handle().clone()).unwrap();
     let mut g = connect(&path);

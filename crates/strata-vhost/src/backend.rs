@@ -40,11 +40,24 @@ pub struct Stats {
 /// The driver broke the ring (or the backend is stopping).
 struct Broken;
 
-/// Every region lies within its file.
-fn check_regions(mem: &GuestMemoryAtomic<GuestMemoryMmap>) -> io::Result<()> {
+/// Every region lies within its file, and (unless `unsealed_ok`) that file is sealed against
+/// shrinking, so the VMM can never truncate memory this process has mapped (a SIGBUS here
+/// would end every tenant's exports, not only this VMM's).
+fn check_regions(mem: &GuestMemoryAtomic<GuestMemoryMmap>, unsealed_ok: bool) -> io::Result<()> {
     use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
     for r in mem.memory().iter() {
         let Some(fo) = r.file_offset() else { continue };
+        if !unsealed_ok {
+            // A file that cannot be sealed (not a memfd) reports EINVAL: no seals.
+            let sealed = rustix::fs::fcntl_get_seals(fo.file())
+                .is_ok_and(|s| s.contains(rustix::fs::SealFlags::SHRINK));
+            if !sealed {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    "guest memory must be a memfd sealed against shrinking (F_SEAL_SHRINK; QEMU: memory-backend-memfd with seal=on, its default): a VMM that truncates unsealed memory would crash the daemon's other exports",
+                ));
+            }
+        }
         let len = fo.file().metadata()?.len();
         let end = fo.start().checked_add(r.len());
         if end.is_none_or(|end| end > len) {
@@ -270,7 +283,7 @@ impl VhostUserBackend for BlkBackend {
     fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemoryMmap>) -> io::Result<()> {
         // A region larger than its file would fault (SIGBUS, the whole daemon) on first touch:
         // refused, and the rings see no memory at all until a good table comes.
-        if let Err(e) = check_regions(&mem) {
+        if let Err(e) = check_regions(&mem, self.features.unsealed_memory) {
             let _ = mem.lock().map(|g| g.replace(GuestMemoryMmap::new()));
             *self.mem.write().unwrap_or_else(|p| p.into_inner()) =
                 GuestMemoryAtomic::new(GuestMemoryMmap::new());

@@ -46,6 +46,12 @@ pub struct Features {
     pub queue_size: u16,
     /// `GET_ID`'s answer (at most 20 bytes, NUL-padded).
     pub serial: String,
+    /// Accept guest memory whose file is not sealed against shrinking. Off by default: a VMM
+    /// that truncates its memory file after `SET_MEM_TABLE` makes this process's next access to
+    /// the mapping a SIGBUS, which takes down every export the daemon serves, every tenant's.
+    /// With the seal (`F_SEAL_SHRINK`, as QEMU's `memory-backend-memfd` sets by default) the
+    /// truncation fails in the VMM instead. For a VMM the operator trusts and cannot seal.
+    pub unsealed_memory: bool,
 }
 
 impl Features {
@@ -58,6 +64,7 @@ impl Features {
             num_queues: queues.unwrap_or(crate::DEFAULT_QUEUES),
             queue_size: crate::DEFAULT_QUEUE_SIZE,
             serial,
+            unsealed_memory: false,
         }
     }
 

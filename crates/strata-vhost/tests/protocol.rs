@@ -76,6 +76,7 @@ fn features(read_only: bool) -> Features {
         num_queues: 2,
         queue_size: QSIZE,
         serial: "strata-test-serial-0123456789".into(),
+        unsealed_memory: false,
     }
 }
 
@@ -462,4 +463,48 @@ fn hostile_frontend_messages_leave_the_backend_serving() {
         g.fe.get_features().is_err(),
         "connection closed by the stop"
     );
+}
+
+/// Issue 41, item 7: a VMM that truncated its memory file after `SET_MEM_TABLE` made the
+/// daemon's next access to it a SIGBUS, taking every tenant's exports down. Guest memory must
+/// now be sealed against shrinking: an unsealed file is refused at `SET_MEM_TABLE` (and the
+/// backend serves the next frontend), and the sealed memfd a VMM shares cannot be truncated.
+#[test]
+fn guest_memory_a_vmm_could_truncate_is_refused() {
+    let s = setup(false);
+    let refused = frontend::try_connect_memory(&s.path, !0, frontend::guest_memory_file(false));
+    assert!(refused.is_err(), "unsealed guest memory accepted");
+    // The sealed memory of a well-behaved VMM cannot shrink under the backend.
+    let mut g = connect(&s.path);
+    let sealed = frontend::guest_memory_file(true);
+    let e = sealed.set_len(4096).unwrap_err();
+    assert_eq!(
+        e.raw_os_error(),
+        Some(rustix::io::Errno::PERM.raw_os_error()),
+        "{e}"
+    );
+    g.mem
+        .write_slice(&[0x33; 4096], GuestAddress(0x20000))
+        .unwrap();
+    assert_eq!(g.request(T_OUT, 0, &[(0x20000, 4096, 0)]), (OK, 1));
+}
+
+/// An operator that trusts its VMM (one that cannot seal its memory) turns the check off.
+#[test]
+fn unsealed_memory_is_served_when_the_operator_allows_it() {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("u.sock");
+    let dev: Arc<dyn BlockDevice> = MemDevice::new(DISK);
+    let f = Features {
+        unsealed_memory: true,
+        ..features(false)
+    };
+    let _served = serve(&path, dev, f, rt.handle().clone()).unwrap();
+    let mut g =
+        frontend::try_connect_memory(&path, !0, frontend::guest_memory_file(false)).unwrap();
+    g.mem
+        .write_slice(&[0x44; 4096], GuestAddress(0x20000))
+        .unwrap();
+    assert_eq!(g.request(T_OUT, 0, &[(0x20000, 4096, 0)]), (OK, 1));
 }

@@ -304,6 +304,38 @@ pub struct Settings {
     /// limited.
     #[arg(long, env = "STRATA_REQUEST_TIMEOUT")]
     request_timeout: Option<Dur>,
+    /// A request whose body sends nothing this long fails (408): an idle upload holds nothing
+    /// of its tenant's, nor the tenant's deletion, for longer (default 30s).
+    #[arg(long, env = "STRATA_BODY_IDLE_TIMEOUT")]
+    body_idle_timeout: Option<Dur>,
+    /// What one tenant may hold on this node at once (past it: 429, retryable) … template
+    /// uploads being received or built (default 2) …
+    #[arg(long, env = "STRATA_TENANT_TEMPLATE_UPLOADS")]
+    tenant_template_uploads: Option<u64>,
+    /// … bytes of relay files spooled for GETs still being sent (default 256MiB) …
+    #[arg(long, env = "STRATA_TENANT_RELAY_SPOOL")]
+    tenant_relay_spool: Option<Size>,
+    /// … mounts (default 32; the node holds 128 at most) …
+    #[arg(long, env = "STRATA_TENANT_MOUNTS")]
+    tenant_mounts: Option<u64>,
+    /// … requests in the daemon (default 256) …
+    #[arg(long, env = "STRATA_TENANT_REQUESTS")]
+    tenant_requests: Option<u64>,
+    /// … workspaces attached, unless its `attached_per_node` quota says otherwise (default 64) …
+    #[arg(long, env = "STRATA_TENANT_ATTACHED")]
+    tenant_attached: Option<u64>,
+    /// … NBD connections per attached workspace (default 16; past it a connection is closed) …
+    #[arg(long, env = "STRATA_TENANT_NBD_CONNECTIONS")]
+    tenant_nbd_connections: Option<u64>,
+    /// … and bytes of NBD requests in flight over all its workspaces (default 256MiB, at least
+    /// 32MiB).
+    #[arg(long, env = "STRATA_TENANT_INFLIGHT")]
+    tenant_inflight: Option<Size>,
+    /// vhost-user: serve guest memory that is not sealed against shrinking. A VMM that then
+    /// truncates its memory crashes the daemon with every tenant's exports: only for VMMs the
+    /// operator trusts (QEMU's memory-backend-memfd seals by default).
+    #[arg(long, env = "STRATA_VHOST_UNSEALED_MEMORY", num_args = 0..=1, default_missing_value = "true")]
+    vhost_unsealed_memory: Option<bool>,
     /// Secrets have no flag (argv is visible to every user of the host): the file, or
     /// `STRATA_ADMIN_TOKEN`.
     #[arg(skip)]
@@ -536,6 +568,20 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
             template_max_bytes: nonzero("--template-max-bytes", s.template_max_bytes)?,
             in_process: false,
             request_timeout: s.request_timeout.map(|d| d.0),
+            body_idle_timeout: s.body_idle_timeout.map(|d| d.0),
+            shares: {
+                let d = strata_daemon::ShareLimits::default();
+                strata_daemon::ShareLimits {
+                    template_uploads: s.tenant_template_uploads.unwrap_or(d.template_uploads),
+                    relay_spool_bytes: s.tenant_relay_spool.map_or(d.relay_spool_bytes, |n| n.0),
+                    mounts: s.tenant_mounts.unwrap_or(d.mounts),
+                    requests: s.tenant_requests.unwrap_or(d.requests),
+                    nbd_connections: s.tenant_nbd_connections.unwrap_or(d.nbd_connections),
+                    attached: s.tenant_attached.unwrap_or(d.attached),
+                    inflight_bytes: s.tenant_inflight.map_or(d.inflight_bytes, |n| n.0),
+                }
+            },
+            vhost_unsealed_memory: s.vhost_unsealed_memory.unwrap_or(false),
         },
     )
     .context("starting the daemon")?;

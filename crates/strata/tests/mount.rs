@@ -685,3 +685,76 @@ async fn mount_grows_online_and_offline() {
     let (code, out, recovery) = fsck(&api, "w", None, tmp.path()).await;
     assert!(code == 0 && !recovery, "after an offline grow:\n{out}");
 }
+
+/// Issue 41, item 3: after mount time, unmounts and covers used the recorded target string,
+/// following symlinks in every component but the last. A sandbox that swapped a parent of its
+/// target for a symlink to another tenant's directory had its umount take down that tenant's
+/// bind (whose writes then landed in the host directory), and a restart lay a placeholder over
+/// it. Every step after mount time now goes through a descriptor checked beneath the tenant's
+/// root: the swapped target is refused, the other tenant's mount is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swapped_parent_never_reaches_another_tenants_mount() {
+    if !can_host_mount() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let _cleanup = Cleanup(tmp.path().to_path_buf());
+    let (data, root) = (tmp.path().join("data"), tmp.path().join("root"));
+    let (a_box, b_box) = (root.join("a/x/box"), root.join("b/box"));
+    std::fs::create_dir_all(&a_box).unwrap();
+    std::fs::create_dir_all(&b_box).unwrap();
+    let args = ["--mount-root", root.to_str().unwrap()];
+    let d = serve(&data, &args);
+    let a = tenant(&d.url, "a").await;
+    let b = tenant(&d.url, "b").await;
+    for api in [&a, &b] {
+        let (s, v) = api
+            .post("/v1/workspaces", json!({"name": "w", "size": SIZE}))
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+    }
+    mount(&a, "w", &a_box, true).await;
+    mount(&b, "w", &b_box, true).await;
+    let synced = |p: PathBuf, b: &[u8]| {
+        use std::io::Write;
+        let mut f = std::fs::File::create(p).unwrap();
+        f.write_all(b).unwrap();
+        f.sync_all().unwrap();
+    };
+    synced(b_box.join("b-file"), b"tenant b's");
+    // Tenant a's sandbox swaps the parent of its target for a symlink to b's directory.
+    std::fs::rename(root.join("a/x"), root.join("a/x.real")).unwrap();
+    std::os::unix::fs::symlink(root.join("b"), root.join("a/x")).unwrap();
+    // Its umount is refused; b's mount is untouched.
+    let (s, v) = {
+        let _ns = OTHER_NAMESPACE.lock().await;
+        a.delete("/v1/workspaces/w/mount").await
+    };
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
+    assert!(
+        is_mount_point(&b_box),
+        "b's bind was unmounted through a's symlink"
+    );
+    assert_eq!(std::fs::read(b_box.join("b-file")).unwrap(), b"tenant b's");
+    synced(b_box.join("still-mine"), b"b");
+    // A restart with the path still swapped: b is mounted again and writable (no placeholder
+    // laid over it for a), a's target is left alone.
+    d.signal("KILL");
+    drop(d);
+    let d = serve(&data, &args);
+    let b = d.api(&b.token);
+    let a = d.api(&a.token);
+    assert!(is_mount_point(&b_box), "b not mounted again");
+    std::fs::write(b_box.join("after-restart"), b"b")
+        .expect("b's target writable after the restart (no placeholder over it)");
+    assert_eq!(std::fs::read(b_box.join("b-file")).unwrap(), b"tenant b's");
+    // Put back, a's umount goes through; b's mount stays.
+    std::fs::remove_file(root.join("a/x")).unwrap();
+    std::fs::rename(root.join("a/x.real"), root.join("a/x")).unwrap();
+    umount(&a, "w").await;
+    assert!(!is_mount_point(&a_box));
+    assert!(is_mount_point(&b_box));
+    assert_eq!(std::fs::read(b_box.join("still-mine")).unwrap(), b"b");
+    umount(&b, "w").await;
+    assert_eq!(leftovers(&data), Vec::<String>::new());
+}

@@ -1,7 +1,8 @@
 //! Tenants as the daemon enforces them, through HTTP only: every documented endpoint against
 //! every kind of token (admin, rotated admin, tenant, scoped, stream, expired, revoked, another
 //! tenant, none), token lifecycle, admin token rotation through the token file, and deleting a
-//! tenant with everything it owns while other tenants carry on. Quotas: `tenancy/quotas.rs`.
+//! tenant with everything it owns while other tenants carry on. Quotas: `tenancy/quotas.rs`;
+//! one tenant's misbehaviour bounded to its own share: `tenancy/neighbours.rs`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -12,6 +13,8 @@ use strata_nbd::client::Client;
 
 mod common;
 use common::*;
+#[path = "tenancy/neighbours.rs"]
+mod neighbours;
 #[path = "tenancy/quotas.rs"]
 mod quotas;
 

@@ -34,26 +34,7 @@ pub fn open_target(
     target: &str,
     mounted_ok: bool,
 ) -> Result<OwnedFd, BadTarget> {
-    let troot = tenant_root(root, tenant);
-    let p = Path::new(target);
-    let rel = p.strip_prefix(&troot).map_err(|_| BadTarget)?;
-    let comps: Vec<&std::ffi::OsStr> = rel
-        .components()
-        .map(|c| match c {
-            Component::Normal(s) => Ok(s),
-            _ => Err(BadTarget),
-        })
-        .collect::<Result<_, _>>()?;
-    // Exactly the normal form (no `//`, `/./`, trailing `/`), and nothing mountinfo escapes:
-    // the string is what mount points are later compared with.
-    let normal: PathBuf = troot.join(comps.iter().collect::<PathBuf>());
-    if comps.is_empty()
-        || target.len() > 4096
-        || normal.as_os_str() != p.as_os_str()
-        || target.contains([' ', '\t', '\n', '\\'])
-    {
-        return Err(BadTarget);
-    }
+    let comps = target_components(root, tenant, target)?;
     let strict = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_XDEV;
     let dir = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
     let root_fd = rustix::fs::open(root, dir, Mode::empty()).map_err(|_| BadTarget)?;
@@ -100,6 +81,35 @@ pub fn open_target(
     Ok(fd)
 }
 
+/// The components of `target` below `ROOT/{tenant}`, checked lexically: absolute, under the
+/// tenant root, plain names only, in normal form, nothing mountinfo escapes.
+fn target_components<'a>(
+    root: &Path,
+    tenant: &str,
+    target: &'a str,
+) -> Result<Vec<&'a std::ffi::OsStr>, BadTarget> {
+    let troot = tenant_root(root, tenant);
+    let p = Path::new(target);
+    let rel = p.strip_prefix(&troot).map_err(|_| BadTarget)?;
+    let comps: Vec<&std::ffi::OsStr> = rel
+        .components()
+        .map(|c| match c {
+            Component::Normal(s) => Ok(s),
+            _ => Err(BadTarget),
+        })
+        .collect::<Result<_, _>>()?;
+    // Exactly the normal form (no `//`, `/./`, trailing `/`), and nothing mountinfo escapes.
+    let normal: PathBuf = troot.join(comps.iter().collect::<PathBuf>());
+    if comps.is_empty()
+        || target.len() > 4096
+        || normal.as_os_str() != p.as_os_str()
+        || target.contains([' ', '\t', '\n', '\\'])
+    {
+        return Err(BadTarget);
+    }
+    Ok(comps)
+}
+
 /// The magic link naming exactly the file an open descriptor is.
 pub fn fd_path(fd: &OwnedFd) -> PathBuf {
     PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
@@ -136,7 +146,9 @@ pub fn in_use(dev: &str) -> bool {
     )
 }
 
-/// Whether `dir` is a mount point (in this mount namespace).
+/// Whether `dir` is a mount point (in this mount namespace). For the daemon's own directories
+/// (under its data directory, which no tenant controls): a tenant's target is checked through
+/// a descriptor ([`target_is_mounted`]).
 pub fn is_mount_point(dir: &Path) -> bool {
     let Ok(mi) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return false;
@@ -145,45 +157,176 @@ pub fn is_mount_point(dir: &Path) -> bool {
     mi.lines().any(|l| l.split(' ').nth(4) == Some(&*d))
 }
 
-/// Whether the topmost mount at `dir` is a placeholder (mountinfo lists mounts in the order
-/// they were made, so the last entry at a mount point is the one on top).
-pub fn top_is_placeholder(dir: &Path) -> bool {
-    let Ok(mi) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
-    let d = mountinfo_name(dir);
-    mi.lines()
-        .rfind(|l| l.split(' ').nth(4) == Some(&*d))
-        .and_then(|l| l.split(" - ").nth(1))
-        .is_some_and(|rest| {
-            let mut f = rest.split(' ');
-            f.next() == Some("tmpfs") && f.next() == Some(PLACEHOLDER)
-        })
+/// The id of the mount an open descriptor is on (`/proc/self/fdinfo`'s `mnt_id`).
+fn mount_id(fd: &OwnedFd) -> Option<u64> {
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).ok()?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("mnt_id:"))
+        .and_then(|v| v.trim().parse().ok())
 }
 
-/// Covers `target` with a placeholder unless one is on top already.
-pub fn cover(target: &Path) {
-    if !top_is_placeholder(target) {
-        if let Err(e) = placeholder(target) {
-            tracing::warn!(target = %target.display(), error = %e, "covering a target failed");
+/// A tenant's target resolved for a later step (an unmount, a cover): the directory holding
+/// it, opened beneath the tenant root with no symlink, no `..` and no mount crossed (as at
+/// mount time), and the target's last component. Every step after mount time goes through
+/// this, never through the target's path string: a sandbox that swapped a parent directory
+/// for a symlink since has its own target refused, and can never point a step at another
+/// tenant's mount or at a host directory.
+pub struct CheckedTarget {
+    parent: OwnedFd,
+    last: std::ffi::OsString,
+}
+
+impl CheckedTarget {
+    pub fn open(root: &Path, tenant: &str, target: &str) -> Result<CheckedTarget, BadTarget> {
+        let comps = target_components(root, tenant, target)?;
+        let strict = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_XDEV;
+        let dir = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        let root_fd = rustix::fs::open(root, dir, Mode::empty()).map_err(|_| BadTarget)?;
+        let tenant_fd = rustix::fs::openat2(&root_fd, tenant, dir, Mode::empty(), strict)
+            .map_err(|_| BadTarget)?;
+        let (last, parents) = comps.split_last().ok_or(BadTarget)?;
+        let parent = if parents.is_empty() {
+            tenant_fd
+        } else {
+            let p: PathBuf = parents.iter().collect();
+            rustix::fs::openat2(&tenant_fd, &p, dir, Mode::empty(), strict)
+                .map_err(|_| BadTarget)?
+        };
+        Ok(CheckedTarget {
+            parent,
+            last: (*last).to_os_string(),
+        })
+    }
+
+    /// The top of whatever is at the target now (the mount on top, or the directory itself),
+    /// opened through the checked parent with no symlink followed. `O_PATH`, so a dead FUSE
+    /// mount there opens too.
+    fn top(&self) -> Result<OwnedFd, BadTarget> {
+        rustix::fs::openat2(
+            &self.parent,
+            &self.last,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+            ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS,
+        )
+        .map_err(|_| BadTarget)
+    }
+
+    /// Whether something is mounted at the target: its top is on another mount than the
+    /// directory holding it.
+    pub fn is_mounted(&self) -> bool {
+        match (self.top(), mount_id(&self.parent)) {
+            (Ok(top), Some(parent)) => mount_id(&top).is_some_and(|m| m != parent),
+            _ => false,
         }
+    }
+
+    /// The target's path through the checked parent (`/proc/self/fd/N/LAST`): what a syscall
+    /// taking a path is given, with its last component never followed if a symlink.
+    fn via_parent(&self) -> PathBuf {
+        fd_path(&self.parent).join(&self.last)
+    }
+
+    /// Unmounts the top layer at the target (lazily if `lazy`); false if nothing is mounted
+    /// there. The target's last component cannot change while it is a mount point (a rename
+    /// or removal of a mount point fails), and the unmount does not follow a symlink there.
+    pub fn unmount_top(&self, lazy: bool) -> std::io::Result<bool> {
+        if !self.is_mounted() {
+            return Ok(false);
+        }
+        let flags = if lazy {
+            UnmountFlags::NOFOLLOW | UnmountFlags::DETACH
+        } else {
+            UnmountFlags::NOFOLLOW
+        };
+        rustix::mount::unmount(self.via_parent(), flags)?;
+        Ok(true)
+    }
+
+    /// Unmounts every layer at the target (a bind, a placeholder, a dead mount under them),
+    /// lazily if busy.
+    pub fn unmount_all(&self) {
+        for _ in 0..64 {
+            match self.unmount_top(false) {
+                Ok(false) => return,
+                Ok(true) => {}
+                Err(_) => {
+                    if !matches!(self.unmount_top(true), Ok(true)) {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether the topmost mount at the target is a placeholder: the mountinfo line of the
+    /// top's mount id (never a comparison of path strings).
+    pub fn top_is_placeholder(&self) -> bool {
+        let Some(id) = self.top().ok().as_ref().and_then(mount_id) else {
+            return false;
+        };
+        let Ok(mi) = std::fs::read_to_string("/proc/self/mountinfo") else {
+            return false;
+        };
+        mi.lines()
+            .find(|l| l.split(' ').next().and_then(|v| v.parse::<u64>().ok()) == Some(id))
+            .and_then(|l| l.split(" - ").nth(1))
+            .is_some_and(|rest| {
+                let mut f = rest.split(' ');
+                f.next() == Some("tmpfs") && f.next() == Some(PLACEHOLDER)
+            })
+    }
+
+    /// Covers the target with a placeholder unless one is on top already: mounted onto the
+    /// descriptor of its top, so it lands exactly there.
+    pub fn cover(&self) {
+        if self.top_is_placeholder() {
+            return;
+        }
+        let r = self
+            .top()
+            .map_err(|_| std::io::Error::other("the target is not a directory any more"))
+            .and_then(|fd| placeholder(&fd_path(&fd)));
+        if let Err(e) = r {
+            tracing::warn!(target = ?self.last, error = %e, "covering a target failed");
+        }
+    }
+
+    /// The device of the filesystem on top of the target.
+    pub fn top_dev(&self) -> Option<u64> {
+        let fd = self.top().ok()?;
+        rustix::fs::fstat(&fd).ok().map(|st| st.st_dev)
+    }
+}
+
+/// Covers a tenant's target through a [`CheckedTarget`]; a target that no longer resolves
+/// safely (a symlink or a mount on the way) is left alone and said loudly: covering its path
+/// string would follow whatever a sandbox put there.
+pub fn cover(root: &Path, tenant: &str, target: &str) {
+    match CheckedTarget::open(root, tenant, target) {
+        Ok(t) => t.cover(),
+        Err(BadTarget) => tracing::error!(
+            tenant,
+            target,
+            "a mount target no longer resolves safely (a symlink or a mount on its path): not covered"
+        ),
+    }
+}
+
+/// Unmounts every layer at a tenant's target through a [`CheckedTarget`] (nothing if it no
+/// longer resolves safely).
+pub fn unmount_all(root: &Path, tenant: &str, target: &str) {
+    match CheckedTarget::open(root, tenant, target) {
+        Ok(t) => t.unmount_all(),
+        Err(BadTarget) => tracing::error!(
+            tenant,
+            target,
+            "a mount target no longer resolves safely (a symlink or a mount on its path): not unmounted"
+        ),
     }
 }
 
 const PLACEHOLDER: &str = "strata-unmounted";
-
-/// Unmounts every layer at `target` (a bind, a placeholder, a dead mount under them), without
-/// following a symlink there; lazily if busy.
-pub fn unmount_all(target: &Path) {
-    for _ in 0..64 {
-        if !is_mount_point(target) {
-            return;
-        }
-        if rustix::mount::unmount(target, UnmountFlags::NOFOLLOW).is_err() {
-            let _ = rustix::mount::unmount(target, UnmountFlags::NOFOLLOW | UnmountFlags::DETACH);
-        }
-    }
-}
 
 /// Covers `target` with an empty read-only tmpfs: while its workspace is not mounted (the
 /// daemon stopped, a remount failed), a sandbox writing there gets EROFS instead of writing

@@ -15,16 +15,12 @@ use crate::error::ApiError;
 use crate::exports::{own_task, Key};
 use crate::Daemon;
 
-/// Covers a record's target with the read-only placeholder (unless one is on top already).
-async fn cover_target(info: &MountInfo) {
-    if let Some(t) = info.target.clone() {
-        let _ = blocking(move || {
-            let t = Path::new(&t);
-            if t.is_absolute() && t.exists() {
-                host::cover(t);
-            }
-        })
-        .await;
+/// Covers a record's target with the read-only placeholder (unless one is on top already),
+/// through the checked target.
+async fn cover_target(root: Option<&Path>, info: &MountInfo) {
+    if let (Some(t), Some(root)) = (info.target.clone(), root.map(Path::to_path_buf)) {
+        let tenant = info.tenant.clone();
+        let _ = blocking(move || host::cover(&root, &tenant, &t)).await;
     }
 }
 
@@ -118,7 +114,7 @@ impl Daemon {
     async fn mount_afresh(self: &Arc<Self>, info: &MountInfo, home: &Path) -> bool {
         // A dead mount at the target still takes writes into its page cache (they fail
         // only at fsync): cover it at once, before anything else.
-        cover_target(info).await;
+        cover_target(self.mount_root.as_deref(), info).await;
         self.clear_stale(home).await;
         if self.mount_root.is_none() {
             tracing::error!(
@@ -135,7 +131,7 @@ impl Daemon {
                 tracing::error!(tenant = info.tenant, workspace = info.workspace, error = %err.message, "not remounting workspace; its record stays (the next start retries)");
                 // Keep the target covered: nothing a sandbox writes there may land on the
                 // host directory underneath.
-                cover_target(info).await;
+                cover_target(self.mount_root.as_deref(), info).await;
                 false
             }
         }
@@ -252,12 +248,17 @@ impl Daemon {
             if let (Some(tg), Some(root)) = (info.target.clone(), d.mount_root.clone()) {
                 let (tenant, dir) = (k.0.clone(), PathBuf::from(&info.dir));
                 bound = blocking(move || {
-                    let same = |a: &Path, b: &Path| {
-                        matches!((std::fs::metadata(a), std::fs::metadata(b)),
-                            (Ok(x), Ok(y)) if std::os::unix::fs::MetadataExt::dev(&x) == std::os::unix::fs::MetadataExt::dev(&y))
+                    // Everything through the checked target: one that no longer resolves
+                    // safely is neither taken for bound nor bound nor covered (covering its
+                    // path string would follow what the sandbox put there).
+                    let Ok(ct) = host::CheckedTarget::open(&root, &tenant, &tg) else {
+                        tracing::error!(tenant, target = tg, "a mount target no longer resolves safely (a symlink or a mount on its path): not bound again");
+                        return false;
                     };
-                    let t = Path::new(&tg);
-                    if same(t, &dir) {
+                    let dir_dev = std::fs::metadata(&dir)
+                        .ok()
+                        .map(|m| std::os::unix::fs::MetadataExt::dev(&m));
+                    if dir_dev.is_some() && ct.top_dev() == dir_dev {
                         return true;
                     }
                     let _one = host::BIND_LOCK.lock().unwrap_or_else(|p| p.into_inner());
@@ -265,7 +266,7 @@ impl Daemon {
                         .ok()
                         .is_some_and(|fd| host::bind_onto(&dir, &fd).is_ok());
                     if !rebound {
-                        host::cover(t);
+                        ct.cover();
                     }
                     rebound
                 })
@@ -278,6 +279,7 @@ impl Daemon {
                 kernel: Some(disk),
                 vol,
                 bound,
+                _share: Some(d.shares.take_over(&k.0, crate::shares::Kind::Mounts, 1)),
             };
             if let Some(m) = d.insert_unless_stopping(k, m) {
                 d.stop_one(m).await;
@@ -393,9 +395,10 @@ impl Daemon {
     pub(super) async fn stop_one(&self, mut m: super::Mounted) {
         let (dir, target) = (PathBuf::from(&m.info.dir), m.info.target.clone());
         let cover = m.kernel.is_none();
+        let (root, tenant) = (self.mount_root.clone(), m.info.tenant.clone());
         let _ = blocking(move || {
-            if let Some(t) = target.filter(|_| cover) {
-                host::cover(Path::new(&t));
+            if let (Some(t), Some(root)) = (target.filter(|_| cover), root) {
+                host::cover(&root, &tenant, &t);
             }
             host::sync_fs(&dir);
         })
@@ -427,8 +430,9 @@ impl Daemon {
                 "workspace {ws:?} is not mounted on this node"
             )));
         };
-        if let Some(tg) = info.target.clone() {
-            let _ = blocking(move || host::unmount_all(Path::new(&tg))).await;
+        if let (Some(tg), Some(root)) = (info.target.clone(), self.mount_root.clone()) {
+            let tenant = info.tenant.clone();
+            let _ = blocking(move || host::unmount_all(&root, &tenant, &tg)).await;
         }
         self.clear_stale(&home).await;
         let _ = std::fs::remove_file(&rec);

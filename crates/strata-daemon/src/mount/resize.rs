@@ -202,11 +202,26 @@ pub(crate) fn can_grow_online() -> bool {
 
 /// A host tool run on a tenant's filesystem, killed past [`TOOL_TIMEOUT`]: its exit code and
 /// output.
+///
+/// Confined (`strata_engine::confine`): no capabilities but CAP_SYS_RESOURCE for `resize2fs`
+/// (the kernel asks for it to grow a mounted ext4), a mount namespace of its own, limits.
 async fn tool(cmd: &str, args: &[&str]) -> Result<(Option<i32>, String), ApiError> {
-    let child = tokio::process::Command::new(cmd)
-        .args(args)
-        .kill_on_drop(true)
-        .output();
+    use strata_engine::confine;
+    let mut c = tokio::process::Command::new(cmd);
+    c.args(args).kill_on_drop(true);
+    let keep = confine::Keep {
+        sys_resource: cmd == "resize2fs",
+        ..Default::default()
+    };
+    confine::confine(
+        c.as_std_mut(),
+        keep,
+        confine::Limits {
+            wall: TOOL_TIMEOUT,
+            ..Default::default()
+        },
+    );
+    let child = c.output();
     let out = tokio::time::timeout(TOOL_TIMEOUT, child)
         .await
         .map_err(|_| {

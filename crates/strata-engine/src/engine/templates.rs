@@ -109,7 +109,11 @@ impl Engine {
                 template::ImageFormat::Qcow2 => {
                     let raw = tmp.join("image.raw");
                     let (img, out) = (image.to_path_buf(), raw.clone());
-                    blocking(move || template::qcow2_to_raw(&img, &out, limits.max_disk)).await?;
+                    let space = self.space.clone();
+                    blocking(move || {
+                        template::qcow2_to_raw(&img, &out, &limits, &|n| space.admit(n))
+                    })
+                    .await?;
                     raw
                 }
             };

@@ -79,12 +79,20 @@ impl Conn for tokio::io::DuplexStream {
     }
 }
 
+/// A request's charge against the in-flight budgets: its connection's, and the one shared by
+/// every connection of the server's owner (a tenant's, across all its exports), if any.
+/// Held, never read: dropping it returns the bytes to both budgets.
+pub(super) struct Charge {
+    pub _conn: OwnedSemaphorePermit,
+    pub _shared: Option<OwnedSemaphorePermit>,
+}
+
 /// A reply on its way to the wire: header, then (for reads) the data, and the request's share
-/// of the in-flight budget, returned once written.
+/// of the in-flight budgets, returned once written.
 pub(super) struct Reply {
     pub head: Vec<u8>,
     pub data: Vec<u8>,
-    pub permit: Option<OwnedSemaphorePermit>,
+    pub permit: Option<Charge>,
 }
 
 impl From<Vec<u8>> for Reply {
@@ -156,7 +164,10 @@ mod tests {
         let (tx, rx) = mpsc::channel(4);
         let sender = tokio::spawn(send_replies(rx, server));
         let mut r = reply(7, 8 << 10); // coalesced: copied, then written later
-        r.permit = Some(budget.clone().acquire_owned().await.unwrap());
+        r.permit = Some(Charge {
+            _conn: budget.clone().acquire_owned().await.unwrap(),
+            _shared: None,
+        });
         tx.send(r).await.unwrap();
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         assert_eq!(

@@ -97,13 +97,23 @@ impl Server {
                 CMD_BLOCK_STATUS => self.cfg.max_request / 16,
                 _ => 0,
             };
-            let permit = match budget
-                .clone()
-                .acquire_many_owned(reserve.max(MIN_CHARGE))
-                .await
-            {
+            let charge = reserve.max(MIN_CHARGE);
+            let conn_permit = match budget.clone().acquire_many_owned(charge).await {
                 Ok(p) => p,
                 Err(_) => break Ok(()),
+            };
+            // The owner's budget across all its connections (a tenant's, over every export):
+            // many connections cannot hold more than it between them.
+            let shared = match &self.cfg.shared_budget {
+                Some(s) => match s.clone().acquire_many_owned(charge).await {
+                    Ok(p) => Some(p),
+                    Err(_) => break Ok(()),
+                },
+                None => None,
+            };
+            let permit = Charge {
+                _conn: conn_permit,
+                _shared: shared,
             };
             let mut payload = Vec::new();
             if req.kind == CMD_WRITE {

@@ -46,6 +46,37 @@ async fn encrypted_tenants_store_ciphertext() {
         .unwrap();
     assert!(rawc.windows(20).any(|w| w == b"the quick brown fox "));
     assert_eq!(raw.len(), rawc.len(), "objects keep their length");
+    // Issue 41, item 7: an encrypted tenant's ids are keyed (object format 2). The same bytes
+    // under the same salt are one id for a clear tenant (content addressing, anyone can
+    // recompute it), and an id for the encrypted one that nobody without its key can.
+    let (ce, _) = store
+        .put_object_salted("enc", plain.clone(), 42)
+        .await
+        .unwrap();
+    let (ce2, _) = store
+        .put_object_salted("enc", plain.clone(), 43)
+        .await
+        .unwrap();
+    let (cc, _) = store
+        .put_object_salted("clear", plain.clone(), 42)
+        .await
+        .unwrap();
+    let unkeyed = strata_format::object::encode_salted(&plain, 42).0;
+    assert_eq!(cc.id, unkeyed);
+    assert_ne!(
+        ce.id, unkeyed,
+        "an encrypted tenant's id is not the unkeyed hash"
+    );
+    assert_ne!(ce.id, ce2.id);
+    let cdir = tempfile::tempdir().unwrap();
+    let reader = crate::ObjectReader::new(
+        store.clone(),
+        crate::NodeCache::open(cdir.path(), 1 << 30).unwrap(),
+        256 << 10,
+    );
+    let mut buf = vec![0u8; 100];
+    reader.read_into("enc", &ce, 5000, &mut buf).await.unwrap();
+    assert_eq!(&buf[..], &plain[5000..5100]);
     // Range reads decipher (what the reader verifies against the frame hashes).
     let clear = store.get_range(&key, 0..raw.len() as u64).await.unwrap();
     let part = store.get_range(&key, 1001..70_001).await.unwrap();

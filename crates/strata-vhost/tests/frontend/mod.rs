@@ -47,10 +47,30 @@ pub fn try_connect(path: &Path) -> vhost::Result<Guest> {
     try_connect_with(path, !0)
 }
 
+/// Guest memory as a VMM shares it: a memfd sealed against shrinking and growing (QEMU's
+/// `memory-backend-memfd` default), or, `sealed` false, a plain file a VMM could truncate.
+pub fn guest_memory_file(sealed: bool) -> std::fs::File {
+    if !sealed {
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(MEM as u64).unwrap();
+        return file;
+    }
+    use rustix::fs::{MemfdFlags, SealFlags};
+    let fd =
+        rustix::fs::memfd_create("guest", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+    let file = std::fs::File::from(fd);
+    file.set_len(MEM as u64).unwrap();
+    rustix::fs::fcntl_add_seals(&file, SealFlags::SHRINK | SealFlags::GROW).unwrap();
+    file
+}
+
 /// [`try_connect`] acknowledging only the offered features in `mask`.
 pub fn try_connect_with(path: &Path, mask: u64) -> vhost::Result<Guest> {
-    let file = tempfile::tempfile().unwrap();
-    file.set_len(MEM as u64).unwrap();
+    try_connect_memory(path, mask, guest_memory_file(true))
+}
+
+/// [`try_connect_with`] over the guest memory in `file` (`MEM` bytes).
+pub fn try_connect_memory(path: &Path, mask: u64, file: std::fs::File) -> vhost::Result<Guest> {
     let mem = GuestMemoryMmap::<()>::from_ranges_with_files(&[(
         GuestAddress(0),
         MEM,

@@ -1,0 +1,251 @@
+//! Host tools run on what a tenant wrote (`mkfs.ext4 -d` over its unpacked archive, `qemu-img`
+//! on its image, `e2fsck` and `resize2fs` on its filesystem) run confined: a parser of hostile
+//! input gets none of the daemon's privileges it does not need, cannot change the host's
+//! mounts, and is bounded in memory, CPU time, open files and wall time.
+//!
+//! In the child, before `exec` (as root; a daemon that is not root has nothing to drop):
+//! - a private mount namespace (`unshare(CLONE_NEWNS)`, every mount made private), so whatever
+//!   the tool mounts or unmounts stays in it;
+//! - the capability bounding set cut to what the tool needs: root's capabilities after `exec`
+//!   are the bounding set, so the tool runs with those and no others (file access by owner,
+//!   as uid 0, is unchanged);
+//! - `no_new_privs`, so no set-uid or file capability gives any back;
+//! - limits: address space, CPU seconds, open files, no core dumps.
+//!
+//! The caller bounds the wall time ([`run`] kills the tool past its timeout).
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+/// What a confined tool may keep of root's capabilities.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Keep {
+    /// Read files and search directories whatever their modes (`mkfs.ext4 -d` over a tenant's
+    /// tree, whose modes the tenant chose).
+    pub read_any: bool,
+    /// Grow a mounted ext4 (`resize2fs` online: the kernel asks for CAP_SYS_RESOURCE).
+    pub sys_resource: bool,
+}
+
+/// Limits of a confined tool.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub address_space: u64,
+    pub cpu_seconds: u64,
+    pub open_files: u64,
+    pub wall: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            address_space: 4 << 30,
+            cpu_seconds: 1800,
+            open_files: 1024,
+            wall: Duration::from_secs(1800),
+        }
+    }
+}
+
+/// Sets `cmd` up to run confined (see the module docs).
+pub fn confine(cmd: &mut Command, keep: Keep, limits: Limits) {
+    use std::os::unix::process::CommandExt;
+    #[allow(unsafe_code)]
+    // SAFETY: the closure runs in the forked child before exec and only makes system calls
+    // through rustix (no allocation, no locks); errors are returned, never panicked on.
+    unsafe {
+        cmd.pre_exec(move || in_child(keep, limits));
+    }
+}
+
+/// What the child does before `exec`. Only system calls: no allocation.
+fn in_child(keep: Keep, limits: Limits) -> std::io::Result<()> {
+    use rustix::process::{setrlimit, Resource, Rlimit};
+    use rustix::thread::CapabilitySet;
+    let root = rustix::process::geteuid().is_root();
+    if root {
+        // SAFETY (of the unsafe call): the child has one thread and no file table is unshared.
+        #[allow(unsafe_code)]
+        unsafe {
+            rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS)?;
+        }
+        rustix::mount::mount_change(
+            c"/",
+            rustix::mount::MountPropagationFlags::PRIVATE
+                | rustix::mount::MountPropagationFlags::REC,
+        )?;
+        let mut kept = CapabilitySet::empty();
+        if keep.read_any {
+            kept |= CapabilitySet::DAC_READ_SEARCH;
+        }
+        if keep.sys_resource {
+            kept |= CapabilitySet::SYS_RESOURCE;
+        }
+        for bit in 0..64u32 {
+            let cap = CapabilitySet::from_bits_retain(1u64 << bit);
+            if kept.contains(cap) {
+                continue;
+            }
+            match rustix::thread::remove_capability_from_bounding_set(cap) {
+                // Past the kernel's last capability.
+                Ok(()) | Err(rustix::io::Errno::INVAL) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+    rustix::thread::set_no_new_privs(true)?;
+    let lim = |n: u64| Rlimit {
+        current: Some(n),
+        maximum: Some(n),
+    };
+    setrlimit(Resource::As, lim(limits.address_space))?;
+    setrlimit(Resource::Cpu, lim(limits.cpu_seconds))?;
+    setrlimit(Resource::Nofile, lim(limits.open_files))?;
+    setrlimit(Resource::Core, lim(0))?;
+    Ok(())
+}
+
+/// Runs `cmd` confined and waits for it, killing it past `limits.wall`: its output (which the
+/// caller checks), or an error if it could not start or ran out of time.
+pub fn run(cmd: &mut Command, keep: Keep, limits: Limits) -> std::io::Result<Output> {
+    use std::io::Read;
+    use std::process::Stdio;
+    confine(cmd, keep, limits);
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    // The pipes are drained by threads, so a chatty tool never blocks on a full pipe.
+    let drain = |p: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut p) = p {
+                let _ = p.read_to_end(&mut buf);
+            }
+            buf
+        })
+    };
+    let out = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let err = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        if started.elapsed() > limits.wall {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("killed after {:?}", limits.wall),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Ok(Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sh(script: &str, keep: Keep, limits: Limits) -> String {
+        let out = run(Command::new("sh").arg("-c").arg(script), keep, limits).unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn is_root() -> bool {
+        rustix::process::geteuid().is_root()
+    }
+
+    /// Issue 41, item 7: host tools read tenant filesystems with the daemon's privileges and no
+    /// bound. Confined, a tool keeps only the capabilities named, sees a mount namespace of its
+    /// own, and its limits hold.
+    #[test]
+    fn a_confined_tool_has_what_it_was_given_and_nothing_more() {
+        if !is_root() {
+            assert!(std::env::var("CI").is_err(), "CI runs as root");
+            eprintln!("skipping: the capability checks need root");
+            return;
+        }
+        let status = sh(
+            "grep -E '^Cap(Eff|Bnd)|^NoNewPrivs' /proc/self/status; readlink /proc/self/ns/mnt; ulimit -v; ulimit -n",
+            Keep {
+                read_any: true,
+                ..Keep::default()
+            },
+            Limits {
+                address_space: 1 << 30,
+                open_files: 64,
+                ..Limits::default()
+            },
+        );
+        let field = |k: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(k))
+                .map(|v| v.trim().to_string())
+                .unwrap_or_default()
+        };
+        // CAP_DAC_READ_SEARCH is bit 2.
+        assert_eq!(field("CapEff:"), "0000000000000004", "{status}");
+        assert_eq!(field("CapBnd:"), "0000000000000004", "{status}");
+        assert_eq!(field("NoNewPrivs:"), "1", "{status}");
+        let ours = std::fs::read_link("/proc/self/ns/mnt").unwrap();
+        assert!(
+            status
+                .lines()
+                .any(|l| l.starts_with("mnt:") && l != ours.to_string_lossy()),
+            "a mount namespace of its own: {status}"
+        );
+        let lines: Vec<&str> = status.lines().collect();
+        assert_eq!(lines[lines.len() - 2], (1u64 << 30 >> 10).to_string());
+        assert_eq!(lines[lines.len() - 1], "64");
+        // A mount the tool makes stays in its namespace.
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().display().to_string();
+        let _ = run(
+            Command::new("mount").args(["-t", "tmpfs", "x", &p]),
+            Keep::default(),
+            Limits::default(),
+        );
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(!mounts.contains(&p), "the tool's mount leaked to the host");
+    }
+
+    #[test]
+    fn a_tool_past_its_wall_time_is_killed() {
+        let t = Instant::now();
+        let e = run(
+            Command::new("sleep").arg("30"),
+            Keep::default(),
+            Limits {
+                wall: Duration::from_millis(300),
+                ..Limits::default()
+            },
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+        assert!(t.elapsed() < Duration::from_secs(5));
+    }
+}
