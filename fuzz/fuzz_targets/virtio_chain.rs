@@ -35,6 +35,7 @@ fuzz_target!(|data: &[u8]| {
         num_queues: 1,
         queue_size: size,
         serial: "fuzz".into(),
+        unsealed_memory: false,
     };
     let dev = MemDevice::new(1 << 20);
     let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
