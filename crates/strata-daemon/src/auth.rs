@@ -40,8 +40,15 @@ impl Caller {
         d: &Daemon,
         tenant: &str,
         expires_ms: Option<u64>,
+        changes: bool,
     ) -> Result<Caller, ApiError> {
         let share = d.shares.take(tenant, crate::shares::Kind::Requests, 1)?;
+        // A request that changes something waits its tenant's turn (`shares.rs`, ops_rate).
+        if changes {
+            if let Some(wait) = d.shares.pace_op(tenant)? {
+                tokio::time::sleep(wait).await;
+            }
+        }
         let gate = d.tenant_gate(tenant).read_owned().await;
         if *gate > 0 {
             return Err(ApiError::new(
@@ -94,7 +101,7 @@ impl FromRequestParts<Arc<Daemon>> for Tenant {
     async fn from_request_parts(parts: &mut Parts, d: &Arc<Daemon>) -> Result<Self, ApiError> {
         if let Some(l) = local(parts) {
             observe::record_tenant(&l.tenant);
-            let caller = Caller::enter(d, &l.tenant, None).await?;
+            let caller = Caller::enter(d, &l.tenant, None, false).await?;
             return Ok(Tenant(l.tenant.clone(), caller));
         }
         let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
@@ -109,7 +116,11 @@ impl FromRequestParts<Arc<Daemon>> for Tenant {
             return Err(scope.refusal(&parts.method, route));
         }
         observe::record_tenant(&info.tenant);
-        let caller = Caller::enter(d, &info.tenant, info.expires_ms).await?;
+        let changes = !matches!(
+            parts.method,
+            axum::http::Method::GET | axum::http::Method::HEAD
+        );
+        let caller = Caller::enter(d, &info.tenant, info.expires_ms, changes).await?;
         Ok(Tenant(info.tenant, caller))
     }
 }

@@ -209,6 +209,7 @@ impl Daemon {
         )?);
         let nbd_metrics = Arc::new(strata_nbd::NbdMetrics::default());
         let admin = tokens::AdminTokens::new(cfg.admin_token.as_deref(), cfg.admin_token_file)?;
+        engine.set_tenant_write_rate(Some(cfg.shares.write_rate).filter(|r| *r > 0));
         Ok(Arc::new_cyclic(|me| Daemon {
             engine,
             metrics: metrics::Metrics::new(me.clone(), nbd_metrics.clone()),

@@ -154,14 +154,14 @@ async fn run(cmd: &str, args: &[&str]) -> Result<String, ApiError> {
 /// [`run`] for a tool that writes or parses a tenant's filesystem: confined
 /// (`strata_engine::confine`), with no capabilities, killed past its limits.
 async fn run_confined(cmd: &str, args: &[&str]) -> Result<String, ApiError> {
-    let mut c = tokio::process::Command::new(cmd);
-    c.args(args).kill_on_drop(true);
-    let limits = strata_engine::confine::Limits::default();
-    strata_engine::confine::confine(c.as_std_mut(), Default::default(), limits);
-    let out = tokio::time::timeout(limits.wall, c.output())
-        .await
-        .map_err(|_| ApiError::internal(format!("{cmd}: killed after {:?}", limits.wall)))?
-        .map_err(|e| ApiError::internal(format!("{cmd}: {e} (is it installed?)")))?;
+    use strata_engine::confine;
+    let out = confine::run_async(
+        tokio::process::Command::new(cmd).args(args),
+        confine::Keep::default(),
+        confine::Limits::default(),
+    )
+    .await
+    .map_err(|e| ApiError::internal(format!("{cmd}: {e} (is it installed?)")))?;
     if !out.status.success() {
         return Err(ApiError::internal(format!(
             "{cmd} {} failed: {}",

@@ -33,9 +33,13 @@ impl FromRequestParts<Arc<Daemon>> for RelayCaller {
     async fn from_request_parts(parts: &mut Parts, d: &Arc<Daemon>) -> Result<Self, ApiError> {
         let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
         let i = live_token(d, token).await?;
+        let changes = !matches!(
+            parts.method,
+            axum::http::Method::GET | axum::http::Method::HEAD
+        );
         Ok(RelayCaller {
             scope: Scope::of(i.scope.as_deref()),
-            _caller: crate::auth::Caller::enter(d, &i.tenant, i.expires_ms).await?,
+            _caller: crate::auth::Caller::enter(d, &i.tenant, i.expires_ms, changes).await?,
             tenant: i.tenant,
         })
     }
@@ -281,7 +285,31 @@ pub(crate) async fn put_relay_file(
             .admit_local(n)
             .map_err(|e| crate::relay::RelayError::NoSpace(e.to_string()))
     };
-    let (f, created) = d
+    // A body that stopped arriving is told apart (408) from a broken one (400).
+    let idle = std::sync::atomic::AtomicBool::new(false);
+    let body = body
+        .into_data_stream()
+        .map(|r| {
+            r.inspect_err(|e| {
+                if crate::template_api::body_error_is_idle(e) {
+                    idle.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            })
+        })
+        // The tenant's write rate on this node (relay bytes are written to its disk too).
+        .then(|r| {
+            let wait = r
+                .as_ref()
+                .ok()
+                .and_then(|c| d.engine.pace(&t, c.len() as u64));
+            async move {
+                if let Some(w) = wait {
+                    tokio::time::sleep(w).await;
+                }
+                r
+            }
+        });
+    let put = d
         .relay
         .put(
             &t,
@@ -290,11 +318,19 @@ pub(crate) async fn put_relay_file(
             &name,
             crate::relay::Incoming {
                 declared_len: declared,
-                body: body.into_data_stream(),
+                body,
                 admit: &admit,
             },
         )
-        .await?;
+        .await;
+    let (f, created) = match put {
+        Err(crate::relay::RelayError::Invalid(m))
+            if idle.load(std::sync::atomic::Ordering::Relaxed) =>
+        {
+            return Err(ApiError::new(StatusCode::REQUEST_TIMEOUT, "invalid", m));
+        }
+        r => r?,
+    };
     let status = if created {
         StatusCode::CREATED
     } else {

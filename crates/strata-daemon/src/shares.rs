@@ -62,6 +62,13 @@ pub struct ShareLimits {
     /// Bytes of NBD requests in flight over all of a tenant's exports on the node (at least
     /// the largest request, 32 MiB).
     pub inflight_bytes: u64,
+    /// Bytes a second a tenant may write into the node: guest writes on every front-end,
+    /// relay files, template uploads (0: unlimited, the default; `Engine::pace`).
+    pub write_rate: u64,
+    /// Requests that change something (POST, PUT, DELETE: attaches, detaches, checkpoints,
+    /// forks, relay files…) a second, with a second's worth as a burst (0: unlimited, the
+    /// default). Each costs the node catalog commits and fsyncs every tenant's FLUSH shares.
+    pub ops_rate: u64,
 }
 
 impl Default for ShareLimits {
@@ -74,6 +81,8 @@ impl Default for ShareLimits {
             nbd_connections: 16,
             attached: 64,
             inflight_bytes: 256 << 20,
+            write_rate: 0,
+            ops_rate: 0,
         }
     }
 }
@@ -102,7 +111,15 @@ pub(crate) struct Shares {
     /// Each tenant's NBD budget of bytes in flight, shared by its exports' servers (dropped
     /// with the tenant).
     nbd_budgets: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
+    /// Each tenant's bucket of requests that change something ([`ShareLimits::ops_rate`]).
+    ops: Mutex<HashMap<String, Arc<Mutex<Bucket>>>>,
 }
+
+/// A token bucket: (tokens, when last filled).
+type Bucket = (f64, std::time::Instant);
+
+/// The longest a request waits for its tenant's [`ShareLimits::ops_rate`]; past it, `429`.
+const OPS_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Shares {
     pub fn new(limits: ShareLimits) -> Arc<Shares> {
@@ -110,6 +127,7 @@ impl Shares {
             limits,
             used: Mutex::default(),
             nbd_budgets: Mutex::default(),
+            ops: Mutex::default(),
         })
     }
 
@@ -118,14 +136,17 @@ impl Shares {
     }
 
     /// Takes `n` of `kind` for `tenant`, or refuses with `429 busy` if that would take the
-    /// tenant past its share. (A request for more than the whole share is refused the same
-    /// way: it can never fit.)
+    /// tenant past its share. A request for more than the whole share is admitted only while
+    /// the tenant holds none of the kind (so it is bounded by one such request).
     pub fn take(self: &Arc<Self>, tenant: &str, kind: Kind, n: u64) -> Result<Share, ApiError> {
         let limit = self.limits.of(kind);
         let key = (tenant.to_string(), kind);
         let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
         let u = used.entry(key.clone()).or_default();
-        if u.saturating_add(n) > limit {
+        // One piece larger than the whole share (a relay file over the spool share) is still
+        // admitted while the tenant holds nothing else of the kind: it would never fit, and
+        // its tenant's file would be unreadable for ever.
+        if *u > 0 && u.saturating_add(n) > limit || *u == 0 && limit == 0 {
             let mut e = ApiError::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 "busy",
@@ -178,6 +199,50 @@ impl Shares {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(tenant);
+        self.ops
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(tenant);
+    }
+
+    /// Paces a request of `tenant` that changes something to [`ShareLimits::ops_rate`] (a
+    /// token bucket a second deep): how long it waits first, or `429 busy` if that would be
+    /// longer than [`OPS_WAIT`] (its charge then given back).
+    pub fn pace_op(&self, tenant: &str) -> Result<Option<std::time::Duration>, ApiError> {
+        if self.limits.ops_rate == 0 {
+            return Ok(None);
+        }
+        let rate = self.limits.ops_rate as f64;
+        let bucket = self
+            .ops
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(tenant.to_string())
+            .or_insert_with(|| Arc::new(Mutex::new((rate, std::time::Instant::now()))))
+            .clone();
+        let mut b = bucket.lock().unwrap_or_else(|p| p.into_inner());
+        let now = std::time::Instant::now();
+        b.0 = (b.0 + now.duration_since(b.1).as_secs_f64() * rate).min(rate.max(1.0));
+        b.1 = now;
+        b.0 -= 1.0;
+        if b.0 >= 0.0 {
+            return Ok(None);
+        }
+        let wait = std::time::Duration::from_secs_f64(-b.0 / rate);
+        if wait > OPS_WAIT {
+            b.0 += 1.0;
+            let mut e = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "busy",
+                format!(
+                    "the tenant makes more than its {} changes a second on this node; retry later",
+                    self.limits.ops_rate
+                ),
+            );
+            e.retryable = true;
+            return Err(e);
+        }
+        Ok(Some(wait))
     }
 
     /// What `tenant` holds of `kind` now.
@@ -201,9 +266,14 @@ pub(crate) struct Share {
 impl Share {
     /// Counts `n` more in this share whatever the limit (see [`Shares::take_over`]).
     pub fn add(&mut self, n: u64) {
-        let more = self.shares.take_over(&self.key.0, self.key.1, n);
-        self.n += more.n;
-        std::mem::forget(more);
+        *self
+            .shares
+            .used
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(self.key.clone())
+            .or_default() += n;
+        self.n += n;
     }
 }
 
@@ -251,6 +321,11 @@ mod tests {
         let a = s.take("a", Kind::RelaySpoolBytes, 40).unwrap();
         let b = s.take("a", Kind::RelaySpoolBytes, 50).unwrap();
         assert!(s.take("a", Kind::RelaySpoolBytes, 11).is_err());
+        // More than the whole share: only while the tenant holds none.
+        assert!(s.take("a", Kind::RelaySpoolBytes, 500).is_err());
+        let big = s.take("b", Kind::RelaySpoolBytes, 500).unwrap();
+        assert!(s.take("b", Kind::RelaySpoolBytes, 1).is_err());
+        drop(big);
         let mut over = s.take_over("a", Kind::RelaySpoolBytes, 0);
         over.add(30);
         assert_eq!(s.used("a", Kind::RelaySpoolBytes), 120);

@@ -115,7 +115,7 @@ pub(crate) async fn upload_template(
     let share = d.shares.take(&t, Kind::TemplateUploads, 1)?;
     let tmp = TempDir(strata_engine::tempdir_in(&d.engine.config().data_dir)?);
     let file = tmp.0.join("upload");
-    spool(&d, content, &file, d.template_max_bytes).await?;
+    spool(&d, &t, content, &file, d.template_max_bytes).await?;
     let permit = build_slot(&d).await?;
     let (size, limits) = (q.size, limits(&d));
     let format = q.format.clone();
@@ -153,19 +153,22 @@ async fn build_slot(d: &Daemon) -> Result<tokio::sync::OwnedSemaphorePermit, Api
         .map_err(|_| ApiError::internal("template builds are closed"))
 }
 
-/// A request body that failed: the client stopped sending (408) or sent something broken.
-pub(crate) fn body_error(e: axum::Error) -> ApiError {
+/// Whether a request body failed because its client sent nothing for the idle timeout.
+pub(crate) fn body_error_is_idle(e: &axum::Error) -> bool {
     use std::error::Error;
     let mut cause: Option<&(dyn Error + 'static)> = e.source();
-    let mut idle = false;
     while let Some(c) = cause {
         if c.is::<crate::observe::BodyIdle>() {
-            idle = true;
-            break;
+            return true;
         }
         cause = c.source();
     }
-    if idle {
+    false
+}
+
+/// A request body that failed: the client stopped sending (408) or sent something broken.
+pub(crate) fn body_error(e: axum::Error) -> ApiError {
+    if body_error_is_idle(&e) {
         ApiError::new(
             StatusCode::REQUEST_TIMEOUT,
             "invalid",
@@ -178,7 +181,13 @@ pub(crate) fn body_error(e: axum::Error) -> ApiError {
 
 /// Streams a request body into `file`, refusing it past `max` bytes, and refusing bytes the
 /// node's free-space floor keeps for its own metadata.
-async fn spool(d: &Daemon, content: Body, file: &FsPath, max: u64) -> Result<(), ApiError> {
+async fn spool(
+    d: &Daemon,
+    tenant: &str,
+    content: Body,
+    file: &FsPath,
+    max: u64,
+) -> Result<(), ApiError> {
     let io = |e: std::io::Error| ApiError::internal(format!("spooling the upload: {e}"));
     let mut out = tokio::fs::File::create(file).await.map_err(io)?;
     let mut stream = content.into_data_stream();
@@ -186,6 +195,9 @@ async fn spool(d: &Daemon, content: Body, file: &FsPath, max: u64) -> Result<(),
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(body_error)?;
         n += chunk.len() as u64;
+        if let Some(wait) = d.engine.pace(tenant, chunk.len() as u64) {
+            tokio::time::sleep(wait).await;
+        }
         d.engine.admit_local(chunk.len() as u64)?;
         if n > max {
             return Err(ApiError::new(

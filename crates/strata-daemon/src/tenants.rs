@@ -324,12 +324,7 @@ impl Daemon {
 
     /// The tenant's relay bytes waiting for upload on this node.
     pub(crate) fn relay_waiting(&self, t: &str) -> u64 {
-        self.relay
-            .lag()
-            .iter()
-            .filter(|((tenant, _), _)| tenant == t)
-            .map(|(_, l)| l.pending_bytes)
-            .sum()
+        self.relay.pending_bytes(t)
     }
 
     /// Refuses a relay file of `incoming` declared bytes past the tenant's `relay_bytes` quota
@@ -459,6 +454,7 @@ impl Daemon {
                 .await
                 .map_err(local("removing the tenant's relay files"))?;
             d.shares.forget_tenant(&t);
+            d.engine.forget_tenant_budget(&t);
             // Its frame tables, verified units and cached objects: nothing of it stays in
             // this node's memory or cache.
             d.engine

@@ -326,8 +326,10 @@ pub(crate) async fn resize(
     let b = body(b)?;
     d.engine.workspace(&t, &name).await?;
     // The tenant's resizes one at a time: two checked against the same total could both
-    // pass and take the tenant past its quota together.
-    let _one = d.op_lock(&(t.clone(), String::new())).lock_owned().await;
+    // pass and take the tenant past its quota together. A key of their own (no workspace
+    // name holds a `/`): the attach quota's tenant lock is taken under a workspace's lock,
+    // which a resize takes after this one, and the two orders would deadlock.
+    let _one = d.op_lock(&(t.clone(), "/resize".into())).lock_owned().await;
     d.resize_quota(&t, &name, b.size).await?;
     Ok(Json(d.resize_workspace(&t, &name, b.size).await?))
 }

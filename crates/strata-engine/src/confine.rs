@@ -62,8 +62,10 @@ pub fn confine(cmd: &mut Command, keep: Keep, limits: Limits) {
 fn in_child(keep: Keep, limits: Limits) -> std::io::Result<()> {
     use rustix::process::{setrlimit, Resource, Rlimit};
     use rustix::thread::CapabilitySet;
-    let root = rustix::process::geteuid().is_root();
-    if root {
+    let caps = rustix::thread::capabilities(None)?;
+    // Each step needs a capability of its own; a daemon without it (not root, or root in a
+    // container without CAP_SYS_ADMIN) has nothing that step would take away.
+    if caps.effective.contains(CapabilitySet::SYS_ADMIN) {
         // SAFETY (of the unsafe call): the child has one thread and no file table is unshared.
         #[allow(unsafe_code)]
         unsafe {
@@ -74,13 +76,15 @@ fn in_child(keep: Keep, limits: Limits) -> std::io::Result<()> {
             rustix::mount::MountPropagationFlags::PRIVATE
                 | rustix::mount::MountPropagationFlags::REC,
         )?;
-        let mut kept = CapabilitySet::empty();
-        if keep.read_any {
-            kept |= CapabilitySet::DAC_READ_SEARCH;
-        }
-        if keep.sys_resource {
-            kept |= CapabilitySet::SYS_RESOURCE;
-        }
+    }
+    let mut kept = CapabilitySet::empty();
+    if keep.read_any {
+        kept |= CapabilitySet::DAC_READ_SEARCH;
+    }
+    if keep.sys_resource {
+        kept |= CapabilitySet::SYS_RESOURCE;
+    }
+    if caps.effective.contains(CapabilitySet::SETPCAP) {
         for bit in 0..64u32 {
             let cap = CapabilitySet::from_bits_retain(1u64 << bit);
             if kept.contains(cap) {
@@ -93,15 +97,34 @@ fn in_child(keep: Keep, limits: Limits) -> std::io::Result<()> {
             }
         }
     }
+    // Nothing passes exec through the inheritable or ambient sets either (a runtime may have
+    // set them), and what this process keeps is at most `kept` (lowering needs no privilege).
+    rustix::thread::clear_ambient_capability_set()?;
+    rustix::thread::set_capabilities(
+        None,
+        rustix::thread::CapabilitySets {
+            effective: caps.effective & kept,
+            permitted: caps.permitted & kept,
+            inheritable: CapabilitySet::empty(),
+        },
+    )?;
     rustix::thread::set_no_new_privs(true)?;
-    let lim = |n: u64| Rlimit {
-        current: Some(n),
-        maximum: Some(n),
+    // Limits are only ever lowered (raising one needs a capability the tool no longer has).
+    let lower = |r: Resource, n: u64| {
+        let old = rustix::process::getrlimit(r);
+        let max = old.maximum.map_or(n, |m| m.min(n));
+        setrlimit(
+            r,
+            Rlimit {
+                current: Some(old.current.map_or(max, |c| c.min(max))),
+                maximum: Some(max),
+            },
+        )
     };
-    setrlimit(Resource::As, lim(limits.address_space))?;
-    setrlimit(Resource::Cpu, lim(limits.cpu_seconds))?;
-    setrlimit(Resource::Nofile, lim(limits.open_files))?;
-    setrlimit(Resource::Core, lim(0))?;
+    lower(Resource::As, limits.address_space)?;
+    lower(Resource::Cpu, limits.cpu_seconds)?;
+    lower(Resource::Nofile, limits.open_files)?;
+    lower(Resource::Core, 0)?;
     Ok(())
 }
 
@@ -116,14 +139,20 @@ pub fn run(cmd: &mut Command, keep: Keep, limits: Limits) -> std::io::Result<Out
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()?;
-    // The pipes are drained by threads, so a chatty tool never blocks on a full pipe.
+    // The pipes are drained by threads, so a chatty tool never blocks on a full pipe; what a
+    // tool says past [`MAX_OUTPUT`] is read and dropped (the answer is then refused), so a
+    // hostile input cannot make a tool fill the daemon's memory through its output.
     let drain = |p: Option<Box<dyn Read + Send>>| {
         std::thread::spawn(move || {
             let mut buf = Vec::new();
-            if let Some(mut p) = p {
+            let mut over = false;
+            if let Some(p) = p {
+                let mut p = p.take(MAX_OUTPUT + 1);
                 let _ = p.read_to_end(&mut buf);
+                over = buf.len() as u64 > MAX_OUTPUT;
+                let _ = std::io::copy(&mut p.into_inner(), &mut std::io::sink());
             }
-            buf
+            (buf, over)
         })
     };
     let out = drain(
@@ -153,11 +182,72 @@ pub fn run(cmd: &mut Command, keep: Keep, limits: Limits) -> std::io::Result<Out
         }
         std::thread::sleep(Duration::from_millis(20));
     };
+    let (stdout, over) = out.join().unwrap_or_default();
+    let (mut stderr, _) = err.join().unwrap_or_default();
+    stderr.truncate(MAX_OUTPUT as usize);
+    if over {
+        return Err(std::io::Error::other(format!(
+            "its output passed {MAX_OUTPUT} bytes"
+        )));
+    }
     Ok(Output {
         status,
-        stdout: out.join().unwrap_or_default(),
-        stderr: err.join().unwrap_or_default(),
+        stdout,
+        stderr,
     })
+}
+
+/// The most of a confined tool's output kept (the rest is read and dropped).
+pub const MAX_OUTPUT: u64 = 16 << 20;
+
+/// [`run`] for an async caller (a `tokio` command, killed when dropped): confined, waited for
+/// at most `limits.wall`, its output bounded like [`run`]'s.
+pub async fn run_async(
+    cmd: &mut tokio::process::Command,
+    keep: Keep,
+    limits: Limits,
+) -> std::io::Result<Output> {
+    use std::process::Stdio;
+    use tokio::io::AsyncReadExt;
+    confine(cmd.as_std_mut(), keep, limits);
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    async fn drain(p: Option<impl tokio::io::AsyncRead + Unpin>) -> (Vec<u8>, bool) {
+        let mut buf = Vec::new();
+        let Some(p) = p else { return (buf, false) };
+        let mut p = p.take(MAX_OUTPUT + 1);
+        let _ = p.read_to_end(&mut buf).await;
+        let over = buf.len() as u64 > MAX_OUTPUT;
+        let _ = tokio::io::copy(&mut p.into_inner(), &mut tokio::io::sink()).await;
+        (buf, over)
+    }
+    let (out, err) = (child.stdout.take(), child.stderr.take());
+    let all = async {
+        let ((stdout, over), (mut stderr, _), status) =
+            tokio::join!(drain(out), drain(err), child.wait());
+        stderr.truncate(MAX_OUTPUT as usize);
+        if over {
+            return Err(std::io::Error::other(format!(
+                "its output passed {MAX_OUTPUT} bytes"
+            )));
+        }
+        Ok(Output {
+            status: status?,
+            stdout,
+            stderr,
+        })
+    };
+    match tokio::time::timeout(limits.wall, all).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("killed after {:?}", limits.wall),
+        )),
+    }
 }
 
 #[cfg(test)]

@@ -71,6 +71,8 @@ pub struct Engine {
     /// Each tenant's journal quota on this node (entries are never removed: one per tenant
     /// seen, a few bytes each).
     budgets: std::sync::Mutex<HashMap<String, Arc<crate::space::TenantBudget>>>,
+    /// The write rate new budgets get (`u64::MAX`: none); see `set_tenant_write_rate`.
+    write_rate: std::sync::atomic::AtomicU64,
     /// Attached volumes, for lookups: changed only by the holder of the workspace's slot.
     live: std::sync::RwLock<HashMap<Key, Arc<Volume>>>,
     /// The node's lease renewal (one catalog call for every attached volume), started at the
@@ -167,6 +169,7 @@ impl Engine {
             slots: Default::default(),
             live: Default::default(),
             budgets: Default::default(),
+            write_rate: std::sync::atomic::AtomicU64::new(u64::MAX),
             space,
             renewer: Default::default(),
         }))
@@ -231,8 +234,43 @@ impl Engine {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .entry(tenant.to_string())
-            .or_default()
+            .or_insert_with(|| {
+                let b = crate::space::TenantBudget::default();
+                let rate = self.write_rate.load(std::sync::atomic::Ordering::Relaxed);
+                b.set_rate((rate != u64::MAX).then_some(rate));
+                Arc::new(b)
+            })
             .clone()
+    }
+
+    /// Every tenant's write rate on this node (bytes a second; `None`: unlimited): guest
+    /// writes, and what [`Engine::pace`] is told of (relay files, template uploads).
+    pub fn set_tenant_write_rate(&self, rate: Option<u64>) {
+        let r = rate.filter(|r| *r > 0).unwrap_or(u64::MAX);
+        self.write_rate
+            .store(r, std::sync::atomic::Ordering::Relaxed);
+        for b in self
+            .budgets
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+        {
+            b.set_rate(rate);
+        }
+    }
+
+    /// Charges `bytes` a tenant is writing into this node to its write rate; how long to wait
+    /// first (see `TenantBudget::pace`).
+    pub fn pace(&self, tenant: &str, bytes: u64) -> Option<std::time::Duration> {
+        self.budget(tenant).pace(bytes)
+    }
+
+    /// Forgets a deleted tenant's budget on this node.
+    pub fn forget_tenant_budget(&self, tenant: &str) {
+        self.budgets
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(tenant);
     }
 
     /// Sets the tenant's `local_journal_bytes` quota on this node now (attaches read it from

@@ -274,9 +274,9 @@ pub fn check_qcow2_header(image: &Path) -> Result<()> {
 /// the image's author chose.
 ///
 /// A qcow2 of compressed clusters expands: 651 KiB of upload once held 256 MiB of `out`. So
-/// before converting, the bytes the raw file will hold (the image's allocated data, read from
-/// its map: metadata only) are checked against `limits.max_bytes` and handed to `admit`
-/// (the node's free-space floor), which may refuse them.
+/// before converting, a bound on the bytes the raw file will hold (its allocated clusters,
+/// from `qemu-img check`: metadata only) is checked against `limits.max_bytes` and handed to
+/// `admit` (the node's free-space floor), which may refuse them.
 pub fn qcow2_to_raw(
     image: &Path,
     out: &Path,
@@ -313,7 +313,12 @@ pub fn qcow2_to_raw(
             "the qcow2 image names an external data file; it is not imported".into(),
         ));
     }
-    let data = qcow2_data_bytes(image)?;
+    let cluster = v
+        .get("cluster-size")
+        .and_then(|n| n.as_u64())
+        .filter(|c| c.is_power_of_two() && *c >= 512)
+        .ok_or_else(|| Error::Tool("qemu-img info: no cluster size".into()))?;
+    let data = qcow2_data_bytes(image, cluster)?;
     if data > limits.max_bytes {
         return Err(Error::Invalid(format!(
             "the image holds {data} bytes of data, more than the {} allowed",
@@ -331,29 +336,37 @@ pub fn qcow2_to_raw(
     Ok(())
 }
 
-/// The bytes of data a qcow2 image holds (its allocated, non-zero clusters), from `qemu-img map`
-/// (metadata only): what its conversion to a sparse raw file writes at most.
-fn qcow2_data_bytes(image: &Path) -> Result<u64> {
-    let map = run(
+/// A bound on the bytes of data a qcow2 image holds (its allocated clusters, compressed ones
+/// included, times its cluster size), from `qemu-img check` (metadata only, a bounded answer
+/// whatever the image): what its conversion to a sparse raw file writes at most. An image the
+/// check finds corrupt is refused (leaked clusters are only wasted space, and pass).
+fn qcow2_data_bytes(image: &Path, cluster_size: u64) -> Result<u64> {
+    let out = crate::confine::run(
         Command::new("qemu-img")
-            .args(["map", "-f", "qcow2", "--output=json"])
+            .args(["check", "-f", "qcow2", "--output=json"])
             .arg(image),
-        "qemu-img map",
-    )?;
-    let v: serde_json::Value =
-        serde_json::from_str(&map).map_err(|e| Error::Tool(format!("qemu-img map output: {e}")))?;
-    let extents = v
-        .as_array()
-        .ok_or_else(|| Error::Tool("qemu-img map output: not a list".into()))?;
-    let mut data = 0u64;
-    for e in extents {
-        let is = |k: &str| e.get(k).and_then(|b| b.as_bool()).unwrap_or(true);
-        if is("data") && !e.get("zero").and_then(|b| b.as_bool()).unwrap_or(false) {
-            let len = e.get("length").and_then(|n| n.as_u64()).unwrap_or(u64::MAX);
-            data = data.saturating_add(len);
-        }
+        crate::confine::Keep::default(),
+        crate::confine::Limits::default(),
+    )
+    .map_err(|e| Error::Tool(format!("qemu-img check: {e} (is it installed?)")))?;
+    // 0: clean; 3: leaked clusters only. 2 (corruptions) and anything else: refused.
+    if !matches!(out.status.code(), Some(0) | Some(3)) {
+        return Err(Error::Invalid(format!(
+            "the qcow2 image does not pass qemu-img check ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
     }
-    Ok(data)
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| Error::Tool(format!("qemu-img check output: {e}")))?;
+    if v.get("check-errors").and_then(|n| n.as_u64()) != Some(0) {
+        return Err(Error::Invalid("the qcow2 image is corrupt".into()));
+    }
+    let clusters = v
+        .get("allocated-clusters")
+        .and_then(|n| n.as_u64())
+        .unwrap_or(0);
+    Ok(clusters.saturating_mul(cluster_size))
 }
 
 /// Limits of one import from content a tenant sent.

@@ -787,6 +787,20 @@ impl Relay {
         Ok(out.into_values().collect())
     }
 
+    /// Bytes of `tenant`'s files waiting for upload on this node: its own entries only (a range
+    /// of the pending set), so a check per received piece costs the tenant's backlog, not the
+    /// node's.
+    pub fn pending_bytes(&self, tenant: &str) -> u64 {
+        let from: Key = (tenant.to_string(), String::new(), String::new());
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .range(from..)
+            .take_while(|((t, _, _), _)| t == tenant)
+            .map(|(_, p)| p.size)
+            .sum()
+    }
+
     /// Upload backlog per (tenant, stream).
     pub fn lag(&self) -> BTreeMap<(String, String), Lag> {
         let now = now_ms();

@@ -140,7 +140,7 @@ impl Relay {
 }
 
 impl Relay {
-    /// Deletes the keys of `tenant`'s other incarnations from the object store (files of an
+    /// Deletes the keys of `tenant`'s earlier incarnations from the object store (files of an
     /// earlier tenant of the name that landed after its deletion purged its keys: an upload in
     /// flight on another node). Never read or listed (they are under another incarnation), they
     /// only cost space; `current` is the tenant's `created_ms` from the catalog. Returns the
@@ -165,8 +165,11 @@ impl Relay {
             .map_err(crate::store_err)?;
         let mut deleted = 0;
         for p in listed.common_prefixes {
-            if p.filename() == Some(current.to_string().as_str()) {
-                continue;
+            // Only earlier incarnations: one that is not a number, or is the current one or
+            // later (a tenant created again since the catalog was read), is left alone.
+            match p.filename().and_then(|n| n.parse::<u64>().ok()) {
+                Some(inc) if inc < current => {}
+                _ => continue,
             }
             let keys: Vec<_> = store.list(Some(&p)).collect::<Vec<_>>().await;
             for k in keys {

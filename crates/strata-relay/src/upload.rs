@@ -187,6 +187,17 @@ impl Relay {
             .map_err(io("opening the file to upload"))?;
         let n = f.size.div_ceil(PART).max(1) as usize;
         let layout = Layout::Incarnation(self.incarnation(tenant)?);
+        // A name the store holds already, in either layout (an earlier attempt whose reply
+        // was lost, another node's file, a file stored before incarnations were in keys):
+        // the same file is done, another is a conflict. Without this a file under the
+        // legacy layout would be shadowed by another one created under the new.
+        if let Some(r) = self.remote_meta(tenant, stream, &f.name).await? {
+            if r.file.size == f.size && r.file.blake3 == f.blake3 {
+                return Ok(());
+            }
+            self.conflicts.fetch_add(1, Relaxed);
+            return Err(conflict(&f.name, &r.file.blake3));
+        }
         let mut whole = blake3::Hasher::new();
         let mut parts = vec![];
         for i in 0..n {
@@ -381,23 +392,24 @@ pub const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(30);
 /// Files (oldest first) reordered so that tenants take turns: the oldest file of each tenant
 /// in the order of their oldest, then the second of each, and so on.
 fn in_turns(files: Vec<(Key, u64)>) -> Vec<(Key, u64)> {
-    let mut per: Vec<(String, std::collections::VecDeque<(Key, u64)>)> = Vec::new();
+    let mut index: HashMap<String, usize> = HashMap::new();
+    let mut per: Vec<std::collections::VecDeque<(Key, u64)>> = Vec::new();
     for f in files {
-        match per.iter_mut().find(|(t, _)| *t == f.0 .0) {
-            Some((_, q)) => q.push_back(f),
-            None => per.push((f.0 .0.clone(), std::collections::VecDeque::from([f]))),
-        }
+        let i = *index.entry(f.0 .0.clone()).or_insert_with(|| {
+            per.push(Default::default());
+            per.len() - 1
+        });
+        per[i].push_back(f);
     }
     let mut out = Vec::new();
     loop {
-        let mut any = false;
-        for (_, q) in per.iter_mut() {
+        let before = out.len();
+        for q in per.iter_mut() {
             if let Some(f) = q.pop_front() {
                 out.push(f);
-                any = true;
             }
         }
-        if !any {
+        if out.len() == before {
             return out;
         }
     }

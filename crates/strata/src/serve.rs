@@ -327,10 +327,18 @@ pub struct Settings {
     /// … NBD connections per attached workspace (default 16; past it a connection is closed) …
     #[arg(long, env = "STRATA_TENANT_NBD_CONNECTIONS")]
     tenant_nbd_connections: Option<u64>,
-    /// … and bytes of NBD requests in flight over all its workspaces (default 256MiB, at least
-    /// 32MiB).
+    /// … bytes of NBD requests in flight over all its workspaces (default 256MiB, at least
+    /// 32MiB) …
     #[arg(long, env = "STRATA_TENANT_INFLIGHT")]
     tenant_inflight: Option<Size>,
+    /// … and bytes a second it may write into the node: guest writes on every front-end, relay
+    /// files, template uploads (default unlimited; e.g. 64MiB).
+    #[arg(long, env = "STRATA_TENANT_WRITE_RATE")]
+    tenant_write_rate: Option<Size>,
+    /// … and requests that change something (attaches, detaches, checkpoints, forks, relay
+    /// files…) a second, beyond a second's burst (default unlimited; past 5 s of wait: 429).
+    #[arg(long, env = "STRATA_TENANT_OPS_RATE")]
+    tenant_ops_rate: Option<u64>,
     /// vhost-user: serve guest memory that is not sealed against shrinking. A VMM that then
     /// truncates its memory crashes the daemon with every tenant's exports: only for VMMs the
     /// operator trusts (QEMU's memory-backend-memfd seals by default).
@@ -579,6 +587,8 @@ pub async fn serve(g: &Global, a: ServeArgs) -> anyhow::Result<()> {
                     nbd_connections: s.tenant_nbd_connections.unwrap_or(d.nbd_connections),
                     attached: s.tenant_attached.unwrap_or(d.attached),
                     inflight_bytes: s.tenant_inflight.map_or(d.inflight_bytes, |n| n.0),
+                    write_rate: s.tenant_write_rate.map_or(d.write_rate, |n| n.0),
+                    ops_rate: s.tenant_ops_rate.unwrap_or(d.ops_rate),
                 }
             },
             vhost_unsealed_memory: s.vhost_unsealed_memory.unwrap_or(false),

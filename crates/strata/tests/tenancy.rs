@@ -2,8 +2,8 @@
 //! every kind of token (admin, rotated admin, tenant, scoped, stream, expired, revoked, another
 //! tenant, none), token lifecycle, admin token rotation through the token file, and deleting a
 //! tenant with everything it owns while other tenants carry on. Quotas: `tenancy/quotas.rs`;
-//! one tenant's misbehaviour bounded to its own share: `tenancy/neighbours.rs`, and all of it at
-//! once beside a steady tenant: `tenancy/noisy.rs`.
+//! one tenant's misbehaviour bounded to its own share: `tenancy/neighbours.rs` (and all of it at
+//! once beside a steady tenant: `tests/noisy.rs`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -14,12 +14,8 @@ use strata_nbd::client::Client;
 
 mod common;
 use common::*;
-#[path = "../../strata-vhost/tests/frontend/mod.rs"]
-mod frontend;
 #[path = "tenancy/neighbours.rs"]
 mod neighbours;
-#[path = "tenancy/noisy.rs"]
-mod noisy;
 #[path = "tenancy/quotas.rs"]
 mod quotas;
 

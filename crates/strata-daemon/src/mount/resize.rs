@@ -207,30 +207,17 @@ pub(crate) fn can_grow_online() -> bool {
 /// (the kernel asks for it to grow a mounted ext4), a mount namespace of its own, limits.
 async fn tool(cmd: &str, args: &[&str]) -> Result<(Option<i32>, String), ApiError> {
     use strata_engine::confine;
-    let mut c = tokio::process::Command::new(cmd);
-    c.args(args).kill_on_drop(true);
     let keep = confine::Keep {
         sys_resource: cmd == "resize2fs",
         ..Default::default()
     };
-    confine::confine(
-        c.as_std_mut(),
-        keep,
-        confine::Limits {
-            wall: TOOL_TIMEOUT,
-            ..Default::default()
-        },
-    );
-    let child = c.output();
-    let out = tokio::time::timeout(TOOL_TIMEOUT, child)
+    let limits = confine::Limits {
+        wall: TOOL_TIMEOUT,
+        ..Default::default()
+    };
+    let out = confine::run_async(tokio::process::Command::new(cmd).args(args), keep, limits)
         .await
-        .map_err(|_| {
-            ApiError::internal(format!(
-                "{cmd} {}: killed after {TOOL_TIMEOUT:?}",
-                args.join(" ")
-            ))
-        })?
-        .map_err(|e| ApiError::internal(format!("{cmd}: {e} (is it installed?)")))?;
+        .map_err(|e| ApiError::internal(format!("{cmd} {}: {e}", args.join(" "))))?;
     let text = format!(
         "{} {}",
         String::from_utf8_lossy(&out.stdout).trim(),

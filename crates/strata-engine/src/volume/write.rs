@@ -117,6 +117,10 @@ impl Volume {
         // Past the tenant's journal quota the write waits (no lock held) for its uploads to
         // free room, up to `QUOTA_WAIT`: a burst faster than uploads is slowed, not failed.
         self.await_budget(data.len() as u64).await;
+        // Past the tenant's write rate on this node, it waits its turn (no lock held).
+        if let Some(wait) = self.budget.pace(data.len() as u64) {
+            tokio::time::sleep(wait).await;
+        }
         {
             let _gate = self.gate.read().await;
             let mut j = self.writer.lock().await;

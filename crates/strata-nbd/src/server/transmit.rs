@@ -103,8 +103,10 @@ impl Server {
                 Err(_) => break Ok(()),
             };
             // The owner's budget across all its connections (a tenant's, over every export):
-            // many connections cannot hold more than it between them.
-            let shared = match &self.cfg.shared_budget {
+            // many connections cannot hold more than it between them. Only requests that
+            // carry or return data are charged: a FLUSH (or trim, or zeroing) holds no buffer,
+            // and must never wait behind another export's stalled reads.
+            let shared = match self.cfg.shared_budget.as_ref().filter(|_| reserve > 0) {
                 Some(s) => match s.clone().acquire_many_owned(charge).await {
                     Ok(p) => Some(p),
                     Err(_) => break Ok(()),

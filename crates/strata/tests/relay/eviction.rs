@@ -9,6 +9,19 @@ use super::{blake3_hex, get_bytes, put, wait_uploaded};
 use crate::common::*;
 
 /// Size of this node's copy of a relay file (None: no file).
+/// A stream's directory of `what` (`data`, `meta`, `parts`) in a local store: under the
+/// tenant's one incarnation (relay key layout 2, docs/FORMATS.md).
+fn store_dir(data: &Path, tenant: &str, stream: &str, what: &str) -> std::path::PathBuf {
+    let root = data.join(format!("objects/t/{tenant}/relay2"));
+    let incarnations: Vec<_> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("the store layout changed: {root:?}: {e}"))
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(incarnations.len(), 1, "{incarnations:?}");
+    incarnations[0].join(stream).join(what)
+}
+
 fn local_len(data: &Path, stream: &str, name: &str) -> Option<u64> {
     std::fs::metadata(data.join("relay/alpha").join(stream).join(name))
         .ok()
@@ -304,7 +317,7 @@ async fn a_failing_upload_never_holds_up_other_tenants_files() {
         wait_uploaded(&api, "art").await;
         streams.push((api, token));
     }
-    let alpha_data = data.join("objects/t/alpha/relay/art/data");
+    let alpha_data = store_dir(&data, "alpha", "art", "data");
     assert!(
         alpha_data.is_dir(),
         "the store layout changed: {alpha_data:?}"
@@ -417,7 +430,7 @@ async fn a_retry_restores_a_file_whose_bytes_a_crash_lost() {
     let p = put(&a.url, &token, "/v1/relay/art/first", vec![1; 1000]).await;
     assert_eq!(p.status, StatusCode::CREATED, "{}", p.body);
     wait_uploaded(&alpha, "art").await;
-    let store = data.join("objects/t/alpha/relay/art/data");
+    let store = store_dir(&data, "alpha", "art", "data");
     let immutable = Immutable::set(&store); // uploads fail: the file stays local
     let body: Vec<u8> = (0..90_000u32).map(|i| (i % 233) as u8).collect();
     let p = put(&a.url, &token, "/v1/relay/art/lost", body.clone()).await;

@@ -388,6 +388,32 @@ async fn a_tenant_created_again_never_sees_relay_files_of_the_deleted_one() {
         .await
         .unwrap();
     assert_eq!(r.bytes().await.unwrap().as_ref(), b"new tenant's WAL");
+    // A file this incarnation stored before incarnations were in keys (the legacy layout,
+    // created since the tenant was) is still read, and its name keeps its bytes: other bytes
+    // under it are a conflict, not a second file shadowing it.
+    let legacy = objects.join("t/reborn/relay/wal");
+    std::fs::create_dir_all(legacy.join("meta")).unwrap();
+    std::fs::create_dir_all(legacy.join("data")).unwrap();
+    let bytes = b"stored before the upgrade".to_vec();
+    std::fs::write(legacy.join("data/000002"), &bytes).unwrap();
+    let meta = json!({"format": 1, "name": "000002", "size": bytes.len(),
+        "blake3": blake3::hash(&bytes).to_hex().to_string(),
+        "created_ms": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64,
+        "uploaded_ms": 1});
+    std::fs::write(legacy.join("meta/000002"), meta.to_string()).unwrap();
+    let r = new
+        .http
+        .get(format!("{url}/v1/relay/wal/000002"))
+        .bearer_auth(&new.token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.bytes().await.unwrap().as_ref(), &bytes[..]);
+    let (s, v) = new
+        .put_bytes("/v1/relay/wal/000002", b"other bytes".to_vec())
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{v}");
     // GC removes the deleted incarnation's keys (the legacy ones stay: never read).
     let (s, v) = admin.post("/v1/gc", json!({})).await;
     assert_eq!(s, StatusCode::OK, "{v}");
