@@ -139,16 +139,8 @@ async fn run(cmd: &str, args: &[&str]) -> Result<String, ApiError> {
         .args(args)
         .kill_on_drop(true)
         .output()
-        .await
-        .map_err(|e| ApiError::internal(format!("{cmd}: {e} (is it installed?)")))?;
-    if !out.status.success() {
-        return Err(ApiError::internal(format!(
-            "{cmd} {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+        .await;
+    stdout_of(cmd, args, out)
 }
 
 /// [`run`] for a tool that writes or parses a tenant's filesystem: confined
@@ -160,11 +152,20 @@ async fn run_confined(cmd: &str, args: &[&str]) -> Result<String, ApiError> {
         confine::Keep::default(),
         confine::Limits::default(),
     )
-    .await
-    .map_err(|e| ApiError::internal(format!("{cmd}: {e} (is it installed?)")))?;
+    .await;
+    stdout_of(cmd, args, out)
+}
+
+/// A tool's stdout if it ran and succeeded; else its error or stderr.
+fn stdout_of(
+    cmd: &str,
+    args: &[&str],
+    out: std::io::Result<std::process::Output>,
+) -> Result<String, ApiError> {
+    let out = out.map_err(|e| ApiError::internal(format!("{cmd}: {e} (is it installed?)")))?;
     if !out.status.success() {
         return Err(ApiError::internal(format!(
-            "{cmd} {} failed: {}",
+            "{cmd} {}: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
         )));

@@ -251,8 +251,22 @@ impl Daemon {
             Err(strata_catalog::CatalogError::NotFound { .. }) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        // Without a quota of its own, the node's default share.
-        let max = q.attached_per_node.unwrap_or(self.shares.limits().attached);
+        // Without a quota of its own, the node's default share, checked without serialising
+        // the tenant's attaches (concurrent ones may pass it by as many as race: a bound on a
+        // tenant that floods, not an exact quota; set `attached_per_node` for one).
+        let Some(max) = q.attached_per_node else {
+            let (n, max) = (self.attached_here(t), self.shares.limits().attached);
+            if n >= max {
+                let mut e = ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "busy",
+                    format!("tenant {t:?} has {n} workspaces attached on this node, its share; detach some first"),
+                );
+                e.retryable = true;
+                return Err(e);
+            }
+            return Ok(None);
+        };
         // Workspace names are never empty: this key is the tenant's own.
         let guard = self
             .op_lock(&(t.to_string(), String::new()))
