@@ -142,11 +142,16 @@ impl Shares {
         let limit = self.limits.of(kind);
         let key = (tenant.to_string(), kind);
         let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
-        let u = used.entry(key.clone()).or_default();
+        let u = used.get(&key).copied().unwrap_or(0);
         // One piece larger than the whole share (a relay file over the spool share) is still
         // admitted while the tenant holds nothing else of the kind: it would never fit, and
-        // its tenant's file would be unreadable for ever.
-        if *u > 0 && u.saturating_add(n) > limit || *u == 0 && limit == 0 {
+        // its tenant's file would be unreadable for ever. Nothing (n = 0) always fits.
+        let over = if u == 0 {
+            limit == 0
+        } else {
+            u.saturating_add(n) > limit
+        };
+        if n > 0 && over {
             let mut e = ApiError::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 "busy",
@@ -158,7 +163,7 @@ impl Shares {
             e.retryable = true;
             return Err(e);
         }
-        *u += n;
+        *used.entry(key.clone()).or_default() += n;
         Ok(Share {
             shares: self.clone(),
             key,

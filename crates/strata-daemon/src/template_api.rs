@@ -116,7 +116,7 @@ pub(crate) async fn upload_template(
     let tmp = TempDir(strata_engine::tempdir_in(&d.engine.config().data_dir)?);
     let file = tmp.0.join("upload");
     spool(&d, &t, content, &file, d.template_max_bytes).await?;
-    let permit = build_slot(&d).await?;
+    let permit = build_slot(&d, &t).await?;
     let (size, limits) = (q.size, limits(&d));
     let format = q.format.clone();
     let tpl = own_task(async move {
@@ -144,14 +144,28 @@ pub(crate) async fn upload_template(
     Ok((StatusCode::CREATED, Json(tpl)))
 }
 
-/// A place among the node's concurrent template builds (waits for one).
-async fn build_slot(d: &Daemon) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
-    d.builds
+/// A place among the node's concurrent template builds (waits for one), after the tenant's
+/// builds before it: a tenant builds one template at a time on a node, so it can never hold
+/// every slot (slow builds, up to their tools' wall time) while other tenants wait.
+async fn build_slot(d: &Daemon, tenant: &str) -> Result<BuildSlot, ApiError> {
+    let mine = d
+        .op_lock(&(tenant.to_string(), "/build".into()))
+        .lock_owned()
+        .await;
+    let slot = d
+        .builds
         .clone()
         .acquire_owned()
         .await
-        .map_err(|_| ApiError::internal("template builds are closed"))
+        .map_err(|_| ApiError::internal("template builds are closed"))?;
+    Ok(BuildSlot(mine, slot))
 }
+
+/// A tenant's turn and one of the node's build slots, held while a build runs.
+struct BuildSlot(
+    #[allow(dead_code)] tokio::sync::OwnedMutexGuard<()>,
+    #[allow(dead_code)] tokio::sync::OwnedSemaphorePermit,
+);
 
 /// Whether a request body failed because its client sent nothing for the idle timeout.
 pub(crate) fn body_error_is_idle(e: &axum::Error) -> bool {
@@ -246,7 +260,7 @@ pub(crate) async fn import_template(
     check_new(&d, &t, &b.name).await?;
     let src = import_path(&d, &t, &rel)?;
     let limits = limits(&d);
-    let permit = build_slot(&d).await?;
+    let permit = build_slot(&d, &t).await?;
     let tpl = own_task(async move {
         let _permit = permit;
         let _caller = caller;

@@ -318,20 +318,26 @@ pub(crate) async fn mount(
     security(("bearer" = [])),
 )]
 pub(crate) async fn resize(
-    Tenant(t, _caller): Tenant,
+    Tenant(t, caller): Tenant,
     State(d): D,
     Path(name): Path<String>,
     b: Result<Json<crate::mount::resize::ResizeRequest>, JsonRejection>,
 ) -> R<crate::mount::resize::Resized> {
     let b = body(b)?;
     d.engine.workspace(&t, &name).await?;
-    // The tenant's resizes one at a time: two checked against the same total could both
-    // pass and take the tenant past its quota together. A key of their own (no workspace
-    // name holds a `/`): the attach quota's tenant lock is taken under a workspace's lock,
-    // which a resize takes after this one, and the two orders would deadlock.
-    let _one = d.op_lock(&(t.clone(), "/resize".into())).lock_owned().await;
-    d.resize_quota(&t, &name, b.size).await?;
-    Ok(Json(d.resize_workspace(&t, &name, b.size).await?))
+    // The tenant's resizes on this node one at a time, the check and the grow under one lock
+    // held by a task of its own (a client that leaves cannot release it while the grow goes
+    // on): two checked against the same total could both pass and take the tenant past its
+    // quota together. A key of their own (no workspace name holds a `/`): the attach quota's
+    // tenant lock is taken under a workspace's lock, which a resize takes after this one.
+    let resized = own_task(async move {
+        let _caller = caller;
+        let _one = d.op_lock(&(t.clone(), "/resize".into())).lock_owned().await;
+        d.resize_quota(&t, &name, b.size).await?;
+        d.resize_workspace(&t, &name, b.size).await
+    })
+    .await?;
+    Ok(Json(resized))
 }
 
 #[utoipa::path(

@@ -1,16 +1,20 @@
 //! Host tools run on what a tenant wrote (`mkfs.ext4 -d` over its unpacked archive, `qemu-img`
 //! on its image, `e2fsck` and `resize2fs` on its filesystem) run confined: a parser of hostile
-//! input gets none of the daemon's privileges it does not need, cannot change the host's
-//! mounts, and is bounded in memory, CPU time, open files and wall time.
+//! input gets none of the daemon's privileges it does not need (so it cannot mount, unmount,
+//! load modules, change ownership, trace or signal other processes), and is bounded in memory,
+//! CPU time, open files, output and wall time.
 //!
-//! In the child, before `exec` (as root; a daemon that is not root has nothing to drop):
-//! - a private mount namespace (`unshare(CLONE_NEWNS)`, every mount made private), so whatever
-//!   the tool mounts or unmounts stays in it;
+//! In the child, before `exec` (each step only where the daemon has what it takes away):
 //! - the capability bounding set cut to what the tool needs: root's capabilities after `exec`
 //!   are the bounding set, so the tool runs with those and no others (file access by owner,
-//!   as uid 0, is unchanged);
+//!   as uid 0, is unchanged); the process's own sets lowered to the same, the inheritable and
+//!   ambient sets cleared;
 //! - `no_new_privs`, so no set-uid or file capability gives any back;
-//! - limits: address space, CPU seconds, open files, no core dumps.
+//! - limits (only ever lowered): address space, CPU seconds, open files, no core dumps.
+//!
+//! No mount namespace of its own: without CAP_SYS_ADMIN the tool can change no mount, and a
+//! namespace copied from the daemon's would hold every other tenant's mounts for as long as
+//! the tool runs (their unmounts then found their filesystems still in use).
 //!
 //! The caller bounds the wall time ([`run`] kills the tool past its timeout).
 
@@ -63,20 +67,6 @@ fn in_child(keep: Keep, limits: Limits) -> std::io::Result<()> {
     use rustix::process::{setrlimit, Resource, Rlimit};
     use rustix::thread::CapabilitySet;
     let caps = rustix::thread::capabilities(None)?;
-    // Each step needs a capability of its own; a daemon without it (not root, or root in a
-    // container without CAP_SYS_ADMIN) has nothing that step would take away.
-    if caps.effective.contains(CapabilitySet::SYS_ADMIN) {
-        // SAFETY (of the unsafe call): the child has one thread and no file table is unshared.
-        #[allow(unsafe_code)]
-        unsafe {
-            rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS)?;
-        }
-        rustix::mount::mount_change(
-            c"/",
-            rustix::mount::MountPropagationFlags::PRIVATE
-                | rustix::mount::MountPropagationFlags::REC,
-        )?;
-    }
     let mut kept = CapabilitySet::empty();
     if keep.read_any {
         kept |= CapabilitySet::DAC_READ_SEARCH;
@@ -99,7 +89,11 @@ fn in_child(keep: Keep, limits: Limits) -> std::io::Result<()> {
     }
     // Nothing passes exec through the inheritable or ambient sets either (a runtime may have
     // set them), and what this process keeps is at most `kept` (lowering needs no privilege).
-    rustix::thread::clear_ambient_capability_set()?;
+    match rustix::thread::clear_ambient_capability_set() {
+        // A kernel without ambient capabilities: nothing to clear.
+        Ok(()) | Err(rustix::io::Errno::INVAL) => {}
+        Err(e) => return Err(e.into()),
+    }
     rustix::thread::set_capabilities(
         None,
         rustix::thread::CapabilitySets {
@@ -311,16 +305,18 @@ mod tests {
         let lines: Vec<&str> = status.lines().collect();
         assert_eq!(lines[lines.len() - 2], (1u64 << 30 >> 10).to_string());
         assert_eq!(lines[lines.len() - 1], "64");
-        // A mount the tool makes stays in its namespace.
+        // A tool cannot mount anything (no CAP_SYS_ADMIN).
         let d = tempfile::tempdir().unwrap();
         let p = d.path().display().to_string();
-        let _ = run(
+        let out = run(
             Command::new("mount").args(["-t", "tmpfs", "x", &p]),
             Keep::default(),
             Limits::default(),
-        );
+        )
+        .unwrap();
+        assert!(!out.status.success(), "a confined tool mounted");
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-        assert!(!mounts.contains(&p), "the tool's mount leaked to the host");
+        assert!(!mounts.contains(&p), "a confined tool mounted");
     }
 
     #[test]

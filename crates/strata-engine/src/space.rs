@@ -69,6 +69,9 @@ impl SpaceGuard {
     }
 }
 
+/// The longest one write waits for its tenant's write rate (see `TenantBudget::pace`).
+pub const PACE_MAX: Duration = Duration::from_secs(5);
+
 /// How long a guest write past its tenant's journal quota waits for uploads to free room
 /// before it gets ENOSPC.
 pub const QUOTA_WAIT: Duration = Duration::from_secs(1);
@@ -126,7 +129,9 @@ impl TenantBudget {
         b.0 = (b.0 + now.duration_since(b.1).as_secs_f64() * rate).min(burst);
         b.1 = now;
         b.0 -= bytes as f64;
-        (b.0 < 0.0).then(|| Duration::from_secs_f64(-b.0 / rate))
+        // One request waits at most `PACE_MAX` (its debt stays, and the tenant's next ones
+        // pay it): a tiny rate never holds a request (and a detach that drains it) for days.
+        (b.0 < 0.0).then(|| Duration::from_secs_f64(-b.0 / rate).min(PACE_MAX))
     }
 
     pub fn set_limit(&self, limit: Option<u64>) {

@@ -402,17 +402,16 @@ fn in_turns(files: Vec<(Key, u64)>) -> Vec<(Key, u64)> {
         per[i].push_back(f);
     }
     let mut out = Vec::new();
-    loop {
-        let before = out.len();
-        for q in per.iter_mut() {
-            if let Some(f) = q.pop_front() {
+    while !per.is_empty() {
+        per.retain_mut(|q| match q.pop_front() {
+            Some(f) => {
                 out.push(f);
+                true
             }
-        }
-        if out.len() == before {
-            return out;
-        }
+            None => false,
+        });
     }
+    out
 }
 
 #[cfg(test)]
