@@ -12,6 +12,11 @@
 #   BENCH_SERVERS='strata strata-s3 qemu-nbd raw' bench/nbd.sh   # which servers (default: all
 #                                but strata-s3)
 #
+# Put-mode variants of strata on the embedded default, to compare in one run (servers
+# alternate): strata-buffered (STRATA_DIRECT_PUTS=0: objects written through the page cache)
+# and strata-noreadback (STRATA_PUT_READBACK=0: O_DIRECT puts, nothing read back). Every row
+# says which store and put mode its server ran ("store", "puts").
+#
 # strata-s3 is strata with an S3 store: moto on loopback behind bench/latency_proxy.py
 # (BENCH_S3_LATENCY_MS per request, default 20), the template built into moto first. It needs
 # moto_server (BENCH_MOTO; .ci/run makes ~/.cache/strata-ci-venv).
@@ -79,10 +84,10 @@ n=0
 start_server() {
   n=$((n + 1)); local sock="$work/$1.$n.sock"
   case "$1" in
-    strata)
+    strata|strata-buffered|strata-noreadback)
       strata_data
       "$strata" ws create "w$n" --template base --mode durable >/dev/null
-      "$strata" ws attach "w$n" --socket "$sock" > "$work/attach.$n" &
+      env $(put_env "$1") "$strata" ws attach "w$n" --socket "$sock" > "$work/attach.$n" &
       pids+=($!); uri="nbd+unix:///w$n?socket=$sock" ;;
     strata-s3)  # a fresh workspace on the S3 daemon (its node cache holds the template)
       s3cli ws create "w$n" --template base --mode durable >/dev/null
@@ -105,13 +110,40 @@ start_server() {
   esac
   for _ in $(seq 1 100); do [ -S "$sock" ] && break; sleep 0.1; done
 }
+# The environment a strata variant runs with, and the store and put mode a server's rows report.
+put_env() {
+  case "$1" in
+    strata-buffered) echo STRATA_DIRECT_PUTS=0 ;;
+    strata-noreadback) echo STRATA_PUT_READBACK=0 ;;
+    *) echo BENCH_VARIANT=default ;;
+  esac
+}
+put_mode() {
+  case "$1" in
+    strata-buffered) echo buffered ;;
+    strata-noreadback) echo direct ;;
+    strata|strata-s3)
+      if [ "${STRATA_DIRECT_PUTS:-1}" = 0 ]; then echo buffered
+      elif [ "${STRATA_PUT_READBACK:-1}" = 0 ]; then echo direct
+      else echo direct+readback; fi ;;
+    *) echo - ;;
+  esac
+}
+store_of() {
+  case "$1" in
+    strata|strata-buffered|strata-noreadback) echo local ;;
+    strata-s3) echo s3 ;;
+    raw) echo file ;;
+    *) echo - ;;
+  esac
+}
 write_bytes() { awk '/^write_bytes/ {print $2}' "/proc/$1/io"; }
 stop_server() {
   if [ "$1" = raw ]; then rm -f "$work/raw.$n"; return; fi
   # Detach publishes what is left of the window; the deleted workspace's objects stay in moto.
   if [ "$1" = strata-s3 ]; then s3cli ws detach "w$n" >/dev/null; s3cli ws delete "w$n" >/dev/null; return; fi
   kill "${pids[-1]}" 2>/dev/null || true; wait "${pids[-1]}" 2>/dev/null || true; unset 'pids[-1]'
-  if [ "$1" = strata ]; then rm -rf "$work/strata-run"; fi
+  case "$1" in strata|strata-buffered|strata-noreadback) rm -rf "$work/strata-run" ;; esac
   # Each qemu-nbd run's overlay holds what it wrote (up to the span): a full run's 27 would
   # fill the disk.
   if [ "$1" = qemu-nbd ]; then rm -f "$work/ov.$n.qcow2"; fi
@@ -139,6 +171,10 @@ scenarios=(
   "write-flush-4k randwrite 4k 1 --fsync=1"
   "rand-read-written-4k-qd32 randread 4k 32"
   "seq-read-published-1m read 1m 4"
+  "rand-read-published-4k-qd1 randread 4k 1"
+  "rand-read-published-4k-qd32 randread 4k 32"
+  "mixed-published-4k-qd32 randrw 4k 32 --rwmixread=70"
+  "rand-read-rewritten-4k-qd32 randread 4k 32"
 )
 echo "[" > "$work/results.json"; first=1
 for rep in $(seq 1 "$reps"); do
@@ -151,10 +187,16 @@ for rep in $(seq 1 "$reps"); do
     # window (strata's uploads have published most of it into objects by then): whether
     # reading what was just published comes from the page cache or the disk. The last window
     # may still be in the journal; in smoke mode all of it is (the span fits in the window).
-    span="$((size_mb / 2))M"; fill=0; timing=(--runtime="$runtime" --time_based)
+    # The random "-published-" rows (reads, and 70/30 reads and writes) run for the runtime
+    # over that half, starting right after the fill: a sandbox reading back what it installed.
+    # "-rewritten-": a sandbox's session as a user tried it (issue 45): 1 MiB writes over 7/8
+    # of the disk, random 4 KiB writes at QD32 over it for the runtime, then the row's reads.
+    span="$((size_mb / 2))M"; fill=0; rewrite=0; timing=(--runtime="$runtime" --time_based)
     case "$name" in
       *-written-*) span=48M; fill=1 ;;
-      *-published-*) fill=1; timing=() ;;
+      seq-*-published-*) fill=1; timing=() ;;
+      *-published-*) fill=1 ;;
+      *-rewritten-*) span="$((size_mb * 7 / 8))M"; fill=1; rewrite=1 ;;
     esac
     for srv in "${servers[@]}"; do
       start_server "$srv" "$([ $fill = 1 ] && echo write || echo "$rw")"
@@ -163,21 +205,30 @@ for rep in $(seq 1 "$reps"); do
             --output-format=json > "$work/fill.json" 2>"$work/fio.err" \
           || { echo "fio fill failed on $srv/$name:" >&2; cat "$work/fio.err" >&2; exit 1; }
       fi
+      if [ $rewrite = 1 ]; then
+        run_fio "$srv" --name=rewrite --rw=randwrite --bs=4k --iodepth=32 --size="$span" \
+            --runtime="$runtime" --time_based --output-format=json > "$work/fill.json" 2>"$work/fio.err" \
+          || { echo "fio rewrite failed on $srv/$name:" >&2; cat "$work/fio.err" >&2; exit 1; }
+      fi
       # The write scenarios land on a fresh overlay/fork: first writes pay copy-on-write.
       run_fio "$srv" --name="$name" --rw="$rw" --bs="$bs" --iodepth="$qd" \
           --size="$span" ${timing[@]+"${timing[@]}"} --output-format=json "$@" \
           > "$work/fio.json" 2>"$work/fio.err" || { echo "fio failed on $srv/$name:" >&2; cat "$work/fio.err" >&2; exit 1; }
       stop_server "$srv"
       [ $first = 1 ] || echo "," >> "$work/results.json"; first=0
-      python3 - "$work/fio.json" "$srv" "$name" "$rep" >> "$work/results.json" <<'PY'
+      python3 - "$work/fio.json" "$srv" "$name" "$rep" "$(store_of "$srv")" "$(put_mode "$srv")" >> "$work/results.json" <<'PY'
 import json, sys
 t = open(sys.argv[1]).read()
 j = json.loads(t[t.index("{"):])["jobs"][0]  # fio's nbd engine prints a line first
+# A mixed row counts reads and writes together; its latencies are the reads'.
 op = "read" if j["read"]["io_bytes"] > 0 else "write"
 s = j[op]
+iops, bw = s["iops"], s["bw_bytes"]
+if op == "read" and j["write"]["io_bytes"] > 0:
+    iops += j["write"]["iops"]; bw += j["write"]["bw_bytes"]
 lat = s.get("clat_ns", {}).get("percentile", {})
 print(json.dumps({"server": sys.argv[2], "scenario": sys.argv[3], "rep": int(sys.argv[4]),
-    "iops": s["iops"], "bw_bytes": s["bw_bytes"],
+    "store": sys.argv[5], "puts": sys.argv[6], "iops": iops, "bw_bytes": bw,
     "p50_us": lat.get("50.000000", 0) / 1000, "p99_us": lat.get("99.000000", 0) / 1000}))
 PY
     done
@@ -221,8 +272,13 @@ cp "$work/results.json" "$out_json"
 python3 - "$out_json" <<'PY'
 import json, sys, statistics as st
 rows = json.load(open(sys.argv[1]))
-servers = [s for s in ["strata", "strata-s3", "qemu-nbd", "nbdkit-cow", "nbdkit-memory", "raw"]
+servers = [s for s in ["strata", "strata-buffered", "strata-noreadback", "strata-s3", "qemu-nbd",
+                       "nbdkit-cow", "nbdkit-memory", "raw"]
            if any(r["server"] == s for r in rows)]
+def mode(s):
+    r = next(r for r in rows if r["server"] == s)
+    return f" [{r.get('store', '?')}, puts {r.get('puts', '?')}]" if s.startswith("strata") else ""
+
 wa = [r for r in rows if r["scenario"] == "fork-first-writes"]
 rows = [r for r in rows if r["scenario"] != "fork-first-writes"]
 scen = []
@@ -231,9 +287,9 @@ for r in rows:
 def med(s, sc, k):
     v = [r[k] for r in rows if r["server"] == s and r["scenario"] == sc]
     return st.median(v) if v else 0
-ratios = [(a, b) for a in ("strata", "strata-s3") for b in ("qemu-nbd", "nbdkit-cow", "raw")
-          if a in servers and b in servers]
-print("| scenario | " + " | ".join(f"{s} IOPS (p50/p99 µs)" for s in servers)
+ratios = [(a, b) for a in ("strata", "strata-buffered", "strata-noreadback", "strata-s3")
+          for b in ("qemu-nbd", "nbdkit-cow", "raw") if a in servers and b in servers]
+print("| scenario | " + " | ".join(f"{s}{mode(s)} IOPS (p50/p99 µs)" for s in servers)
       + "".join(f" | {a} ÷ {b}" for a, b in ratios) + " |")
 print("|---|" + "---|" * (len(servers) + len(ratios)))
 for sc in scen:
