@@ -693,6 +693,31 @@ impl Catalog for PostgresCatalog {
         .collect()
     }
 
+    async fn gc_mark(&self, tenant: &str, grace_ms: u64) -> Result<GcMark> {
+        let c = self.conn().await?;
+        let sql = crate::GC_MARK_SQL
+            .replace("?1", "$1")
+            .replace("?2", &format!("({SERVER_NOW}) - $2"));
+        let mut mark = GcMark::default();
+        for r in c
+            .query(&sql, &[&tenant, &(grace_ms as i64)])
+            .await
+            .map_err(be)?
+        {
+            let (kind, id, recorded): (i32, &str, i32) = (r.get(0), r.get(1), r.get(2));
+            let id = hash(id)?;
+            match (kind, recorded) {
+                (0, 1) => mark.manifests.push(id),
+                (0, _) => {
+                    mark.manifests.push(id);
+                    mark.unrecorded.push(id);
+                }
+                _ => mark.objects.push(id),
+            }
+        }
+        Ok(mark)
+    }
+
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64> {
         let c = self.conn().await?;
         c.execute(

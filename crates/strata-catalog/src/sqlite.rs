@@ -568,6 +568,10 @@ impl Catalog for SqliteCatalog {
         gc::gc_references(self, tenant, grace_ms).await
     }
 
+    async fn gc_mark(&self, tenant: &str, grace_ms: u64) -> Result<GcMark> {
+        gc::gc_mark(self, tenant, grace_ms).await
+    }
+
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64> {
         gc::purge_expired_checkpoints(self, tenant, grace_ms).await
     }

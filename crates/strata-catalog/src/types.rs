@@ -349,3 +349,15 @@ pub struct Meter {
     pub since_ms: u64,
     pub last_ms: u64,
 }
+
+/// What a GC pass marks live from the catalog alone ([`crate::Catalog::gc_mark`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GcMark {
+    /// Every manifest the tenant references (heads, checkpoints, expired ones within the grace
+    /// period, templates).
+    pub manifests: Vec<Hash>,
+    /// Those of them the catalog has no record of: their objects are not in `objects`.
+    pub unrecorded: Vec<Hash>,
+    /// The distinct objects the recorded manifests reference.
+    pub objects: Vec<Hash>,
+}

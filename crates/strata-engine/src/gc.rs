@@ -11,8 +11,11 @@
 //!    Expiry is soft: the rows vanish from listings at once but keep their manifests
 //!    referenced for `grace`, so an operation that read one just before (a fork, a rollback)
 //!    still completes safely; later passes purge the rows.
-//! 2. **Mark**: every referenced manifest is fetched (an unreadable one aborts the tenant's
-//!    pass: nothing is deleted on incomplete information); its objects are live.
+//! 2. **Mark**: every referenced manifest's objects are live. They come from the catalog's
+//!    record of the reference graph (`record_manifest`, written in one transaction before any
+//!    head, checkpoint or template names the manifest), in one query and no store request;
+//!    only a manifest the catalog has no record of is fetched from the store (an unreadable one
+//!    aborts the tenant's pass: nothing is deleted on incomplete information) and recorded.
 //! 3. **Sweep, in two phases.** Store keys that are unreferenced (and older than `grace` by the
 //!    store's clock) are *condemned* in the catalog; a key is deleted only by a later pass that
 //!    finds it condemned for at least `grace` and still unreferenced. A key that became
@@ -129,6 +132,10 @@ pub struct GcReport {
     /// Staged files of interrupted puts swept from local object directories.
     #[serde(default)]
     pub staged_removed: u64,
+    /// Manifests read from the store to mark their objects: only those the catalog had no
+    /// record of (written before it kept one); each is recorded then, so a later pass reads none.
+    #[serde(default)]
+    pub manifests_read: u64,
 }
 
 /// Whether a version was published without anyone asking for a restore point: by the
@@ -418,21 +425,24 @@ impl Engine {
             }
             report.checkpoints_expired += cat.expire_checkpoints(tenant, &w.name, &exp).await?;
         }
-        // 2. Mark.
-        let refs = cat.gc_references(tenant, grace_ms).await?;
-        let mut live_manifests: HashSet<Hash> = HashSet::new();
-        let mut live_objects: HashSet<Hash> = HashSet::new();
+        // 2. Mark, from the catalog's record of what each manifest references: one query, no
+        // store request. Only a manifest the catalog has no record of is read from the store
+        // (then recorded, so the next pass need not).
+        let mark = cat.gc_mark(tenant, grace_ms).await?;
+        let live_manifests: HashSet<Hash> = mark.manifests.iter().copied().collect();
+        let mut live_objects: HashSet<Hash> = mark.objects.into_iter().collect();
         let store = self.reader().store();
-        for m in refs {
-            if !live_manifests.insert(m) {
-                continue;
-            }
+        for m in mark.unrecorded {
             let man = store.get_manifest(tenant, &m).await.map_err(|e| {
                 Error::Invalid(format!(
                     "GC of tenant {tenant:?} stopped: referenced manifest {m} is unreadable ({e}); nothing was deleted"
                 ))
             })?;
+            report.manifests_read += 1;
             live_objects.extend(man.objects.iter().map(|o| o.id));
+            if !opts.dry_run {
+                cat.record_manifest(tenant, m, &man.objects).await?;
+            }
         }
         report.live_manifests += live_manifests.len() as u64;
         report.live_objects += live_objects.len() as u64;

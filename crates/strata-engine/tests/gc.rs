@@ -765,3 +765,77 @@ async fn a_pass_sweeps_the_staged_files_a_crash_left() {
     assert_eq!(node.gc(&opts).await.unwrap().staged_removed, 0);
     assert!(fresh.exists());
 }
+
+/// The mark reads the catalog's record of the reference graph, not the manifests (issue 46): a
+/// pass needs no manifest from the store, even with every manifest key out of its reach, and
+/// loses nothing; a manifest the catalog has no record of (written before it kept one) is read
+/// once, recorded, and not read again (a dry run reads it and records nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mark_reads_the_catalogs_record_not_the_manifests() {
+    let c = Cluster::new().await;
+    let node = c.node("a");
+    let v = empty_volume(&node, "ws", DISK, Mode::Durable).await;
+    let mut m = Model::default();
+    let mut disk = Disk::new();
+    for tag in 1..=4u64 {
+        write_tag(&v, tag, tag * 3, 4).await;
+        for lba in tag * 3..tag * 3 + 4 {
+            disk.insert(lba, tag);
+        }
+        let version = v.checkpoint(None).await.unwrap().version;
+        m.cps.insert(("ws".to_string(), version), disk.clone());
+    }
+    let mut opts = gc_opts(16);
+    opts.compact_below = None;
+    let verify = |n: u32| {
+        let (c, m) = (&c, &m);
+        async move {
+            for ((ws, v), want) in &m.cps {
+                assert_eq!(
+                    &read_fresh(c, ws, Some(*v), n + *v as u32).await,
+                    want,
+                    "{ws}@{v}"
+                );
+            }
+        }
+    };
+    let r = node.gc(&opts).await.unwrap();
+    assert_eq!(
+        r.manifests_read, 0,
+        "every manifest was recorded when it was written"
+    );
+    assert!(r.live_manifests >= 4, "{r:?}");
+
+    // Every manifest key out of the pass's reach: a pass that fetched one would stop.
+    let man = c.path(&format!("objects/t/{TENANT}/man"));
+    let hidden = c.path("man-hidden");
+    std::fs::rename(&man, &hidden).unwrap();
+    let r = node.gc(&opts).await;
+    std::fs::rename(&hidden, &man).unwrap();
+    let r = r.expect("a pass that needs no manifest from the store");
+    assert_eq!(r.manifests_read, 0);
+    verify(100).await;
+
+    // Manifests the catalog has no record of: read from the store, then recorded.
+    let refs = c.catalog.gc_references(TENANT, 0).await.unwrap();
+    c.catalog
+        .prune_references(TENANT, &refs, &[])
+        .await
+        .unwrap();
+    let mut dry = opts.clone();
+    dry.dry_run = true;
+    for _ in 0..2 {
+        let r = node.gc(&dry).await.unwrap();
+        assert_eq!(
+            r.manifests_read,
+            refs.len() as u64,
+            "a dry run records nothing"
+        );
+    }
+    let r = node.gc(&opts).await.unwrap();
+    assert_eq!(r.manifests_read, refs.len() as u64);
+    verify(200).await;
+    let r = node.gc(&opts).await.unwrap();
+    assert_eq!(r.manifests_read, 0, "recorded by the pass that read them");
+    verify(300).await;
+}

@@ -20,9 +20,16 @@
 //! file system that refuses `O_DIRECT` (`EINVAL` when it is set on the staged file's handle, or at
 //! a write) gets the buffered path
 //! above, the whole object rewritten, and the process does not try `O_DIRECT` again.
-//! `STRATA_DIRECT_PUTS=0` chooses the buffered path outright. The trade-off: a block read soon
-//! after its object was published comes from the disk, not from the page cache (objects are
-//! read in place); docs/BENCHMARKS.md measures both.
+//! `STRATA_DIRECT_PUTS=0` chooses the buffered path outright.
+//!
+//! Objects are read in place, so an `O_DIRECT` put alone left a block read soon after its
+//! publish to the disk: random 4 KiB reads of just-published data at QD32 ran at a third of
+//! qemu-nbd's (issue 45). So once an object written direct is durable and in place, its pages
+//! are read back into the page cache (`posix_fadvise(WILLNEED)`): the kernel reads them
+//! asynchronously by DMA, with no copy on the put thread and no dirty pages to write back, and
+//! they are clean pages the kernel reclaims like any other. `STRATA_PUT_READBACK=0` turns it
+//! off (a node whose guests rarely read back what they wrote saves the disk reads);
+//! docs/BENCHMARKS.md measures the three modes.
 //!
 //! Durability is object_store's (`LocalFileSystem::with_fsync`): a staged file
 //! (`{key}#{digits}`, which listings skip) written and fsync'd, renamed over the key, the

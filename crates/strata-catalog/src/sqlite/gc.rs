@@ -54,6 +54,35 @@ pub(super) async fn gc_references(
     .await
 }
 
+pub(super) async fn gc_mark(cat: &SqliteCatalog, tenant: &str, grace_ms: u64) -> Result<GcMark> {
+    let t = tenant.to_string();
+    let clock = cat.clock.clone();
+    cat.run(move |c| {
+        let since = clock.now_ms() as i64 - grace_ms as i64;
+        let mut s = c.prepare_cached(crate::GC_MARK_SQL).map_err(be)?;
+        let mut rows = s.query(params![t, since]).map_err(be)?;
+        let mut mark = GcMark::default();
+        while let Some(r) = rows.next().map_err(be)? {
+            let (kind, id, recorded): (i64, String, i64) = (
+                r.get(0).map_err(be)?,
+                r.get(1).map_err(be)?,
+                r.get(2).map_err(be)?,
+            );
+            let id = hash(id).map_err(be)?;
+            match (kind, recorded) {
+                (0, 1) => mark.manifests.push(id),
+                (0, _) => {
+                    mark.manifests.push(id);
+                    mark.unrecorded.push(id);
+                }
+                _ => mark.objects.push(id),
+            }
+        }
+        Ok(mark)
+    })
+    .await
+}
+
 pub(super) async fn purge_expired_checkpoints(
     cat: &SqliteCatalog,
     tenant: &str,

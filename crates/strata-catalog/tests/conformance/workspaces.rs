@@ -59,6 +59,39 @@ pub(super) async fn retention_and_gc_state(cat: &dyn Catalog, time: &Time) {
     for m in [h(60), h(61), h(62), h(63)] {
         assert!(refs.contains(&m), "{m} within grace");
     }
+    // GC's mark from the catalog alone: the referenced manifests, which of them were never
+    // recorded, and the distinct objects of the recorded ones (an unreferenced manifest's
+    // objects are not among them).
+    let o = |n: u8| ObjectRef {
+        id: h(200 + n),
+        data_len: 4096 * n as u64,
+    };
+    cat.record_manifest("acme", h(60), &[o(1), o(2)])
+        .await
+        .unwrap();
+    cat.record_manifest("acme", h(61), &[o(2), o(3)])
+        .await
+        .unwrap();
+    let unreferenced = Hash::of(b"a manifest nothing names");
+    cat.record_manifest("acme", unreferenced, &[o(9)])
+        .await
+        .unwrap();
+    let mark = cat.gc_mark("acme", 60_000).await.unwrap();
+    for m in [h(60), h(61), h(62), h(63)] {
+        assert!(mark.manifests.contains(&m), "{m} within grace");
+    }
+    assert!(!mark.manifests.contains(&unreferenced));
+    assert!(mark.unrecorded.contains(&h(62)) && mark.unrecorded.contains(&h(63)));
+    assert!(!mark.unrecorded.contains(&h(60)) && !mark.unrecorded.contains(&h(61)));
+    for n in [1, 2, 3] {
+        let times = mark.objects.iter().filter(|x| **x == o(n).id).count();
+        assert_eq!(times, 1, "object {n} once");
+    }
+    assert!(
+        !mark.objects.contains(&o(9).id),
+        "an unreferenced manifest's object"
+    );
+    assert!(cat.gc_mark("other", 60_000).await.unwrap() == GcMark::default());
     assert_eq!(
         cat.purge_expired_checkpoints("acme", 60_000).await.unwrap(),
         0
@@ -70,6 +103,12 @@ pub(super) async fn retention_and_gc_state(cat: &dyn Catalog, time: &Time) {
         "past grace"
     );
     assert!(refs.contains(&h(62)) && refs.contains(&h(63)));
+    // Past grace, the expired checkpoints' objects are no longer marked.
+    let mark = cat.gc_mark("acme", 5).await.unwrap();
+    assert!(!mark.manifests.contains(&h(60)) && !mark.manifests.contains(&h(61)));
+    for n in [1, 2, 3] {
+        assert!(!mark.objects.contains(&o(n).id), "object {n} past grace");
+    }
     assert_eq!(cat.purge_expired_checkpoints("acme", 5).await.unwrap(), 2);
     // Condemned keys keep their first time; forget removes them.
     let keys = vec!["t/acme/obj/aa/x".to_string(), "t/acme/man/y".to_string()];

@@ -349,6 +349,9 @@ impl Catalog for LossyCatalog {
     async fn gc_references(&self, tenant: &str, grace_ms: u64) -> Result<Vec<Hash>> {
         self.inner.gc_references(tenant, grace_ms).await
     }
+    async fn gc_mark(&self, tenant: &str, grace_ms: u64) -> Result<GcMark> {
+        self.inner.gc_mark(tenant, grace_ms).await
+    }
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64> {
         self.inner.purge_expired_checkpoints(tenant, grace_ms).await
     }
