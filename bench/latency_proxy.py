@@ -5,7 +5,7 @@
 
 Prints "ready PORT" once listening (port 0 picks a free one). Each request (the first bytes a
 client sends after the previous response began) waits DELAY_MS before it is forwarded; the count
-of delayed requests is written to stderr on SIGTERM. Standard library only (bench/ installs
+of delayed requests is written to stderr on SIGTERM, and to stdout ("requests N") on SIGUSR1. Standard library only (bench/ installs
 nothing).
 """
 import asyncio
@@ -60,6 +60,7 @@ async def main():
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, lambda: print(f"requests {requests}", flush=True))
     await stop.wait()
     print(f"requests {requests}", file=sys.stderr, flush=True)
 
