@@ -15,7 +15,7 @@
 //!    record of the reference graph (`record_manifest`, written in one transaction before any
 //!    head, checkpoint or template names the manifest), in one query and no store request;
 //!    only a manifest the catalog has no record of is fetched from the store (an unreadable one
-//!    aborts the tenant's pass: nothing is deleted on incomplete information) and recorded.
+//!    aborts the tenant's pass: nothing is deleted on incomplete information).
 //! 3. **Sweep, in two phases.** Store keys that are unreferenced (and older than `grace` by the
 //!    store's clock) are *condemned* in the catalog; a key is deleted only by a later pass that
 //!    finds it condemned for at least `grace` and still unreferenced. A key that became
@@ -132,8 +132,8 @@ pub struct GcReport {
     /// Staged files of interrupted puts swept from local object directories.
     #[serde(default)]
     pub staged_removed: u64,
-    /// Manifests read from the store to mark their objects: only those the catalog had no
-    /// record of (written before it kept one); each is recorded then, so a later pass reads none.
+    /// Manifests read from the store to mark their objects: only those the catalog has no
+    /// record of (none unless rows were lost: every manifest is recorded when it is written).
     #[serde(default)]
     pub manifests_read: u64,
 }
@@ -426,8 +426,11 @@ impl Engine {
             report.checkpoints_expired += cat.expire_checkpoints(tenant, &w.name, &exp).await?;
         }
         // 2. Mark, from the catalog's record of what each manifest references: one query, no
-        // store request. Only a manifest the catalog has no record of is read from the store
-        // (then recorded, so the next pass need not).
+        // store request. Only a manifest the catalog has no record of is read from the store.
+        // (It is not recorded then: a pass on another node may be deleting it meanwhile, when
+        // its last reference expired, and a record made after that delete would never be
+        // pruned. Every manifest has been recorded since the record began, so there are none
+        // in practice.)
         let mark = cat.gc_mark(tenant, grace_ms).await?;
         let live_manifests: HashSet<Hash> = mark.manifests.iter().copied().collect();
         let mut live_objects: HashSet<Hash> = mark.objects.into_iter().collect();
@@ -440,9 +443,6 @@ impl Engine {
             })?;
             report.manifests_read += 1;
             live_objects.extend(man.objects.iter().map(|o| o.id));
-            if !opts.dry_run {
-                cat.record_manifest(tenant, m, &man.objects).await?;
-            }
         }
         report.live_manifests += live_manifests.len() as u64;
         report.live_objects += live_objects.len() as u64;

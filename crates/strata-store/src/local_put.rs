@@ -153,8 +153,8 @@ fn direct_wanted() -> bool {
 }
 
 /// Whether an object written with `O_DIRECT` is read back into the page cache once it is
-/// durable (`posix_fadvise(WILLNEED)`: the kernel reads it asynchronously, by DMA, with no copy
-/// on this thread): unless `STRATA_PUT_READBACK=0`.
+/// durable (`posix_fadvise(WILLNEED)` from the other background thread, after the put's reply:
+/// the kernel reads it asynchronously, by DMA, with no copy): unless `STRATA_PUT_READBACK=0`.
 fn readback_wanted() -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
     !*OFF.get_or_init(|| std::env::var("STRATA_PUT_READBACK").is_ok_and(|v| v == "0"))
@@ -193,6 +193,16 @@ enum Wrote {
 pub(crate) async fn put(tenant: &str, path: PathBuf, bytes: Bytes) -> std::io::Result<()> {
     run(Lane::Puts(tenant.to_string()), move || {
         let wrote = write_durably(&path, &bytes, direct_wanted().then_some(DIRECT_ALIGN))?;
+        if wrote == Wrote::Direct && readback_wanted() {
+            // After the reply, on the other lane: the put thread (other tenants' puts, a
+            // sync-mode FLUSH waiting on one) never waits for the kernel to queue the reads.
+            let path = path.clone();
+            let _ = other_queue().send(Box::new(move || {
+                if let Ok(f) = File::open(&path) {
+                    read_back(&f);
+                }
+            }));
+        }
         if let Wrote::Refused(why) = wrote {
             if !DIRECT_REFUSED.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
@@ -334,11 +344,9 @@ fn write_durably(path: &Path, bytes: &[u8], direct: Option<usize>) -> std::io::R
             }
         };
         f.sync_all()?;
+        drop(f);
         std::fs::rename(&staged, path)?;
         File::open(parent)?.sync_all()?;
-        if wrote == Wrote::Direct && readback_wanted() {
-            read_back(&f);
-        }
         Ok(wrote)
     })();
     if res.is_err() {
@@ -713,9 +721,14 @@ mod tests {
         );
         let path = dir.path().join("t/a/obj/o");
         let data: Vec<u8> = (0..8 * PIECE + 100).map(|j| (j % 239) as u8).collect();
-        assert_eq!(
-            write_durably(&path, &data, Some(DIRECT_ALIGN)).unwrap(),
-            Wrote::Direct
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(put("a", path.clone(), Bytes::from(data.clone())))
+            .unwrap();
+        assert!(
+            direct_wanted(),
+            "the put went buffered: the test checks the direct path"
         );
         // The kernel reads it asynchronously: wait for it, boundedly. Its read-ahead takes
         // whole pages only (a partial last page is left to the first read: 6.1 and later).
