@@ -208,6 +208,10 @@ pub struct GcRequest {
     /// Report what would be expired and deleted, change nothing.
     #[serde(default)]
     pub dry_run: bool,
+    /// Also list the store, to find keys the catalog does not know (a reconciliation pass;
+    /// the node's periodic passes do it once a day).
+    #[serde(default)]
+    pub reconcile: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]

@@ -215,19 +215,26 @@ SELECT objs.ws, count(*), coalesce(sum(o.data_len), 0) FROM objs JOIN objects o
 GROUP BY objs.ws ORDER BY objs.ws";
 
 /// The mark of a GC pass ([`Catalog::gc_mark`]): `?1`/`$1` the tenant, `?2`/`$2` the instant
-/// (catalog clock, ms) from which an expired checkpoint still counts. Rows: `(0, manifest,
-/// recorded)` per referenced manifest, then `(1, object, 1)` per distinct object the recorded
-/// ones reference; one statement, so one snapshot.
+/// (catalog clock, ms) from which an expired checkpoint still counts, `?3`/`$3` the instant
+/// (the clock rows were recorded by) before which an unreferenced record is stale. Rows:
+/// `(0, manifest, recorded)` per referenced manifest, `(1, object, 1)` per distinct object the
+/// recorded ones reference, `(2, manifest, 0)` per stale unreferenced manifest record, and
+/// `(3, object, data_len)` per stale unreferenced object record; one statement, so one snapshot.
 pub(crate) const GC_MARK_SQL: &str = "
 WITH refs(manifest) AS (
     SELECT head_manifest FROM workspaces WHERE tenant = ?1
     UNION SELECT manifest FROM checkpoints WHERE tenant = ?1 AND (expired_ms IS NULL OR expired_ms >= ?2)
-    UNION SELECT manifest FROM templates WHERE tenant = ?1)
+    UNION SELECT manifest FROM templates WHERE tenant = ?1),
+live(object) AS (
+    SELECT DISTINCT mo.object FROM manifest_objects mo JOIN refs r ON mo.manifest = r.manifest
+    WHERE mo.tenant = ?1)
 SELECT 0, r.manifest, CASE WHEN EXISTS (SELECT 1 FROM manifests m WHERE m.tenant = ?1 AND m.id = r.manifest)
     THEN 1 ELSE 0 END FROM refs r
-UNION ALL
-SELECT DISTINCT 1, mo.object, 1 FROM manifest_objects mo JOIN refs r ON mo.manifest = r.manifest
-    WHERE mo.tenant = ?1";
+UNION ALL SELECT 1, l.object, 1 FROM live l
+UNION ALL SELECT 2, m.id, 0 FROM manifests m WHERE m.tenant = ?1 AND m.created_ms < ?3
+    AND NOT EXISTS (SELECT 1 FROM refs r WHERE r.manifest = m.id)
+UNION ALL SELECT 3, o.id, o.data_len FROM objects o WHERE o.tenant = ?1 AND o.created_ms < ?3
+    AND NOT EXISTS (SELECT 1 FROM live l WHERE l.object = o.id)";
 
 /// Tables with a `tenant` column, in the order a tenant's purge empties them (tokens before
 /// the tenant row PostgreSQL's foreign key names).
@@ -462,10 +469,12 @@ pub trait Catalog: Send + Sync + 'static {
     /// expired less than `grace_ms` ago by the catalog's clock) and templates.
     async fn gc_references(&self, tenant: &str, grace_ms: u64) -> Result<Vec<Hash>>;
     /// A GC pass's mark in one consistent read: every manifest [`Catalog::gc_references`]
-    /// returns, which of them [`Catalog::record_manifest`] has no record of, and the distinct
-    /// objects the recorded ones reference. A recorded manifest's links were written in the
-    /// transaction that recorded it, so they are whole; an unrecorded one (written before the
-    /// catalog kept the record) is the caller's to read from the store.
+    /// returns, which of them [`Catalog::record_manifest`] has no record of, the distinct
+    /// objects the recorded ones reference, and the recorded manifests and objects that nothing
+    /// marked references and that were recorded more than `grace_ms` ago (by the clock that
+    /// recorded them). A recorded manifest's links were written in the transaction that
+    /// recorded it, so they are whole; an unrecorded one (written before the catalog kept the
+    /// record) is the caller's to read from the store.
     async fn gc_mark(&self, tenant: &str, grace_ms: u64) -> Result<GcMark>;
     /// Deletes checkpoint rows expired more than `grace_ms` ago.
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64>;

@@ -695,24 +695,31 @@ impl Catalog for PostgresCatalog {
 
     async fn gc_mark(&self, tenant: &str, grace_ms: u64) -> Result<GcMark> {
         let c = self.conn().await?;
+        // Expiry is on the server's clock; records carry the recording node's (`record_manifest`).
         let sql = crate::GC_MARK_SQL
             .replace("?1", "$1")
-            .replace("?2", &format!("({SERVER_NOW}) - $2"));
+            .replace("?2", &format!("({SERVER_NOW}) - $2"))
+            .replace("?3", "$3");
+        let stale_before = now_ms() as i64 - grace_ms as i64;
         let mut mark = GcMark::default();
         for r in c
-            .query(&sql, &[&tenant, &(grace_ms as i64)])
+            .query(&sql, &[&tenant, &(grace_ms as i64), &stale_before])
             .await
             .map_err(be)?
         {
-            let (kind, id, recorded): (i32, &str, i32) = (r.get(0), r.get(1), r.get(2));
+            // The third column is a BIGINT (the union with `data_len`).
+            let (kind, id, n): (i32, &str, i64) = (r.get(0), r.get(1), r.get(2));
             let id = hash(id)?;
-            match (kind, recorded) {
-                (0, 1) => mark.manifests.push(id),
-                (0, _) => {
+            match kind {
+                0 => {
                     mark.manifests.push(id);
-                    mark.unrecorded.push(id);
+                    if n != 1 {
+                        mark.unrecorded.push(id);
+                    }
                 }
-                _ => mark.objects.push(id),
+                1 => mark.objects.push(id),
+                2 => mark.stale_manifests.push(id),
+                _ => mark.stale_objects.push((id, n.max(0) as u64)),
             }
         }
         Ok(mark)

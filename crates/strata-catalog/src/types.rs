@@ -360,4 +360,11 @@ pub struct GcMark {
     pub unrecorded: Vec<Hash>,
     /// The distinct objects the recorded manifests reference.
     pub objects: Vec<Hash>,
+    /// Recorded manifests nothing above references, recorded more than the grace period ago:
+    /// what an incremental sweep condemns (no listing of the store needed).
+    pub stale_manifests: Vec<Hash>,
+    /// Recorded objects no recorded, referenced manifest links, recorded more than the grace
+    /// period ago, with their data length. (An unrecorded manifest may still reference one:
+    /// the caller filters by what it read.)
+    pub stale_objects: Vec<(Hash, u64)>,
 }

@@ -154,6 +154,8 @@ pub(crate) struct GcState {
     pub deleted_bytes: std::sync::atomic::AtomicU64,
     pub checkpoints_expired: std::sync::atomic::AtomicU64,
     pub last: std::sync::Mutex<Option<strata_engine::GcReport>>,
+    /// The last pass that listed the store: its stored and live bytes.
+    pub last_listed: std::sync::Mutex<Option<strata_engine::GcReport>>,
     /// One pass at a time on this node.
     pub lock: tokio::sync::Mutex<()>,
 }
@@ -253,14 +255,21 @@ impl Daemon {
         *self.gc.interval.lock().unwrap_or_else(|p| p.into_inner()) = every;
     }
 
-    /// One GC pass with the engine's retention and grace settings.
-    pub async fn run_gc(&self, dry_run: bool) -> strata_engine::Result<strata_engine::GcReport> {
+    /// One GC pass with the engine's retention and grace settings; `reconcile` also lists the
+    /// store (and sweeps relay keys of tenants' earlier incarnations).
+    pub async fn run_gc(
+        &self,
+        dry_run: bool,
+        reconcile: bool,
+    ) -> strata_engine::Result<strata_engine::GcReport> {
         use std::sync::atomic::Ordering::Relaxed;
         let _one = self.gc.lock.lock().await;
         let cfg = self.engine.config();
         let r = self
             .engine
-            .gc(&strata_engine::GcOptions::from_config(cfg, dry_run))
+            .gc(&strata_engine::GcOptions::from_config(
+                cfg, dry_run, reconcile,
+            ))
             .await;
         match &r {
             Ok(rep) => {
@@ -272,9 +281,17 @@ impl Daemon {
                         .checkpoints_expired
                         .fetch_add(rep.checkpoints_expired, Relaxed);
                     *self.gc.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(rep.clone());
+                    if rep.reconciled {
+                        *self
+                            .gc
+                            .last_listed
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner()) = Some(rep.clone());
+                    }
                 }
                 tracing::info!(
                     dry_run,
+                    reconcile,
                     deleted = rep.deleted_keys,
                     bytes = rep.deleted_bytes,
                     condemned = rep.condemned,
@@ -288,7 +305,7 @@ impl Daemon {
                 tracing::warn!(error = %e, "gc pass failed; nothing more was deleted");
             }
         }
-        if !dry_run && r.is_ok() {
+        if !dry_run && reconcile && r.is_ok() {
             self.sweep_relay_incarnations().await;
         }
         r
@@ -432,6 +449,9 @@ impl Daemon {
         let beat = Arc::downgrade(self);
         let gc = Arc::downgrade(self);
         tokio::spawn(async move {
+            // The first pass and every RECONCILE_EVERYth list the store; the others cost what
+            // changed.
+            let mut passes = 0u64;
             loop {
                 let every = {
                     let Some(d) = gc.upgrade() else { return };
@@ -444,7 +464,10 @@ impl Daemon {
                 };
                 tokio::time::sleep(every).await;
                 let Some(d) = gc.upgrade() else { return };
-                let _ = d.run_gc(false).await;
+                let reconcile = passes % strata_engine::RECONCILE_EVERY == 0;
+                if d.run_gc(false, reconcile).await.is_ok() || !reconcile {
+                    passes += 1;
+                }
             }
         });
         let meter = Arc::downgrade(self);

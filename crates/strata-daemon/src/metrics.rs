@@ -187,25 +187,35 @@ impl Collector for Scrape {
         ] {
             single(e, name, help, unit, counter(v.load(Relaxed)))?;
         }
-        if let Some(r) = g.last.lock().unwrap_or_else(|p| p.into_inner()).clone() {
-            for (name, help, unit, v) in [
+        // Stored and live bytes are counted by passes that list the store (reconciliation).
+        if let Some(r) = g
+            .last_listed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        {
+            for (name, help, v) in [
                 (
                     "strata_gc_live",
-                    "Bytes referenced by heads, retained checkpoints and templates (last GC pass)",
-                    Some(Unit::Bytes),
+                    "Bytes referenced by heads, retained checkpoints and templates (last GC pass that listed the store)",
                     r.live_bytes,
                 ),
+                (
+                    "strata_gc_stored",
+                    "Bytes stored in the object store (last GC pass that listed the store)",
+                    r.stored_bytes,
+                ),
+            ] {
+                single(e, name, help, Some(Unit::Bytes), gauge(v))?;
+            }
+        }
+        if let Some(r) = g.last.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            for (name, help, unit, v) in [
                 (
                     "strata_gc_live_objects",
                     "Objects referenced (last GC pass)",
                     None,
                     r.live_objects,
-                ),
-                (
-                    "strata_gc_stored",
-                    "Bytes stored in the object store (last GC pass)",
-                    Some(Unit::Bytes),
-                    r.stored_bytes,
                 ),
                 (
                     "strata_gc_unreferenced",

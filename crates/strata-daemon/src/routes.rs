@@ -342,6 +342,6 @@ pub(crate) async fn run_gc(
 ) -> R<strata_engine::GcReport> {
     let b = optional_body(b)?;
     Ok(Json(
-        own_task(async move { Ok(d.run_gc(b.dry_run).await?) }).await?,
+        own_task(async move { Ok(d.run_gc(b.dry_run, b.reconcile).await?) }).await?,
     ))
 }

@@ -56,6 +56,7 @@ async fn main() {
             keep_auto: keep,
             max_age: Duration::from_secs(3600),
             dry_run: false,
+            reconcile: true,
             stop_after: None,
             compact_below: Some(threshold),
             compact_detached_after: None,
@@ -101,6 +102,7 @@ async fn main() {
         let dry = |e: Arc<Engine>| async move {
             e.gc(&GcOptions {
                 dry_run: true,
+                reconcile: true,
                 ..gc(0)
             })
             .await

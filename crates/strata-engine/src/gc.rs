@@ -42,7 +42,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use object_store::{ObjectStore, ObjectStoreExt};
+use object_store::ObjectStoreExt;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
@@ -64,6 +64,12 @@ pub struct GcOptions {
     pub max_age: Duration,
     /// Report only: expire nothing, condemn nothing, delete nothing.
     pub dry_run: bool,
+    /// Also list every tenant's keys in the store, to find what the catalog does not know
+    /// (uploads whose publish failed before recording them, keys whose delete failed), and
+    /// sweep local stores' staged files. A pass without it makes no listing: its cost follows
+    /// what changed. The daemon reconciles on its first pass and every
+    /// [`RECONCILE_EVERY`]th.
+    pub reconcile: bool,
     /// Stop after this many mutating steps (tests of an interrupted pass).
     pub stop_after: Option<usize>,
     /// Compact the volumes attached on this node whose head objects are less live than this
@@ -77,14 +83,19 @@ pub struct GcOptions {
     pub compact_detached_after: Option<Duration>,
 }
 
+/// The daemon's periodic GC reconciles (lists the store) on its first pass and on every this
+/// many: once a day at the default interval of an hour.
+pub const RECONCILE_EVERY: u64 = 24;
+
 /// How long a workspace stays detached before GC compacts it (a sandbox paused for a moment is
 /// likely resumed soon; an attach on another node during the compaction gets a lease conflict).
 pub const COMPACT_DETACHED_AFTER: Duration = Duration::from_secs(600);
 
 impl GcOptions {
     /// A pass with a node's configured grace, retention and compaction settings.
-    pub fn from_config(cfg: &crate::EngineConfig, dry_run: bool) -> GcOptions {
+    pub fn from_config(cfg: &crate::EngineConfig, dry_run: bool, reconcile: bool) -> GcOptions {
         GcOptions {
+            reconcile,
             grace: cfg.gc_grace,
             keep_last: cfg.keep_checkpoints,
             keep_auto: cfg.keep_auto_versions,
@@ -132,6 +143,10 @@ pub struct GcReport {
     /// Staged files of interrupted puts swept from local object directories.
     #[serde(default)]
     pub staged_removed: u64,
+    /// The pass listed the store (a reconciliation pass): only then are `stored_keys`,
+    /// `stored_bytes` and `live_bytes` counted, and keys unknown to the catalog found.
+    #[serde(default)]
+    pub reconciled: bool,
     /// Manifests read from the store to mark their objects: only those the catalog has no
     /// record of (none unless rows were lost: every manifest is recorded when it is written).
     #[serde(default)]
@@ -229,6 +244,7 @@ impl Engine {
         let started = Instant::now();
         let mut report = GcReport {
             dry_run: opts.dry_run,
+            reconciled: opts.reconcile,
             ..Default::default()
         };
         let mut steps = Steps {
@@ -278,7 +294,7 @@ impl Engine {
                 break;
             }
         }
-        if !opts.dry_run && !report.stopped {
+        if !opts.dry_run && !report.stopped && opts.reconcile {
             // What a crash mid-put left (a local store's listings never show it). At least an
             // hour old whatever the grace: a put that slow has stalled, not just begun.
             let age = opts.grace.max(Duration::from_secs(3600));
@@ -446,35 +462,56 @@ impl Engine {
         }
         report.live_manifests += live_manifests.len() as u64;
         report.live_objects += live_objects.len() as u64;
-        // 3. Sweep.
-        let cutoff = chrono_cutoff(opts.grace);
+        // 3. Sweep. Unreferenced: the catalog's stale records (recorded more than the grace
+        // period ago, referenced by nothing marked; no store request), and in a reconciliation
+        // pass every key a listing of the tenant's prefix finds unreferenced and older than the
+        // grace period by the store's clock: keys the catalog does not know (uploads whose
+        // publish failed before recording them, keys whose delete failed after their records
+        // were pruned).
+        let live = |is_obj: bool, id: &Hash| {
+            if is_obj {
+                live_objects.contains(id)
+            } else {
+                live_manifests.contains(id)
+            }
+        };
         let mut unreferenced: HashMap<String, u64> = HashMap::new();
-        let prefix = object_store::path::Path::from(format!("t/{tenant}"));
+        for m in &mark.stale_manifests {
+            if !live(false, m) {
+                unreferenced.insert(strata_store::Store::manifest_key(tenant, m).to_string(), 0);
+            }
+        }
+        for (o, len) in &mark.stale_objects {
+            // An object an unrecorded manifest names is live, though no record links it.
+            if !live(true, o) {
+                unreferenced.insert(strata_store::Store::object_key(tenant, o).to_string(), *len);
+            }
+        }
         let tenant_store = store
             .inner_for(tenant)
             .await
             .map_err(|e| Error::Invalid(format!("GC of tenant {tenant:?}: {e}")))?;
-        let mut listing = tenant_store.list(Some(&prefix));
-        while let Some(meta) = listing.next().await {
-            let meta = meta.map_err(|e| Error::Invalid(format!("listing the store: {e}")))?;
-            let key = meta.location.to_string();
-            let Some((is_obj, id)) = key_id(tenant, &key) else {
-                continue;
-            };
-            report.stored_keys += 1;
-            report.stored_bytes += meta.size;
-            let live = if is_obj {
-                live_objects.contains(&id)
-            } else {
-                live_manifests.contains(&id)
-            };
-            if live {
-                report.live_bytes += meta.size;
-            } else if meta.last_modified.timestamp_millis() < cutoff {
-                unreferenced.insert(key, meta.size);
+        if opts.reconcile {
+            let cutoff = chrono_cutoff(opts.grace);
+            let mut listing = store
+                .list_tenant(tenant)
+                .await
+                .map_err(|e| Error::Invalid(format!("GC of tenant {tenant:?}: {e}")))?;
+            while let Some(meta) = listing.next().await {
+                let meta = meta.map_err(|e| Error::Invalid(format!("listing the store: {e}")))?;
+                let key = meta.location.to_string();
+                let Some((is_obj, id)) = key_id(tenant, &key) else {
+                    continue;
+                };
+                report.stored_keys += 1;
+                report.stored_bytes += meta.size;
+                if live(is_obj, &id) {
+                    report.live_bytes += meta.size;
+                } else if meta.last_modified.timestamp_millis() < cutoff {
+                    unreferenced.insert(key, meta.size);
+                }
             }
         }
-        drop(listing);
         report.unreferenced_keys += unreferenced.len() as u64;
         report.unreferenced_bytes += unreferenced.values().sum::<u64>();
         if opts.dry_run {
@@ -494,11 +531,29 @@ impl Engine {
             cat.gc_condemn(tenant, &fresh).await?;
             report.condemned += fresh.len() as u64;
         }
+        // Where a condemned key stands now. Unreferenced by this pass's mark: it may go once
+        // condemned for the grace period (it was unreferenced then too). Without a listing, a
+        // condemned key neither stale in the catalog nor live (one a reconciliation pass
+        // condemned, unknown to the catalog) is judged by the mark alone; a listing that did
+        // not find it unreferenced means it is gone or live again.
+        let standing = |k: &String| -> Standing {
+            if let Some(size) = unreferenced.get(k) {
+                return Standing::Unreferenced(*size);
+            }
+            match key_id(tenant, k) {
+                Some((is_obj, id)) if live(is_obj, &id) => Standing::Revived,
+                _ if opts.reconcile => Standing::Revived,
+                Some(_) => Standing::Unreferenced(0),
+                None => Standing::Unknown,
+            }
+        };
         // The catalog's rows for what is deleted go first: a failure after leaves a key
         // without rows (deleted by the next pass), never rows without a key.
         let doomed: Vec<(bool, Hash)> = condemned
             .iter()
-            .filter(|(k, age_ms)| *age_ms >= grace_ms && unreferenced.contains_key(k))
+            .filter(|(k, age_ms)| {
+                *age_ms >= grace_ms && matches!(standing(k), Standing::Unreferenced(_))
+            })
             .filter_map(|(k, _)| key_id(tenant, k))
             .collect();
         if !doomed.is_empty() {
@@ -512,8 +567,10 @@ impl Engine {
         let mut deleted = vec![];
         let mut revived = vec![];
         for (key, age_ms) in &condemned {
-            match unreferenced.get(key) {
-                Some(size) if *age_ms >= grace_ms => {
+            match standing(key) {
+                Standing::Unreferenced(size)
+                    if *age_ms >= grace_ms && key_id(tenant, key).is_some() =>
+                {
                     if !steps.take() {
                         cat.gc_forget(tenant, &deleted).await?;
                         return Ok(false);
@@ -530,8 +587,8 @@ impl Engine {
                     report.deleted_bytes += size;
                     deleted.push(key.clone());
                 }
-                Some(_) => {}                      // condemned, not yet for long enough
-                None => revived.push(key.clone()), // referenced again, or already gone
+                Standing::Unreferenced(_) | Standing::Unknown => {} // not yet for long enough
+                Standing::Revived => revived.push(key.clone()),     // referenced again, or gone
             }
         }
         deleted.extend(revived);
@@ -547,6 +604,16 @@ impl Engine {
         report.checkpoints_purged += cat.purge_expired_checkpoints(tenant, grace_ms).await?;
         Ok(true)
     }
+}
+
+/// Where a condemned key stands in a pass (see `gc_tenant`).
+enum Standing {
+    /// Unreferenced now (with its size, if known).
+    Unreferenced(u64),
+    /// Referenced again, or (by a listing) gone: forgotten.
+    Revived,
+    /// Not a key GC knows how to judge without a listing: left as it is.
+    Unknown,
 }
 
 /// Store keys last modified before this (ms since the epoch) may be condemned.
@@ -583,6 +650,7 @@ mod tests {
             keep_auto,
             max_age: Duration::from_secs(3600),
             dry_run: false,
+            reconcile: false,
             stop_after: None,
             compact_below: None,
             compact_detached_after: None,

@@ -37,6 +37,9 @@ fn gc_opts(keep: usize) -> GcOptions {
         keep_auto: keep,
         max_age: Duration::from_secs(3600),
         dry_run: false,
+        // Listing the store finds what the catalog does not know; the campaigns also run
+        // passes without it (the incremental sweep).
+        reconcile: true,
         stop_after: None,
         compact_below: Some(0.5),
         // Detached workspaces too, at once: the campaigns detach and re-attach them.
@@ -305,6 +308,7 @@ async fn run_case(seed: u64) {
         } else {
             let opts = GcOptions {
                 keep_auto: rng.random_range(0..3),
+                reconcile: rng.random_bool(0.5),
                 ..gc_opts(rng.random_range(0..3))
             };
             let r = node.gc(&opts).await.unwrap();
@@ -527,6 +531,7 @@ async fn gc_on_two_nodes_overlapping_checkpoints_and_forks_loses_nothing() {
                         grace,
                         keep_last: 1,
                         compact_below: None,
+                        reconcile: passes % 2 == 0,
                         ..gc_opts(1)
                     })
                     .await
@@ -832,4 +837,93 @@ async fn the_mark_reads_the_catalogs_record_not_the_manifests() {
         assert_eq!(r.manifests_read, refs.len() as u64);
         verify(n).await;
     }
+}
+
+/// A pass without reconciliation lists nothing (issue 46): a deleted workspace's data goes by
+/// the catalog's stale records alone; a key the catalog never knew (an upload whose publish was
+/// cut off before recording it) waits for a reconciliation pass, which lists the store once per
+/// tenant and deletes it two passes later. What is retained reads back throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incremental_pass_lists_nothing_and_a_reconciliation_finds_the_unknown() {
+    let c = Cluster::new().await;
+    let node = c.node("a");
+    let mut m = Model::default();
+    for (tag, ws) in [(1u64, "gone"), (2, "stay")] {
+        let v = empty_volume(&node, ws, DISK, Mode::Durable).await;
+        write_tag(&v, tag, 0, 8).await;
+        let version = v.checkpoint(None).await.unwrap().version;
+        if ws == "stay" {
+            m.cps.insert(
+                (ws.to_string(), version),
+                (0..8).map(|l| (l, tag)).collect(),
+            );
+        }
+    }
+    // An upload the catalog never recorded, older than any grace.
+    let orphan = c.path(&format!("objects/t/{TENANT}/obj/ee/{}", "ee".repeat(32)));
+    std::fs::create_dir_all(orphan.parent().unwrap()).unwrap();
+    std::fs::write(&orphan, b"an upload whose publish was cut off").unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&orphan)
+        .unwrap()
+        .set_modified(std::time::SystemTime::now() - Duration::from_secs(7200))
+        .unwrap();
+    node.delete_workspace(TENANT, "gone").await.unwrap();
+
+    let store = node.reader().store().clone();
+    let listed = store.tenant_listings();
+    let incremental = GcOptions {
+        reconcile: false,
+        compact_below: None,
+        ..gc_opts(16)
+    };
+    let (mut deleted, mut bytes) = (0, 0);
+    for _ in 0..3 {
+        let r = node.gc(&incremental).await.unwrap();
+        assert!(!r.reconciled && r.stored_keys == 0, "{r:?}");
+        deleted += r.deleted_keys;
+        bytes += r.deleted_bytes;
+    }
+    assert_eq!(
+        store.tenant_listings(),
+        listed,
+        "an incremental pass listed the store"
+    );
+    assert!(
+        deleted >= 3,
+        "the deleted workspace's object and manifests: {deleted}"
+    );
+    assert!(
+        bytes >= 8 * 4096,
+        "the deleted workspace's 8 blocks: {bytes}"
+    );
+    assert!(
+        orphan.exists(),
+        "unknown to the catalog: only a listing finds it"
+    );
+    for ((ws, v), want) in &m.cps {
+        assert_eq!(&read_fresh(&c, ws, Some(*v), 1).await, want);
+    }
+    let reconcile = GcOptions {
+        reconcile: true,
+        ..incremental.clone()
+    };
+    for pass in 1..=2u64 {
+        let r = node.gc(&reconcile).await.unwrap();
+        assert!(r.reconciled && r.stored_keys > 0, "{r:?}");
+        assert_eq!(
+            store.tenant_listings(),
+            listed + pass,
+            "one listing per tenant"
+        );
+    }
+    assert!(
+        !orphan.exists(),
+        "condemned by one reconciliation, deleted by the next"
+    );
+    for ((ws, v), want) in &m.cps {
+        assert_eq!(&read_fresh(&c, ws, Some(*v), 2).await, want);
+    }
+    no_garbage(&c).await;
 }

@@ -85,6 +85,8 @@ impl Sealing {
 /// reaches no store at all.
 #[derive(Default)]
 struct Placement {
+    /// Listings of a tenant's whole prefix ([`Store::list_tenant`]) since this store was made.
+    listings: std::sync::atomic::AtomicU64,
     named: std::collections::BTreeMap<String, Arc<Backend>>,
     master: Option<Arc<MasterKey>>,
     bound: std::sync::RwLock<std::collections::HashMap<String, Target>>,
@@ -339,6 +341,28 @@ impl Store {
     /// listing and deleting; contents go through the methods that seal and open them.
     pub async fn inner_for(&self, tenant: &str) -> Result<Arc<dyn ObjectStore>> {
         Ok(self.target(tenant).await?.backend.inner.clone())
+    }
+
+    /// Every key under `tenant`'s prefix in its store, as the store pages them (one request per
+    /// 1,000 keys on S3). Counted ([`Store::tenant_listings`]): GC makes one only in a
+    /// reconciliation pass.
+    pub async fn list_tenant(
+        &self,
+        tenant: &str,
+    ) -> Result<futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>>
+    {
+        let inner = self.inner_for(tenant).await?;
+        self.placement
+            .listings
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(inner.list(Some(&Path::from(format!("t/{tenant}")))))
+    }
+
+    /// How many times [`Store::list_tenant`] listed a tenant's prefix.
+    pub fn tenant_listings(&self) -> u64 {
+        self.placement
+            .listings
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The object store holding `key` (`t/{tenant}/…`): its tenant's.

@@ -457,9 +457,13 @@ pub async fn run(h: &Client, json_out: bool, cmd: Cmd) -> anyhow::Result<()> {
             };
             print(json_out, view, &v);
         }
-        Cmd::Gc { dry_run } => {
+        Cmd::Gc { dry_run, reconcile } => {
             let v = h
-                .call(M::POST, "/v1/gc", Some(json!({"dry_run": dry_run})))
+                .call(
+                    M::POST,
+                    "/v1/gc",
+                    Some(json!({"dry_run": dry_run, "reconcile": reconcile})),
+                )
                 .await?;
             print(json_out, View::Gc, &v);
         }

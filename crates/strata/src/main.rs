@@ -87,6 +87,10 @@ enum Cmd {
         /// Report what would be expired and deleted; change nothing.
         #[arg(long)]
         dry_run: bool,
+        /// Also list the object store, to find data the catalog does not know (uploads cut off
+        /// before they were recorded); without it a pass costs what changed.
+        #[arg(long)]
+        reconcile: bool,
     },
     /// Nodes sharing the catalog: which workspaces each serves, lease epochs, remote windows
     /// (through the daemon with the admin token, or from the local catalog).

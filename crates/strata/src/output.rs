@@ -311,16 +311,27 @@ pub fn print(json: bool, view: View, v: &Value) {
 
 fn gc(v: &Value) -> String {
     let b = |k: &str| fmt_size(n(v, k));
+    // Bytes stored and live are known only when the pass listed the store.
+    let stored = if v["reconciled"] == true {
+        format!(
+            "live {} in {} object(s) and {} manifest(s) of {} stored (store listed)",
+            b("live_bytes"),
+            v["live_objects"],
+            v["live_manifests"],
+            b("stored_bytes")
+        )
+    } else {
+        format!(
+            "live {} object(s) and {} manifest(s) (from the catalog; --reconcile lists the store)",
+            v["live_objects"], v["live_manifests"]
+        )
+    };
     format!(
-        "{}{} checkpoint(s) expired, {} purged; live {} in {} object(s) and {} manifest(s) of {} stored; \
+        "{}{} checkpoint(s) expired, {} purged; {stored}; \
          unreferenced {} ({} key(s)); condemned {} key(s) now; deleted {} key(s), {} reclaimed ({} ms)",
         if v["dry_run"] == true { "dry run: " } else { "" },
         v["checkpoints_expired"],
         v["checkpoints_purged"],
-        b("live_bytes"),
-        v["live_objects"],
-        v["live_manifests"],
-        b("stored_bytes"),
         b("unreferenced_bytes"),
         v["unreferenced_keys"],
         v["condemned"],

@@ -60,22 +60,26 @@ pub(super) async fn gc_mark(cat: &SqliteCatalog, tenant: &str, grace_ms: u64) ->
     cat.run(move |c| {
         let since = clock.now_ms() as i64 - grace_ms as i64;
         let mut s = c.prepare_cached(crate::GC_MARK_SQL).map_err(be)?;
-        let mut rows = s.query(params![t, since]).map_err(be)?;
+        // Rows are recorded by the same clock (`record_manifest`).
+        let mut rows = s.query(params![t, since, since]).map_err(be)?;
         let mut mark = GcMark::default();
         while let Some(r) = rows.next().map_err(be)? {
-            let (kind, id, recorded): (i64, String, i64) = (
+            let (kind, id, n): (i64, String, i64) = (
                 r.get(0).map_err(be)?,
                 r.get(1).map_err(be)?,
                 r.get(2).map_err(be)?,
             );
             let id = hash(id).map_err(be)?;
-            match (kind, recorded) {
-                (0, 1) => mark.manifests.push(id),
-                (0, _) => {
+            match kind {
+                0 => {
                     mark.manifests.push(id);
-                    mark.unrecorded.push(id);
+                    if n != 1 {
+                        mark.unrecorded.push(id);
+                    }
                 }
-                _ => mark.objects.push(id),
+                1 => mark.objects.push(id),
+                2 => mark.stale_manifests.push(id),
+                _ => mark.stale_objects.push((id, n.max(0) as u64)),
             }
         }
         Ok(mark)

@@ -91,6 +91,9 @@ pub(super) async fn retention_and_gc_state(cat: &dyn Catalog, time: &Time) {
         !mark.objects.contains(&o(9).id),
         "an unreferenced manifest's object"
     );
+    // Recorded just now: nothing of it is stale yet.
+    assert!(!mark.stale_manifests.contains(&unreferenced));
+    assert!(!mark.stale_objects.iter().any(|(id, _)| *id == o(9).id));
     assert!(cat.gc_mark("other", 60_000).await.unwrap() == GcMark::default());
     assert_eq!(
         cat.purge_expired_checkpoints("acme", 60_000).await.unwrap(),
@@ -109,6 +112,19 @@ pub(super) async fn retention_and_gc_state(cat: &dyn Catalog, time: &Time) {
     for n in [1, 2, 3] {
         assert!(!mark.objects.contains(&o(n).id), "object {n} past grace");
     }
+    // Their records, and the unreferenced manifest's, are stale now: what an incremental sweep
+    // condemns, with each object's length; unrecorded manifests never are.
+    for m in [h(60), h(61), unreferenced] {
+        assert!(mark.stale_manifests.contains(&m), "{m} stale");
+    }
+    assert!(!mark.stale_manifests.contains(&h(62)) && !mark.stale_manifests.contains(&h(63)));
+    for n in [1, 2, 3, 9] {
+        assert!(
+            mark.stale_objects.contains(&(o(n).id, o(n).data_len)),
+            "object {n} stale"
+        );
+    }
+    assert!(cat.gc_mark("other", 5).await.unwrap() == GcMark::default());
     assert_eq!(cat.purge_expired_checkpoints("acme", 5).await.unwrap(), 2);
     // Condemned keys keep their first time; forget removes them.
     let keys = vec!["t/acme/obj/aa/x".to_string(), "t/acme/man/y".to_string()];

@@ -415,7 +415,7 @@ async fn a_tenant_created_again_never_sees_relay_files_of_the_deleted_one() {
         .await;
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
     // GC removes the deleted incarnation's keys (the legacy ones stay: never read).
-    let (s, v) = admin.post("/v1/gc", json!({})).await;
+    let (s, v) = admin.post("/v1/gc", json!({"reconcile": true})).await;
     assert_eq!(s, StatusCode::OK, "{v}");
     let with_files: Vec<_> = std::fs::read_dir(objects.join("t/reborn/relay2"))
         .unwrap()
