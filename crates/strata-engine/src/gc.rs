@@ -352,7 +352,16 @@ impl Engine {
         after: Duration,
         report: &mut GcReport,
     ) -> Result<()> {
-        for w in self.catalog().list_workspaces(tenant).await? {
+        let workspaces = self.catalog().list_workspaces(tenant).await?;
+        {
+            // Forget what GC judged of workspaces that are gone.
+            let names: HashSet<&str> = workspaces.iter().map(|w| w.name.as_str()).collect();
+            self.gc_dense
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .retain(|(t, w), _| t != tenant || names.contains(w.as_str()));
+        }
+        for w in workspaces {
             if self.volume(tenant, &w.name).is_some() {
                 continue; // attached here: compacted above
             }
@@ -405,14 +414,32 @@ impl Engine {
         {
             return Ok(false);
         }
+        let key = (tenant.to_string(), w.name.clone());
+        let judged = (w.head_manifest, threshold.to_bits());
+        let dense = self
+            .gc_dense
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+            == Some(&judged);
+        if dense {
+            return Ok(false); // judged at this head already: no manifest read per pass
+        }
         let m = self
             .reader()
             .store()
             .get_manifest(tenant, &w.head_manifest)
             .await?;
-        Ok(crate::volume::object_usage(&m)
+        let sparse = crate::volume::object_usage(&m)
             .iter()
-            .any(|(live, stored)| (*live as f64) < threshold * *stored as f64))
+            .any(|(live, stored)| (*live as f64) < threshold * *stored as f64);
+        if !sparse {
+            self.gc_dense
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(key, judged);
+        }
+        Ok(sparse)
     }
 
     /// Returns false when `steps` ran out.

@@ -707,6 +707,14 @@ async fn detached_workspaces_are_compacted_and_crashed_ones_left_alone() {
         0,
         "nothing sparse left"
     );
+    // Heads judged dense are not read again while they do not move.
+    let gets = gc.reader().store().manifest_gets();
+    gc.gc(&gc_opts(16)).await.unwrap();
+    assert_eq!(
+        gc.reader().store().manifest_gets(),
+        gets,
+        "a pass read the manifest of a detached head it had judged"
+    );
     // Node a attaches again: its journal replays onto the unmoved head.
     let v = node.attach(TENANT, "crashed").await.unwrap();
     for (lba, tag) in &disks["crashed"] {
@@ -804,12 +812,18 @@ async fn the_mark_reads_the_catalogs_record_not_the_manifests() {
             }
         }
     };
+    let gets = node.reader().store().manifest_gets();
     let r = node.gc(&opts).await.unwrap();
     assert_eq!(
         r.manifests_read, 0,
         "every manifest was recorded when it was written"
     );
     assert!(r.live_manifests >= 4, "{r:?}");
+    assert_eq!(
+        node.reader().store().manifest_gets(),
+        gets,
+        "a manifest GET"
+    );
 
     // Every manifest key out of the pass's reach: a pass that fetched one would stop.
     let man = c.path(&format!("objects/t/{TENANT}/man"));

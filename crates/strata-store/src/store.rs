@@ -87,6 +87,8 @@ impl Sealing {
 struct Placement {
     /// Listings of a tenant's whole prefix ([`Store::list_tenant`]) since this store was made.
     listings: std::sync::atomic::AtomicU64,
+    /// Manifests fetched ([`Store::get_manifest`]) since this store was made.
+    manifest_gets: std::sync::atomic::AtomicU64,
     named: std::collections::BTreeMap<String, Arc<Backend>>,
     master: Option<Arc<MasterKey>>,
     bound: std::sync::RwLock<std::collections::HashMap<String, Target>>,
@@ -358,6 +360,13 @@ impl Store {
         Ok(inner.list(Some(&Path::from(format!("t/{tenant}")))))
     }
 
+    /// How many manifests [`Store::get_manifest`] fetched.
+    pub fn manifest_gets(&self) -> u64 {
+        self.placement
+            .manifest_gets
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// How many times [`Store::list_tenant`] listed a tenant's prefix.
     pub fn tenant_listings(&self) -> u64 {
         self.placement
@@ -560,6 +569,9 @@ impl Store {
     pub async fn get_manifest(&self, tenant: &str, id: &Hash) -> Result<Manifest> {
         let key = Self::manifest_key(tenant, id);
         let t = self.target(tenant).await?;
+        self.placement
+            .manifest_gets
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let k = t.key.key()?;
         let bytes = t.backend.inner.get(&key).await?.bytes().await?;
         let bytes = open_whole(k, &key, bytes)?;
