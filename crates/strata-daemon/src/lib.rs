@@ -464,7 +464,7 @@ impl Daemon {
                 };
                 tokio::time::sleep(every).await;
                 let Some(d) = gc.upgrade() else { return };
-                let reconcile = passes % strata_engine::RECONCILE_EVERY == 0;
+                let reconcile = passes.is_multiple_of(strata_engine::RECONCILE_EVERY);
                 if d.run_gc(false, reconcile).await.is_ok() || !reconcile {
                     passes += 1;
                 }

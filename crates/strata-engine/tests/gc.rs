@@ -531,7 +531,7 @@ async fn gc_on_two_nodes_overlapping_checkpoints_and_forks_loses_nothing() {
                         grace,
                         keep_last: 1,
                         compact_below: None,
-                        reconcile: passes % 2 == 0,
+                        reconcile: passes.is_multiple_of(2),
                         ..gc_opts(1)
                     })
                     .await
