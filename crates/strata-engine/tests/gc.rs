@@ -941,3 +941,63 @@ async fn an_incremental_pass_lists_nothing_and_a_reconciliation_finds_the_unknow
     }
     no_garbage(&c).await;
 }
+
+/// A condemned key that is referenced again before its deletion is kept and forgotten, in a
+/// pass that lists nothing as in one that does: a deletion is decided by that pass's mark.
+/// (Nothing strata does references unreferenced data again; a template row naming a deleted
+/// workspace's manifest stands in for any way it might.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_condemned_key_referenced_again_is_kept() {
+    for reconcile in [false, true] {
+        let c = Cluster::new().await;
+        let node = c.node("a");
+        let v = empty_volume(&node, "gone", DISK, Mode::Durable).await;
+        write_tag(&v, 7, 0, 8).await;
+        v.checkpoint(None).await.unwrap();
+        let head = node.workspace(TENANT, "gone").await.unwrap();
+        node.delete_workspace(TENANT, "gone").await.unwrap();
+        let opts = GcOptions {
+            reconcile,
+            compact_below: None,
+            ..gc_opts(16)
+        };
+        let r = node.gc(&opts).await.unwrap();
+        assert!(r.condemned >= 2, "{r:?}");
+        c.catalog
+            .create_template(&strata_catalog::Template {
+                tenant: TENANT.into(),
+                name: "revived".into(),
+                manifest: head.head_manifest,
+                disk_size: DISK,
+                stored_bytes: 0,
+                created_ms: strata_format::now_ms(),
+            })
+            .await
+            .unwrap();
+        // (The deleted workspace's first, empty manifest stays unreferenced and goes.)
+        for _ in 0..2 {
+            let r = node.gc(&opts).await.unwrap();
+            assert!(r.deleted_keys <= 1, "reconcile {reconcile}: {r:?}");
+        }
+        assert!(
+            c.catalog.gc_condemned(TENANT).await.unwrap().is_empty(),
+            "reconcile {reconcile}: referenced again, so forgotten"
+        );
+        node.create_workspace(
+            TENANT,
+            "back",
+            Source::Template("revived".into()),
+            Mode::Durable,
+            None,
+        )
+        .await
+        .unwrap();
+        let mut want = Disk::new();
+        want.extend((0..8).map(|l| (l, 7)));
+        assert_eq!(
+            read_fresh(&c, "back", None, 1).await,
+            want,
+            "reconcile {reconcile}"
+        );
+    }
+}
