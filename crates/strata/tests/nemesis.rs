@@ -260,11 +260,19 @@ impl Campaign {
                 self.fail(format!("freeze/thaw of {name}: {s} {t}"));
             }
         } else if roll < 68 {
-            self.count("gc pass (grace 2s, compaction)");
+            // Half the passes reconcile (list the store); the others sweep from the catalog.
+            let reconcile = self.rng.random_bool(0.5);
+            self.count(if reconcile {
+                "gc pass (grace 2s, compaction), listing the store"
+            } else {
+                "gc pass (grace 2s, compaction), from the catalog"
+            });
             // A pass lists and deletes through the store: give it longer than other calls.
             let t0 = Instant::now();
             let admin = Api::with_timeout(&self.a.url, ADMIN, Duration::from_secs(300));
-            let (s, v) = admin.post("/v1/gc", json!({})).await;
+            let (s, v) = admin
+                .post("/v1/gc", json!({ "reconcile": reconcile }))
+                .await;
             if s != StatusCode::OK {
                 self.fail(format!("gc: {s} {v} after {:?}", t0.elapsed()));
             } else if t0.elapsed() > Duration::from_secs(10) {
