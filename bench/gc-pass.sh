@@ -3,8 +3,9 @@
 # store (moto on loopback behind bench/latency_proxy.py adding BENCH_S3_LATENCY_MS per request,
 # default 20), BENCH_WS workspaces (default 10), each written and checkpointed until the tenant
 # retains each count of BENCH_GC_VERSIONS (default "20 200 1220" in total); then two GC passes
-# after no change at all. Prints, per count, the second pass's time (its own report) and the
-# store requests it made (counted by the proxy), as a Markdown table.
+# after no change at all, then one reconciliation pass (`gc --reconcile`, which lists the store;
+# a binary without it shows "-"). Prints, per count, each measured pass's time (its own report)
+# and the store requests it made (counted by the proxy), as a Markdown table.
 #
 #   bench/gc-pass.sh                       # release build of this tree
 #   STRATA_BIN=/path/to/strata bench/gc-pass.sh
@@ -51,8 +52,9 @@ for i in $(seq 1 "$n_ws"); do
   exports+=("$(cli ws attach "w$i" | python3 -c 'import json,sys; print(json.load(sys.stdin)["export"])')")
 done
 made=$n_ws   # each workspace's version 1
-echo "| retained versions | workspaces | GC pass after no change | store requests | manifests read |"
-echo "|---|---|---|---|---|"
+has_reconcile=0; "$strata" gc --help | grep -q -- --reconcile && has_reconcile=1
+echo "| retained versions | workspaces | GC pass after no change | store requests | manifests read | reconciliation pass | its store requests |"
+echo "|---|---|---|---|---|---|---|"
 for want in $counts; do
   while [ "$made" -lt "$want" ]; do
     i=$(( made % n_ws + 1 ))
@@ -65,9 +67,16 @@ for want in $counts; do
   r0=$(requests)
   admin gc > "$work/gc.json"
   r1=$(requests)
-  python3 - "$work/gc.json" "$want" "$n_ws" "$((r1 - r0))" <<'PY'
+  rec_ms=-; rec_req=-
+  if [ $has_reconcile = 1 ]; then
+    admin gc --reconcile > "$work/rec.json"
+    r2=$(requests)
+    rec_ms="$(python3 -c 'import json,sys; print("{:,} ms".format(json.load(open(sys.argv[1]))["duration_ms"]))' "$work/rec.json")"
+    rec_req=$((r2 - r1))
+  fi
+  python3 - "$work/gc.json" "$want" "$n_ws" "$((r1 - r0))" "$rec_ms" "$rec_req" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"| {sys.argv[2]} | {sys.argv[3]} | {r['duration_ms']:,} ms | {sys.argv[4]} | {r.get('manifests_read', '-')} |")
+print(f"| {sys.argv[2]} | {sys.argv[3]} | {r['duration_ms']:,} ms | {sys.argv[4]} | {r.get('manifests_read', '-')} | {sys.argv[5]} | {sys.argv[6]} |")
 PY
 done
