@@ -449,8 +449,8 @@ impl Daemon {
         let beat = Arc::downgrade(self);
         let gc = Arc::downgrade(self);
         tokio::spawn(async move {
-            // The first pass and every RECONCILE_EVERYth list the store; the others cost what
-            // changed.
+            // The first pass and every RECONCILE_EVERYth list the store (and sweep staged files
+            // and relay incarnations); the others cost what changed.
             let mut passes = 0u64;
             loop {
                 let every = {
@@ -464,10 +464,11 @@ impl Daemon {
                 };
                 tokio::time::sleep(every).await;
                 let Some(d) = gc.upgrade() else { return };
+                // A failed reconciliation waits for the next one's turn (logged and counted in
+                // strata_gc_failures), so a failing tenant cannot make every pass list the store.
                 let reconcile = passes.is_multiple_of(strata_engine::RECONCILE_EVERY);
-                if d.run_gc(false, reconcile).await.is_ok() || !reconcile {
-                    passes += 1;
-                }
+                let _ = d.run_gc(false, reconcile).await;
+                passes += 1;
             }
         });
         let meter = Arc::downgrade(self);

@@ -16,16 +16,21 @@
 //!    head, checkpoint or template names the manifest), in one query and no store request;
 //!    only a manifest the catalog has no record of is fetched from the store (an unreadable one
 //!    aborts the tenant's pass: nothing is deleted on incomplete information).
-//! 3. **Sweep, in two phases.** Store keys that are unreferenced (and older than `grace` by the
-//!    store's clock) are *condemned* in the catalog; a key is deleted only by a later pass that
-//!    finds it condemned for at least `grace` and still unreferenced. A key that became
-//!    referenced again is forgotten. Before a key is deleted, the catalog's rows for it
+//! 3. **Sweep, in two phases.** Store keys that are unreferenced are *condemned* in the
+//!    catalog: the catalog's stale records (recorded more than `grace` ago, referenced by
+//!    nothing marked), and in a reconciliation pass (`GcOptions::reconcile`) the keys a listing
+//!    of the store finds unreferenced and older than `grace` by the store's clock (keys the
+//!    catalog never knew). A key is deleted only by a later pass that finds it condemned for at
+//!    least `grace`, still unreferenced by its mark, and last written more than `grace` ago by
+//!    the store's clock (its listing, or a HEAD). A key that became referenced again, or was
+//!    written again, is forgotten. Before a key is deleted, the catalog's rows for it
 //!    (`record_manifest`'s manifests, links and objects) are pruned, so the catalog's record
 //!    of the reference graph stays the size of what is live.
 //!
 //! Why that is safe under concurrent checkpoints, forks, restores and uploads:
 //! - Every upload creates keys that never existed (objects and manifests carry a random salt),
-//!   so a re-upload can never race a delete of the same key;
+//!   so a re-upload can race a delete of the same key only if a salt is drawn twice for the
+//!   same content; the store-clock check before a delete covers that case too;
 //! - a publish whose uploads began more than `grace / 2` ago gives up before moving the head,
 //!   so fresh unreferenced objects are never older than the grace period when referenced;
 //! - new references to existing manifests (fork, rollback, create from template) are made in a
@@ -128,6 +133,8 @@ pub struct GcReport {
     /// Keys condemned by this pass (deleted by a pass at least `grace` later).
     pub condemned: u64,
     pub deleted_keys: u64,
+    /// Bytes of the deleted keys: as listed in a reconciliation pass; otherwise the data
+    /// length of objects the catalog recorded (manifests and keys it never knew count 0).
     pub deleted_bytes: u64,
     pub duration_ms: u64,
     /// The pass stopped early (`stop_after`).
@@ -281,7 +288,15 @@ impl Engine {
                 }
             }
         }
-        for tenant in self.catalog().list_tenants().await? {
+        let tenants = self.catalog().list_tenants().await?;
+        {
+            let names: HashSet<&String> = tenants.iter().collect();
+            self.gc_dense
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .retain(|(t, _), _| names.contains(t));
+        }
+        for tenant in tenants {
             if !self.live_tenant(&tenant).await? || !self.servable(&tenant).await {
                 continue;
             }
@@ -518,8 +533,10 @@ impl Engine {
             .inner_for(tenant)
             .await
             .map_err(|e| Error::Invalid(format!("GC of tenant {tenant:?}: {e}")))?;
+        // When each unreferenced key the listing saw was last written (store clock).
+        let mut written: HashMap<String, i64> = HashMap::new();
+        let cutoff = chrono_cutoff(opts.grace);
         if opts.reconcile {
-            let cutoff = chrono_cutoff(opts.grace);
             let mut listing = store
                 .list_tenant(tenant)
                 .await
@@ -534,9 +551,17 @@ impl Engine {
                 report.stored_bytes += meta.size;
                 if live(is_obj, &id) {
                     report.live_bytes += meta.size;
-                } else if meta.last_modified.timestamp_millis() < cutoff {
-                    unreferenced.insert(key, meta.size);
+                    continue;
                 }
+                let at = meta.last_modified.timestamp_millis();
+                if at < cutoff {
+                    unreferenced.insert(key.clone(), meta.size);
+                } else {
+                    // Written since the grace period began: not condemned now, whatever an
+                    // old record of the same key says.
+                    unreferenced.remove(&key);
+                }
+                written.insert(key, at);
             }
         }
         report.unreferenced_keys += unreferenced.len() as u64;
@@ -574,49 +599,72 @@ impl Engine {
                 None => Standing::Unknown,
             }
         };
-        // The catalog's rows for what is deleted go first: a failure after leaves a key
-        // without rows (deleted by the next pass), never rows without a key.
-        let doomed: Vec<(bool, Hash)> = condemned
-            .iter()
-            .filter(|(k, age_ms)| {
-                *age_ms >= grace_ms && matches!(standing(k), Standing::Unreferenced(_))
-            })
-            .filter_map(|(k, _)| key_id(tenant, k))
-            .collect();
-        if !doomed.is_empty() {
-            if !steps.take() {
-                return Ok(false);
-            }
-            let (objs, mans): (Vec<_>, Vec<_>) = doomed.iter().partition(|(o, _)| *o);
-            let ids = |v: Vec<&(bool, Hash)>| v.into_iter().map(|(_, h)| *h).collect::<Vec<_>>();
-            report.pruned_rows += cat.prune_references(tenant, &ids(mans), &ids(objs)).await?;
-        }
-        let mut deleted = vec![];
+        // Doomed: condemned for the grace period, unreferenced by this pass's mark, and last
+        // written more than the grace period ago by the store's clock (the listing's time, or
+        // one HEAD per key: a request per deletion, so the cost still follows what changed).
+        // A key written again since it was condemned (a salt drawn twice for the same content)
+        // is forgotten, not deleted; one already gone still has its rows pruned.
+        let mut doomed: Vec<(String, u64)> = vec![];
         let mut revived = vec![];
         for (key, age_ms) in &condemned {
             match standing(key) {
                 Standing::Unreferenced(size)
                     if *age_ms >= grace_ms && key_id(tenant, key).is_some() =>
                 {
-                    if !steps.take() {
-                        cat.gc_forget(tenant, &deleted).await?;
-                        return Ok(false);
-                    }
-                    let path = object_store::path::Path::from(key.as_str());
-                    match tenant_store.delete(&path).await {
-                        Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
-                        Err(e) => {
-                            cat.gc_forget(tenant, &deleted).await?;
-                            return Err(Error::Invalid(format!("deleting {key}: {e}")));
+                    let at = match written.get(key) {
+                        Some(at) => Some(*at),
+                        None => {
+                            let path = object_store::path::Path::from(key.as_str());
+                            match tenant_store.head(&path).await {
+                                Ok(meta) => Some(meta.last_modified.timestamp_millis()),
+                                Err(object_store::Error::NotFound { .. }) => None,
+                                Err(e) => {
+                                    return Err(Error::Invalid(format!("looking at {key}: {e}")))
+                                }
+                            }
                         }
+                    };
+                    match at {
+                        Some(at) if at >= cutoff => revived.push(key.clone()),
+                        Some(_) => doomed.push((key.clone(), size)),
+                        None => doomed.push((key.clone(), 0)),
                     }
-                    report.deleted_keys += 1;
-                    report.deleted_bytes += size;
-                    deleted.push(key.clone());
                 }
                 Standing::Unreferenced(_) | Standing::Unknown => {} // not yet for long enough
                 Standing::Revived => revived.push(key.clone()),     // referenced again, or gone
             }
+        }
+        // The catalog's rows for what is deleted go first: a failure after leaves a key
+        // without rows (deleted by a reconciliation pass), never rows without a key.
+        let ids: Vec<(bool, Hash)> = doomed
+            .iter()
+            .filter_map(|(k, _)| key_id(tenant, k))
+            .collect();
+        if !ids.is_empty() {
+            if !steps.take() {
+                return Ok(false);
+            }
+            let (objs, mans): (Vec<_>, Vec<_>) = ids.iter().partition(|(o, _)| *o);
+            let ids = |v: Vec<&(bool, Hash)>| v.into_iter().map(|(_, h)| *h).collect::<Vec<_>>();
+            report.pruned_rows += cat.prune_references(tenant, &ids(mans), &ids(objs)).await?;
+        }
+        let mut deleted = vec![];
+        for (key, size) in &doomed {
+            if !steps.take() {
+                cat.gc_forget(tenant, &deleted).await?;
+                return Ok(false);
+            }
+            let path = object_store::path::Path::from(key.as_str());
+            match tenant_store.delete(&path).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => {
+                    cat.gc_forget(tenant, &deleted).await?;
+                    return Err(Error::Invalid(format!("deleting {key}: {e}")));
+                }
+            }
+            report.deleted_keys += 1;
+            report.deleted_bytes += size;
+            deleted.push(key.clone());
         }
         deleted.extend(revived);
         if !deleted.is_empty() {
