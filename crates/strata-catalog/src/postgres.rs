@@ -709,18 +709,7 @@ impl Catalog for PostgresCatalog {
         {
             // The third column is a BIGINT (the union with `data_len`).
             let (kind, id, n): (i32, &str, i64) = (r.get(0), r.get(1), r.get(2));
-            let id = hash(id)?;
-            match kind {
-                0 => {
-                    mark.manifests.push(id);
-                    if n != 1 {
-                        mark.unrecorded.push(id);
-                    }
-                }
-                1 => mark.objects.push(id),
-                2 => mark.stale_manifests.push(id),
-                _ => mark.stale_objects.push((id, n.max(0) as u64)),
-            }
+            mark.take_row(kind.into(), hash(id)?, n);
         }
         Ok(mark)
     }

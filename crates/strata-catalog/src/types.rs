@@ -350,6 +350,23 @@ pub struct Meter {
     pub last_ms: u64,
 }
 
+impl GcMark {
+    /// Takes one row of `GC_MARK_SQL`: its kind (0 to 3), id and third column.
+    pub(crate) fn take_row(&mut self, kind: i64, id: Hash, n: i64) {
+        match kind {
+            0 => {
+                self.manifests.push(id);
+                if n != 1 {
+                    self.unrecorded.push(id);
+                }
+            }
+            1 => self.objects.push(id),
+            2 => self.stale_manifests.push(id),
+            _ => self.stale_objects.push((id, n.max(0) as u64)),
+        }
+    }
+}
+
 /// What a GC pass marks live from the catalog alone ([`crate::Catalog::gc_mark`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GcMark {

@@ -942,6 +942,16 @@ async fn an_incremental_pass_lists_nothing_and_a_reconciliation_finds_the_unknow
     no_garbage(&c).await;
 }
 
+/// A workspace "gone" with 8 blocks of tag 7 checkpointed, deleted: its head manifest.
+async fn deleted_workspace(node: &Arc<Engine>) -> strata_format::Hash {
+    let v = empty_volume(node, "gone", DISK, Mode::Durable).await;
+    write_tag(&v, 7, 0, 8).await;
+    v.checkpoint(None).await.unwrap();
+    let head = node.workspace(TENANT, "gone").await.unwrap().head_manifest;
+    node.delete_workspace(TENANT, "gone").await.unwrap();
+    head
+}
+
 /// A condemned key that is referenced again before its deletion is kept and forgotten, in a
 /// pass that lists nothing as in one that does: a deletion is decided by that pass's mark.
 /// (Nothing strata does references unreferenced data again; a template row naming a deleted
@@ -951,11 +961,7 @@ async fn a_condemned_key_referenced_again_is_kept() {
     for reconcile in [false, true] {
         let c = Cluster::new().await;
         let node = c.node("a");
-        let v = empty_volume(&node, "gone", DISK, Mode::Durable).await;
-        write_tag(&v, 7, 0, 8).await;
-        v.checkpoint(None).await.unwrap();
-        let head = node.workspace(TENANT, "gone").await.unwrap();
-        node.delete_workspace(TENANT, "gone").await.unwrap();
+        let head = deleted_workspace(&node).await;
         let opts = GcOptions {
             reconcile,
             compact_below: None,
@@ -967,7 +973,7 @@ async fn a_condemned_key_referenced_again_is_kept() {
             .create_template(&strata_catalog::Template {
                 tenant: TENANT.into(),
                 name: "revived".into(),
-                manifest: head.head_manifest,
+                manifest: head,
                 disk_size: DISK,
                 stored_bytes: 0,
                 created_ms: strata_format::now_ms(),
@@ -1010,17 +1016,13 @@ async fn a_condemned_key_written_again_is_not_deleted() {
     for reconcile in [false, true] {
         let c = Cluster::new().await;
         let node = c.node("a");
-        let v = empty_volume(&node, "gone", DISK, Mode::Durable).await;
-        write_tag(&v, 7, 0, 8).await;
-        v.checkpoint(None).await.unwrap();
-        let head = node.workspace(TENANT, "gone").await.unwrap().head_manifest;
+        let head = deleted_workspace(&node).await;
         let m = c.store.get_manifest(TENANT, &head).await.unwrap();
         let obj = m.objects[0].id;
         let path = c.path(&format!(
             "objects/{}",
             strata_store::Store::object_key(TENANT, &obj)
         ));
-        node.delete_workspace(TENANT, "gone").await.unwrap();
         let grace = Duration::from_millis(1500);
         let opts = GcOptions {
             reconcile,

@@ -69,18 +69,7 @@ pub(super) async fn gc_mark(cat: &SqliteCatalog, tenant: &str, grace_ms: u64) ->
                 r.get(1).map_err(be)?,
                 r.get(2).map_err(be)?,
             );
-            let id = hash(id).map_err(be)?;
-            match kind {
-                0 => {
-                    mark.manifests.push(id);
-                    if n != 1 {
-                        mark.unrecorded.push(id);
-                    }
-                }
-                1 => mark.objects.push(id),
-                2 => mark.stale_manifests.push(id),
-                _ => mark.stale_objects.push((id, n.max(0) as u64)),
-            }
+            mark.take_row(kind, hash(id).map_err(be)?, n);
         }
         Ok(mark)
     })
