@@ -5,7 +5,7 @@
 #   bench/run.sh                     # full run: about 30 min on 2 cores; writes docs/bench/
 #   BENCH_SMOKE=1 bench/run.sh       # minutes: checks every scenario still runs (CI); writes to
 #                                    # a temporary directory unless BENCH_DIR is set
-#   BENCH_SCENARIOS="engine coldstart" bench/run.sh   # a subset (default: all three); the other
+#   BENCH_SCENARIOS="engine coldstart" bench/run.sh   # a subset (default: all); the other
 #                                    # parts of an existing results.json are kept
 #
 # Scenarios and where they live:
@@ -16,6 +16,8 @@
 #                 per attached workspace: bench/coldstart.sh
 #              (with strata-s3: strata on moto behind the latency proxy)
 #   space      local disk use of the embedded default per live byte: bench/space.sh
+#   gc         one GC pass after no change against the versions retained, and a
+#              reconciliation pass (moto + latency): bench/gc-pass.sh (a Markdown table)
 #   engine     4. fork/checkpoint/restore scaling, 5. shared cache across 8 forks and
 #                 6. memory per extent: crates/strata-engine/benches/scale.rs; 7. checkpoints
 #                 of a live workspace against dirty data: crates/strata-engine/benches/live.rs
@@ -27,7 +29,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 smoke=${BENCH_SMOKE:-0}
-scenarios=${BENCH_SCENARIOS:-engine nbd coldstart space}
+scenarios=${BENCH_SCENARIOS:-engine nbd coldstart space gc}
 if [ "$smoke" = 1 ]; then out=${BENCH_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/strata-bench-smoke.XXXXXX")}
 else out=${BENCH_DIR:-docs/bench}; fi
 moto=${BENCH_MOTO:-$(command -v moto_server || echo "$HOME/.cache/strata-ci-venv/bin/moto_server")}
@@ -36,7 +38,7 @@ missing=()
 for t in cargo fio qemu-img qemu-nbd qemu-io nbdkit nbdfuse fusermount3 losetup mount mkfs.ext4 curl python3; do
   command -v "$t" >/dev/null || missing+=("$t")
 done
-[[ " $scenarios " == *" coldstart "* || " $scenarios " == *" nbd "* ]] && [ ! -x "$moto" ] && missing+=("moto_server (BENCH_MOTO)")
+[[ " $scenarios " == *" coldstart "* || " $scenarios " == *" nbd "* || " $scenarios " == *" gc "* ]] && [ ! -x "$moto" ] && missing+=("moto_server (BENCH_MOTO)")
 if [ ${#missing[@]} -gt 0 ]; then
   echo "missing: ${missing[*]}" >&2
   echo "Debian: apt-get install fio qemu-utils nbdkit nbdfuse fuse3 e2fsprogs curl python3;" >&2
@@ -67,8 +69,11 @@ for s in $scenarios; do
     nbd) BENCH_SERVERS=${BENCH_SERVERS:-strata strata-s3 qemu-nbd nbdkit-cow nbdkit-memory raw} \
            BENCH_OUT="$tmp/nbd.json" bench/nbd.sh | tee "$tmp/nbd.md" ;;
     space) BENCH_OUT="$tmp/space.json" bench/space.sh | tee "$tmp/space.md" ;;
+    gc) if [ "$smoke" = 1 ]; then BENCH_WS=2 BENCH_GC_VERSIONS="4 8" bench/gc-pass.sh | tee "$tmp/gc.md"
+        else bench/gc-pass.sh | tee "$tmp/gc.md"; fi
+        cp "$tmp/gc.md" "$out/gc-pass.md" ;;
     coldstart) BENCH_OUT="$tmp/coldstart.json" bench/coldstart.sh ;;
-    *) echo "unknown scenario $s (engine, nbd, coldstart, space)" >&2; exit 2 ;;
+    *) echo "unknown scenario $s (engine, nbd, coldstart, space, gc)" >&2; exit 2 ;;
   esac
 done
 
