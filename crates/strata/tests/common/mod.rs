@@ -189,11 +189,16 @@ impl Api {
     }
     /// A PUT whose body is `bytes` (template uploads).
     pub async fn put_bytes(&self, p: &str, bytes: Vec<u8>) -> (StatusCode, Value) {
+        self.put_body(p, bytes).await
+    }
+
+    /// A PUT of any body (a stream sends it chunked).
+    pub async fn put_body(&self, p: &str, body: impl Into<reqwest::Body>) -> (StatusCode, Value) {
         let resp = self
             .http
             .put(format!("{}{p}", self.url))
             .bearer_auth(&self.token)
-            .body(bytes)
+            .body(body)
             .send()
             .await
             .unwrap();

@@ -139,30 +139,18 @@ async fn a_chunked_relay_file_is_held_to_the_quota_as_one_with_a_length() {
     // rather than a connection closed under its upload.)
     let chunks =
         futures::stream::iter((0..24).map(|_| Ok::<_, std::io::Error>(vec![7u8; 64 << 10])));
-    let r = t
-        .http
-        .put(format!("{url}/v1/relay/logs/big"))
-        .bearer_auth(&t.token)
-        .body(reqwest::Body::wrap_stream(chunks))
-        .send()
-        .await
-        .unwrap();
-    let status = r.status();
-    let v: serde_json::Value = r.json().await.unwrap_or_default();
+    let (status, v) = t
+        .put_body("/v1/relay/logs/big", reqwest::Body::wrap_stream(chunks))
+        .await;
     assert_eq!(status, StatusCode::FORBIDDEN, "{v}");
     assert_eq!(v["error"]["kind"], "quota", "{v}");
     assert_eq!(t.get("/v1/relay/logs/big").await.0, StatusCode::NOT_FOUND);
     // Under the quota, chunked or not, files are stored as before.
     let small = futures::stream::iter((0..4).map(|_| Ok::<_, std::io::Error>(vec![1u8; 64 << 10])));
-    let r = t
-        .http
-        .put(format!("{url}/v1/relay/logs/small"))
-        .bearer_auth(&t.token)
-        .body(reqwest::Body::wrap_stream(small))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::CREATED);
+    let (status, v) = t
+        .put_body("/v1/relay/logs/small", reqwest::Body::wrap_stream(small))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{v}");
 }
 
 /// Item 5, image conversion: a compressed qcow2 expanded into the data directory with no
