@@ -449,9 +449,10 @@ impl Daemon {
         let beat = Arc::downgrade(self);
         let gc = Arc::downgrade(self);
         tokio::spawn(async move {
-            // The first pass and every RECONCILE_EVERYth list the store (and sweep staged files
-            // and relay incarnations); the others cost what changed.
-            let mut passes = 0u64;
+            // The first pass lists the store (and sweeps staged files and relay incarnations),
+            // then the first pass at least RECONCILE_AFTER since the last that did; the others
+            // cost what changed.
+            let mut reconciled: Option<std::time::Instant> = None;
             loop {
                 let every = {
                     let Some(d) = gc.upgrade() else { return };
@@ -466,9 +467,12 @@ impl Daemon {
                 let Some(d) = gc.upgrade() else { return };
                 // A failed reconciliation waits for the next one's turn (logged and counted in
                 // strata_gc_failures), so a failing tenant cannot make every pass list the store.
-                let reconcile = passes.is_multiple_of(strata_engine::RECONCILE_EVERY);
+                let reconcile =
+                    reconciled.is_none_or(|at| at.elapsed() >= strata_engine::RECONCILE_AFTER);
+                if reconcile {
+                    reconciled = Some(std::time::Instant::now());
+                }
                 let _ = d.run_gc(false, reconcile).await;
-                passes += 1;
             }
         });
         let meter = Arc::downgrade(self);

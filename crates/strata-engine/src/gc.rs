@@ -72,8 +72,8 @@ pub struct GcOptions {
     /// Also list every tenant's keys in the store, to find what the catalog does not know
     /// (uploads whose publish failed before recording them, keys whose delete failed), and
     /// sweep local stores' staged files. A pass without it makes no listing: its cost follows
-    /// what changed. The daemon reconciles on its first pass and every
-    /// [`RECONCILE_EVERY`]th.
+    /// what changed. The daemon reconciles on its first periodic pass and then once
+    /// [`RECONCILE_AFTER`] has passed since the last reconciliation.
     pub reconcile: bool,
     /// Stop after this many mutating steps (tests of an interrupted pass).
     pub stop_after: Option<usize>,
@@ -88,9 +88,9 @@ pub struct GcOptions {
     pub compact_detached_after: Option<Duration>,
 }
 
-/// The daemon's periodic GC reconciles (lists the store) on its first pass and on every this
-/// many: once a day at the default interval of an hour.
-pub const RECONCILE_EVERY: u64 = 24;
+/// The daemon's periodic GC reconciles (lists the store) on its first pass, then on the first
+/// pass at least this long after the last reconciliation: once a day, whatever the interval.
+pub const RECONCILE_AFTER: Duration = Duration::from_secs(24 * 3600);
 
 /// How long a workspace stays detached before GC compacts it (a sandbox paused for a moment is
 /// likely resumed soon; an attach on another node during the compaction gets a lease conflict).

@@ -63,9 +63,11 @@ fn niceness() -> i32 {
 
 type Job = Box<dyn FnOnce() + Send>;
 
-/// The background threads: object puts, and the rest (journal zero-fills). Two lanes, so a
-/// 64 MiB zero-fill never queues a publish (which a sync-mode FLUSH may be waiting for). Puts
-/// are queued per tenant and taken in turn ([`Turns`]).
+/// The background threads: object puts, and the rest (journal zero-fills, read-backs of direct
+/// puts). Two lanes, so a 64 MiB zero-fill never queues a publish (which a sync-mode FLUSH may
+/// be waiting for). Puts are queued per tenant and taken in turn ([`Turns`]); the other lane is
+/// first come, first served (a read-back is one `posix_fadvise`, a zero-fill waits behind at
+/// most the read-backs queued before it).
 enum Lane {
     Puts(String),
     Other,
@@ -153,7 +155,8 @@ fn direct_wanted() -> bool {
 }
 
 /// Whether an object written with `O_DIRECT` is read back into the page cache once it is
-/// durable (`posix_fadvise(WILLNEED)` from the other background thread, after the put's reply:
+/// durable (`posix_fadvise(WILLNEED)` from the other background thread, which the put does not
+/// wait for:
 /// the kernel reads it asynchronously, by DMA, with no copy): unless `STRATA_PUT_READBACK=0`.
 fn readback_wanted() -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
@@ -194,7 +197,7 @@ pub(crate) async fn put(tenant: &str, path: PathBuf, bytes: Bytes) -> std::io::R
     run(Lane::Puts(tenant.to_string()), move || {
         let wrote = write_durably(&path, &bytes, direct_wanted().then_some(DIRECT_ALIGN))?;
         if wrote == Wrote::Direct && readback_wanted() {
-            // After the reply, on the other lane: the put thread (other tenants' puts, a
+            // On the other lane, not waited for: the put thread (other tenants' puts, a
             // sync-mode FLUSH waiting on one) never waits for the kernel to queue the reads.
             let path = path.clone();
             let _ = other_queue().send(Box::new(move || {
