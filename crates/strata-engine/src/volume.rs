@@ -2,8 +2,9 @@
 //!
 //! ```text
 //! write ─▶ gate (freeze) ─▶ writer lock: reserve a record's place (prepared segment), release,
-//!          write it beside other writers ─▶ overlay (newer seq wins) ─▶ ack; RMW edges, trims
-//!          and rotations wait for records in flight and append under the lock
+//!          write it beside other writers ─▶ overlay (newer seq wins) ─▶ ack once every older
+//!          record has landed too; RMW edges, trims and rotations wait for records in flight
+//!          and append under the lock
 //! flush ─▶ group commit: one fdatasync batch covers every write acked before the flush
 //!          (ephemeral: no-op; durable: journal; sync: journal + publish)
 //! read  ─▶ active overlay ─▶ pending layers (newest first) ─▶ base manifest
@@ -36,7 +37,7 @@
 //! | 9 | `state` | std RwLock | base, pending layers, active overlay, segment files |
 //! | 10 | `window` | std | the unpublished bytes and their age |
 //! | 11 | `adopt_source` | std | a live fork's link to its source |
-//! | 12 | `receipts`, `lease`, `lease_deadline`, `failed` | std | leaves: nothing is taken under them |
+//! | 12 | `receipts`, `lease`, `lease_deadline`, `failed`, `unlanded` | std | leaves: nothing is taken under them |
 //!
 //! No std guard is held across an `.await`. The only reverse pair, `publish_lock` then
 //! `cut_lock` (a failed publish folding its layer back, a compaction resolving an uncertain
@@ -153,6 +154,9 @@ pub struct VolumeStats {
     /// Journal records written outside the writer lock (the fast path of [`Volume::write`]).
     #[serde(default)]
     pub appends_unlocked: u64,
+    /// Of those, the ones whose acknowledgement waited for an older record still being written.
+    #[serde(default)]
+    pub acks_held: u64,
 }
 
 struct State {
@@ -207,6 +211,7 @@ struct Counters {
     publishes: AtomicU64,
     bytes_uploaded: AtomicU64,
     appends_unlocked: AtomicU64,
+    acks_held: AtomicU64,
 }
 
 pub struct Volume {
@@ -254,6 +259,13 @@ pub struct Volume {
     in_flight: AtomicU64,
     /// Woken when `in_flight` falls to zero.
     landed: tokio::sync::Notify,
+    /// The sequence numbers of the appends in flight. A write is acknowledged only once none
+    /// older than its own is left: replay stops at the first record missing from the journal,
+    /// so a record written past one that never lands (a kill -9 between the two `pwrite`s)
+    /// would be lost after an acknowledgement the guest builds on (see [`Volume::write`]).
+    unlanded: Mutex<std::collections::BTreeSet<u64>>,
+    /// Woken when the oldest append in flight lands (or fails to).
+    prefix_landed: tokio::sync::Notify,
     state: RwLock<State>,
     sync_lock: tokio::sync::Mutex<()>,
     /// Held for a cut (and by rollback for its whole run).
@@ -437,6 +449,7 @@ impl Volume {
             lease_epoch: self.lease().epoch,
             frozen: self.is_frozen(),
             appends_unlocked: self.counters.appends_unlocked.load(SeqCst),
+            acks_held: self.counters.acks_held.load(SeqCst),
         }
     }
 }

@@ -269,6 +269,8 @@ impl Volume {
             writer: tokio::sync::Mutex::new(journal),
             in_flight: AtomicU64::new(0),
             landed: tokio::sync::Notify::new(),
+            unlanded: Mutex::new(Default::default()),
+            prefix_landed: tokio::sync::Notify::new(),
             state: RwLock::new(State {
                 base,
                 base_id: ws.head_manifest,

@@ -144,8 +144,15 @@ impl Volume {
                 // Counted before the lock goes: whoever takes it next and waits for appends
                 // in flight must see this one.
                 self.in_flight.fetch_add(1, SeqCst);
+                let seq = r.seq;
+                lock(&self.unlanded).insert(seq);
                 drop(j);
                 self.land(r, lba, n, data)?;
+                // Not acknowledged while an older record is still being written: replay stops
+                // at the first record missing from the journal, so this one only survives a
+                // kill -9 once every record before it is there too. (Dropped here, the write
+                // is simply not acknowledged: it has landed, and nothing else waits for it.)
+                self.await_prefix(seq).await?;
             } else if aligned {
                 self.await_landed().await;
                 self.writable()?;
@@ -184,7 +191,7 @@ impl Volume {
     /// cannot leave it half done; anything that needs every reserved record written first
     /// ([`Volume::journal`]) waits for `in_flight`, which the caller raised under the lock.
     fn land(&self, r: crate::journal::Reserved, lba: u64, n: u64, data: &[u8]) -> Result<()> {
-        struct InFlight<'a>(&'a Volume, bool);
+        struct InFlight<'a>(&'a Volume, bool, u64);
         impl Drop for InFlight<'_> {
             fn drop(&mut self) {
                 if !self.1 {
@@ -192,12 +199,21 @@ impl Volume {
                     self.0
                         .fail("a reserved journal record was never written".into());
                 }
+                let oldest = {
+                    let mut u = lock(&self.0.unlanded);
+                    let oldest = u.first() == Some(&self.2);
+                    u.remove(&self.2);
+                    oldest
+                };
+                if oldest {
+                    self.0.prefix_landed.notify_waiters();
+                }
                 if self.0.in_flight.fetch_sub(1, SeqCst) == 1 {
                     self.0.landed.notify_waiters();
                 }
             }
         }
-        let mut guard = InFlight(self, false);
+        let mut guard = InFlight(self, false, r.seq);
         let off = match r.write(data) {
             Ok(off) => off,
             Err(e) => {
@@ -238,6 +254,30 @@ impl Volume {
         let j = self.journal().await;
         self.usable()?;
         Ok(j)
+    }
+
+    /// Waits until every append reserved before `seq` has landed, then fails if one of them
+    /// failed to: a record missing from the journal ends replay, so `seq` is not safe to
+    /// acknowledge past it.
+    async fn await_prefix(&self, seq: u64) -> Result<()> {
+        let mut held = false;
+        loop {
+            let landed = self.prefix_landed.notified();
+            tokio::pin!(landed);
+            landed.as_mut().enable();
+            if lock(&self.unlanded).first().is_none_or(|&s| s > seq) {
+                break;
+            }
+            if !held {
+                held = true;
+                self.counters.acks_held.fetch_add(1, SeqCst);
+            }
+            landed.await;
+        }
+        match lock(&self.failed).clone() {
+            Some(why) => Err(Error::Unavailable(self.name.clone(), why)),
+            None => Ok(()),
+        }
     }
 
     /// Waits until no append is in flight (the caller holds the writer lock, so none starts).

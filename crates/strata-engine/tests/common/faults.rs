@@ -28,6 +28,8 @@ pub struct Switches {
     pub stall_next_read: AtomicBool,
     /// The next write to a journal segment stalls until `release`, then fails (EIO).
     pub stall_then_fail_next_write: AtomicBool,
+    /// The next write to a journal segment stalls until `release`, then goes through.
+    pub stall_next_write: AtomicBool,
     /// Writes to a spare segment being zero-filled (`.prep`) fail with ENOSPC.
     pub full_for_spares: AtomicBool,
     /// The next fsync of a journal segment panics.
@@ -82,6 +84,9 @@ impl FsFile for FaultFile {
         if self.segment && self.sw.stall_then_fail_next_write.swap(false, SeqCst) {
             self.sw.stall();
             return Err(io::Error::from_raw_os_error(5));
+        }
+        if self.segment && self.sw.stall_next_write.swap(false, SeqCst) {
+            self.sw.stall();
         }
         if self.sw.full.load(SeqCst)
             || (off > 0 && self.sw.full_after_header.load(SeqCst))
