@@ -150,6 +150,8 @@ pub(crate) struct GcState {
     pub interval: std::sync::Mutex<Option<std::time::Duration>>,
     pub runs: std::sync::atomic::AtomicU64,
     pub failures: std::sync::atomic::AtomicU64,
+    /// Tenants whose part of a pass failed, summed over passes (the pass went on without them).
+    pub tenant_failures: std::sync::atomic::AtomicU64,
     pub deleted_keys: std::sync::atomic::AtomicU64,
     pub deleted_bytes: std::sync::atomic::AtomicU64,
     pub checkpoints_expired: std::sync::atomic::AtomicU64,
@@ -275,6 +277,9 @@ impl Daemon {
             Ok(rep) => {
                 if !dry_run {
                     self.gc.runs.fetch_add(1, Relaxed);
+                    self.gc
+                        .tenant_failures
+                        .fetch_add(rep.failed_tenants.len() as u64, Relaxed);
                     self.gc.deleted_keys.fetch_add(rep.deleted_keys, Relaxed);
                     self.gc.deleted_bytes.fetch_add(rep.deleted_bytes, Relaxed);
                     self.gc
@@ -296,6 +301,7 @@ impl Daemon {
                     bytes = rep.deleted_bytes,
                     condemned = rep.condemned,
                     live_bytes = rep.live_bytes,
+                    failed_tenants = rep.failed_tenants.len(),
                     ms = rep.duration_ms,
                     "gc pass"
                 );

@@ -167,6 +167,12 @@ impl Collector for Scrape {
                 &g.failures,
             ),
             (
+                "strata_gc_tenant_failures",
+                "Tenants whose part of a GC pass failed on this node (the pass went on without them)",
+                None,
+                &g.tenant_failures,
+            ),
+            (
                 "strata_gc_deleted_keys",
                 "Object-store keys deleted by GC",
                 None,

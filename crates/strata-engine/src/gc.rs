@@ -158,6 +158,29 @@ pub struct GcReport {
     /// record of (none unless rows were lost: every manifest is recorded when it is written).
     #[serde(default)]
     pub manifests_read: u64,
+    /// Tenants whose part of the pass failed (their bucket refused, their store is down): the
+    /// pass goes on with the other tenants, and the next pass tries these again.
+    #[serde(default)]
+    pub failed_tenants: Vec<TenantFailure>,
+}
+
+/// A tenant a GC pass could not finish, and why.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+pub struct TenantFailure {
+    pub tenant: String,
+    pub error: String,
+}
+
+impl GcReport {
+    fn tenant_failed(&mut self, tenant: &str, during: &str, e: &Error) {
+        tracing::warn!(tenant, during, error = %e, "GC of a tenant failed; the pass goes on with the others");
+        if !self.failed_tenants.iter().any(|f| f.tenant == tenant) {
+            self.failed_tenants.push(TenantFailure {
+                tenant: tenant.to_string(),
+                error: format!("{during}: {e}"),
+            });
+        }
+    }
 }
 
 /// Whether a version was published without anyone asking for a restore point: by the
@@ -283,8 +306,9 @@ impl Engine {
         ) {
             for tenant in self.catalog().list_tenants().await? {
                 if self.live_tenant(&tenant).await? && self.servable(&tenant).await {
-                    self.compact_detached(&tenant, t, after, &mut report)
-                        .await?;
+                    if let Err(e) = self.compact_detached(&tenant, t, after, &mut report).await {
+                        report.tenant_failed(&tenant, "compacting detached workspaces", &e);
+                    }
                 }
             }
         }
@@ -301,12 +325,15 @@ impl Engine {
                 continue;
             }
             report.tenants += 1;
-            if !self
-                .gc_tenant(&tenant, opts, &mut steps, &mut report)
-                .await?
-            {
-                report.stopped = true;
-                break;
+            // One tenant's failure (its own bucket refusing, say) is its own: the pass goes on
+            // with the others. Stopping part way is safe (a pass can be cut off at any step).
+            match self.gc_tenant(&tenant, opts, &mut steps, &mut report).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    report.stopped = true;
+                    break;
+                }
+                Err(e) => report.tenant_failed(&tenant, "collecting", &e),
             }
         }
         if !opts.dry_run && !report.stopped && opts.reconcile {

@@ -28,7 +28,7 @@ pub use config::{
 };
 pub use engine::{tempdir_in, Engine, Source};
 pub use error::{is_no_space, Error, Result};
-pub use gc::{GcOptions, GcReport, RECONCILE_AFTER};
+pub use gc::{GcOptions, GcReport, TenantFailure, RECONCILE_AFTER};
 pub use local::LocalState;
 pub use volume::{CheckpointState, DurationSchema, Published, Volume, VolumeOptions, VolumeStats};
 

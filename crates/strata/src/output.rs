@@ -326,9 +326,21 @@ fn gc(v: &Value) -> String {
             v["live_objects"], v["live_manifests"]
         )
     };
+    let failed: String = v["failed_tenants"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|f| {
+            format!(
+                "\ntenant {} not collected: {}",
+                f["tenant"].as_str().unwrap_or("?"),
+                f["error"].as_str().unwrap_or("?")
+            )
+        })
+        .collect();
     format!(
         "{}{} checkpoint(s) expired, {} purged; {stored}; \
-         unreferenced {} ({} key(s)); condemned {} key(s) now; deleted {} key(s), {} reclaimed ({} ms)",
+         unreferenced {} ({} key(s)); condemned {} key(s) now; deleted {} key(s), {} reclaimed ({} ms){failed}",
         if v["dry_run"] == true { "dry run: " } else { "" },
         v["checkpoints_expired"],
         v["checkpoints_purged"],

@@ -269,3 +269,97 @@ async fn a_condemned_key_written_again_is_not_deleted() {
         );
     }
 }
+
+/// Every file under `dir` (the keys of one tenant in the local store).
+fn files_under(dir: &std::path::Path) -> usize {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    rd.flatten()
+        .map(|e| {
+            if e.file_type().unwrap().is_dir() {
+                files_under(&e.path())
+            } else {
+                1
+            }
+        })
+        .sum()
+}
+
+/// One tenant's store failing does not stop GC for the others (issue 46; tenants have buckets
+/// of their own): the pass names the tenant in `failed_tenants` and collects every other
+/// tenant's garbage; once the store is back, later passes collect the failed tenant's too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_whose_store_fails_does_not_stop_gc_for_the_others() {
+    let c = Cluster::new().await;
+    // Sorts before TENANT: a pass meets it first.
+    const FIRST: &str = "aaa";
+    c.catalog.create_tenant(FIRST).await.unwrap();
+    let node = c.node("a");
+    for t in [FIRST, TENANT] {
+        let src = Source::Empty { size: DISK };
+        node.create_workspace(t, "gone", src, Mode::Durable, None)
+            .await
+            .unwrap();
+        let v = node.attach(t, "gone").await.unwrap();
+        write_tag(&v, 1, 0, 8).await;
+        v.checkpoint(None).await.unwrap();
+        drop(v);
+        node.delete_workspace(t, "gone").await.unwrap();
+    }
+    let keys = |t: &str| files_under(&c.path(&format!("objects/t/{t}")));
+    let (first_keys, acme_keys) = (keys(FIRST), keys(TENANT));
+    assert!(
+        first_keys >= 2 && acme_keys >= 2,
+        "{first_keys} {acme_keys}"
+    );
+    let opts = GcOptions {
+        reconcile: false,
+        compact_below: None,
+        ..gc_opts(16)
+    };
+
+    // FIRST's store breaks: its prefix is a file, so every key under it fails (ENOTDIR), the
+    // way a bucket that refuses its credentials fails every request.
+    let dir = c.path(&format!("objects/t/{FIRST}"));
+    let moved = c.path("first-moved");
+    std::fs::rename(&dir, &moved).unwrap();
+    std::fs::write(&dir, b"not a directory").unwrap();
+    let mut deleted = 0;
+    for pass in 0..3 {
+        let r = node
+            .gc(&opts)
+            .await
+            .expect("the pass goes on past a tenant");
+        assert_eq!(r.tenants, 2, "{r:?}");
+        if pass > 0 {
+            // The first pass condemns; FIRST's keys are touched from the second on.
+            assert_eq!(
+                r.failed_tenants
+                    .iter()
+                    .map(|f| f.tenant.as_str())
+                    .collect::<Vec<_>>(),
+                [FIRST],
+                "{r:?}"
+            );
+            assert!(!r.failed_tenants[0].error.is_empty());
+        }
+        deleted += r.deleted_keys;
+    }
+    assert_eq!(keys(TENANT), 0, "the other tenant's garbage is collected");
+    assert!(deleted >= acme_keys as u64, "{deleted} of {acme_keys}");
+
+    // Back: the next passes collect FIRST's garbage, which the failures left in place.
+    std::fs::remove_file(&dir).unwrap();
+    std::fs::rename(&moved, &dir).unwrap();
+    assert_eq!(keys(FIRST), first_keys);
+    for _ in 0..3 {
+        let r = node.gc(&opts).await.unwrap();
+        assert!(r.failed_tenants.is_empty(), "{r:?}");
+    }
+    assert_eq!(
+        keys(FIRST),
+        0,
+        "the failed tenant's garbage, once its store is back"
+    );
+}
