@@ -16,6 +16,8 @@
 # alternate): strata-buffered (STRATA_DIRECT_PUTS=0: objects written through the page cache)
 # and strata-noreadback (STRATA_PUT_READBACK=0: O_DIRECT puts, nothing read back). Every row
 # says which store and put mode its server ran ("store", "puts").
+# strata-base is strata run from another binary, BENCH_STRATA_BASE (an earlier build): the
+# before of a code change, alternating with the after in one run.
 #
 # strata-s3 is strata with an S3 store: moto on loopback behind bench/latency_proxy.py
 # (BENCH_S3_LATENCY_MS per request, default 20), the template built into moto first. It needs
@@ -58,6 +60,9 @@ strata_data() {
 }
 
 servers=(${BENCH_SERVERS:-strata qemu-nbd nbdkit-cow nbdkit-memory raw})
+if [[ " ${servers[*]} " == *" strata-base "* ]] && [ ! -x "${BENCH_STRATA_BASE:-}" ]; then
+  echo "strata-base needs BENCH_STRATA_BASE=/path/to/an/earlier/strata" >&2; exit 2
+fi
 # strata-s3: moto behind the latency proxy, and the same template built into it (no latency).
 if [[ " ${servers[*]} " == *" strata-s3 "* ]]; then
   moto=${BENCH_MOTO:-$(command -v moto_server || echo "$HOME/.cache/strata-ci-venv/bin/moto_server")}
@@ -84,10 +89,11 @@ n=0
 start_server() {
   n=$((n + 1)); local sock="$work/$1.$n.sock"
   case "$1" in
-    strata|strata-buffered|strata-noreadback)
+    strata|strata-buffered|strata-noreadback|strata-base)
       strata_data
       "$strata" ws create "w$n" --template base --mode durable >/dev/null
-      env $(put_env "$1") "$strata" ws attach "w$n" --socket "$sock" > "$work/attach.$n" &
+      local bin=$strata; [ "$1" = strata-base ] && bin=$BENCH_STRATA_BASE
+      env $(put_env "$1") "$bin" ws attach "w$n" --socket "$sock" > "$work/attach.$n" &
       pids+=($!); uri="nbd+unix:///w$n?socket=$sock" ;;
     strata-s3)  # a fresh workspace on the S3 daemon (its node cache holds the template)
       s3cli ws create "w$n" --template base --mode durable >/dev/null
@@ -122,7 +128,7 @@ put_mode() {
   case "$1" in
     strata-buffered) echo buffered ;;
     strata-noreadback) echo direct ;;
-    strata|strata-s3)
+    strata|strata-s3|strata-base)
       if [ "${STRATA_DIRECT_PUTS:-1}" = 0 ]; then echo buffered
       elif [ "${STRATA_PUT_READBACK:-1}" = 0 ]; then echo direct
       else echo direct+readback; fi ;;
@@ -131,7 +137,7 @@ put_mode() {
 }
 store_of() {
   case "$1" in
-    strata|strata-buffered|strata-noreadback) echo local ;;
+    strata|strata-buffered|strata-noreadback|strata-base) echo local ;;
     strata-s3) echo s3 ;;
     raw) echo file ;;
     *) echo - ;;
@@ -143,7 +149,7 @@ stop_server() {
   # Detach publishes what is left of the window; the deleted workspace's objects stay in moto.
   if [ "$1" = strata-s3 ]; then s3cli ws detach "w$n" >/dev/null; s3cli ws delete "w$n" >/dev/null; return; fi
   kill "${pids[-1]}" 2>/dev/null || true; wait "${pids[-1]}" 2>/dev/null || true; unset 'pids[-1]'
-  case "$1" in strata|strata-buffered|strata-noreadback) rm -rf "$work/strata-run" ;; esac
+  case "$1" in strata|strata-buffered|strata-noreadback|strata-base) rm -rf "$work/strata-run" ;; esac
   # Each qemu-nbd run's overlay holds what it wrote (up to the span): a full run's 27 would
   # fill the disk.
   if [ "$1" = qemu-nbd ]; then rm -f "$work/ov.$n.qcow2"; fi
@@ -272,7 +278,7 @@ cp "$work/results.json" "$out_json"
 python3 - "$out_json" <<'PY'
 import json, sys, statistics as st
 rows = json.load(open(sys.argv[1]))
-servers = [s for s in ["strata", "strata-buffered", "strata-noreadback", "strata-s3", "qemu-nbd",
+servers = [s for s in ["strata", "strata-base", "strata-buffered", "strata-noreadback", "strata-s3", "qemu-nbd",
                        "nbdkit-cow", "nbdkit-memory", "raw"]
            if any(r["server"] == s for r in rows)]
 def mode(s):
@@ -287,8 +293,9 @@ for r in rows:
 def med(s, sc, k):
     v = [r[k] for r in rows if r["server"] == s and r["scenario"] == sc]
     return st.median(v) if v else 0
-ratios = [(a, b) for a in ("strata", "strata-buffered", "strata-noreadback", "strata-s3")
+ratios = [(a, b) for a in ("strata", "strata-base", "strata-buffered", "strata-noreadback", "strata-s3")
           for b in ("qemu-nbd", "nbdkit-cow", "raw") if a in servers and b in servers]
+ratios += [("strata", "strata-base")] if "strata" in servers and "strata-base" in servers else []
 print("| scenario | " + " | ".join(f"{s}{mode(s)} IOPS (p50/p99 µs)" for s in servers)
       + "".join(f" | {a} ÷ {b}" for a, b in ratios) + " |")
 print("|---|" + "---|" * (len(servers) + len(ratios)))

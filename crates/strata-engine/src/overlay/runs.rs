@@ -2,6 +2,10 @@
 //! chunks of at most [`CHUNK`] (a `BTreeMap` of chunks, keyed by a lower bound of their runs'
 //! first blocks), so memory per run is about 24 bytes plus a few for the chunks.
 //!
+//! Chunks are shared between copies (`Arc`, copied on their first write): a copy of a map of
+//! a million runs costs one pointer per chunk, and a live fork that inherits its source's
+//! layers shares their runs until one side changes them.
+//!
 //! Packing (three `u64`s): the first block (38 bits: [`MAX_DISK_SIZE`] is 2^50 bytes) and the
 //! length (26 bits; [`Runs::insert`] callers split longer runs, see [`MAX_LEN`]); the record's
 //! sequence number (48 bits: 2^48 records of at least one header each) and the journal
@@ -13,6 +17,7 @@
 //! [`MAX_DISK_SIZE`]: strata_format::manifest::MAX_DISK_SIZE
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use super::{Loc, Run};
 
@@ -80,7 +85,7 @@ impl Packed {
 pub(crate) struct Runs {
     /// Chunk lower bound → runs sorted by first block, each `>=` the bound and `<` the next
     /// chunk's bound. No chunk is empty.
-    chunks: BTreeMap<u64, Vec<Packed>>,
+    chunks: BTreeMap<u64, Arc<Vec<Packed>>>,
     len: usize,
 }
 
@@ -90,7 +95,10 @@ impl Runs {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (u64, Run)> + '_ {
-        self.chunks.values().flatten().map(|p| (p.lba(), p.run()))
+        self.chunks
+            .values()
+            .flat_map(|c| c.iter())
+            .map(|p| (p.lba(), p.run()))
     }
 
     /// The run starting last before `lba`.
@@ -139,12 +147,12 @@ impl Runs {
                     lba
                 }
                 None => {
-                    self.chunks.insert(lba, Vec::with_capacity(GROW));
+                    self.chunks.insert(lba, Arc::new(Vec::with_capacity(GROW)));
                     lba
                 }
             },
         };
-        let c = self.chunks.get_mut(&key).expect("home chunk");
+        let c = Arc::make_mut(self.chunks.get_mut(&key).expect("home chunk"));
         let i = c.partition_point(|q| q.lba() < lba);
         debug_assert!(
             c.get(i).is_none_or(|q| q.lba() != lba),
@@ -163,15 +171,17 @@ impl Runs {
             upper.extend_from_slice(&c[at..]);
             c.truncate(at);
             c.shrink_to_fit();
-            self.chunks.insert(upper[0].lba(), upper);
+            self.chunks.insert(upper[0].lba(), Arc::new(upper));
         }
     }
 
     /// Removes the run starting at `lba`, if there is one.
     pub fn remove(&mut self, lba: u64) -> Option<Run> {
         let key = self.home(lba)?;
-        let c = self.chunks.get_mut(&key)?;
-        let i = c.binary_search_by_key(&lba, |p| p.lba()).ok()?;
+        let i = self.chunks[&key]
+            .binary_search_by_key(&lba, |p| p.lba())
+            .ok()?;
+        let c = Arc::make_mut(self.chunks.get_mut(&key)?);
         let r = c.remove(i).run();
         self.len -= 1;
         if c.is_empty() {
@@ -187,7 +197,7 @@ impl Runs {
         let kept: Vec<Packed> = self
             .chunks
             .values()
-            .flatten()
+            .flat_map(|c| c.iter())
             .filter(|p| keep(&p.run()))
             .copied()
             .collect();
@@ -196,7 +206,7 @@ impl Runs {
         for c in kept.chunks(CHUNK * 3 / 4) {
             let mut v = Vec::with_capacity(c.len() + GROW);
             v.extend_from_slice(c);
-            self.chunks.insert(c[0].lba(), v);
+            self.chunks.insert(c[0].lba(), Arc::new(v));
         }
     }
 }
@@ -222,12 +232,17 @@ mod tests {
             prop_assert_eq!(p.run(), r);
         }
 
-        /// Against a `BTreeMap`: inserts, removals, `last_before`, `range` and `retain` agree.
+        /// Against a `BTreeMap`: inserts, removals, `last_before`, `range` and `retain` agree,
+        /// and copies taken along the way (sharing chunks) keep what they held.
         #[test]
         fn matches_a_btreemap(ops in proptest::collection::vec((0u8..4, 0u64..2000, 0u64..2000), 1..600)) {
             let mut m: BTreeMap<u64, Run> = BTreeMap::new();
             let mut r = Runs::default();
+            let mut copies = vec![];
             for (i, (op, a, b)) in ops.into_iter().enumerate() {
+                if i % 97 == 13 {
+                    copies.push((r.clone(), m.clone()));
+                }
                 let run = Run { len: 1 + b % 7, seq: i as u64, loc: Loc::Journal { seg: b, off: a * 3 } };
                 match op {
                     0 | 1 => if let std::collections::btree_map::Entry::Vacant(e) = m.entry(a) {
@@ -247,6 +262,10 @@ mod tests {
                 prop_assert_eq!(r.range(lo, hi).collect::<Vec<_>>(), want);
             }
             prop_assert_eq!(r.iter().collect::<Vec<_>>(), m.into_iter().collect::<Vec<_>>());
+            for (r, m) in copies {
+                prop_assert_eq!(r.len(), m.len());
+                prop_assert_eq!(r.iter().collect::<Vec<_>>(), m.into_iter().collect::<Vec<_>>());
+            }
             for c in r.chunks.values() {
                 prop_assert!(!c.is_empty() && c.len() <= CHUNK);
             }

@@ -113,7 +113,8 @@ pub(crate) struct ForkBase {
 pub(crate) struct Inheritance {
     pub segs: Vec<(u64, u64, u64, strata_format::journal::SegmentHeader)>,
     pub last_seq: u64,
-    pub overlay: Overlay,
+    /// Shared with the source's pending layer when it had one (no run copied).
+    pub overlay: Arc<Overlay>,
     pub bytes: u64,
 }
 
@@ -616,32 +617,31 @@ impl Volume {
         let segs = self.journal_whole().await?.sealed_meta_before(sealed_at);
         // The base and the layers not yet in it, up to the fork's cut, in one look: together
         // they are the disk at the cut.
-        let (base_manifest, base_version, disk_size, overlay, bytes, has_rollback) = {
+        // The layers are shared, not copied, under the state lock (writers take it for every
+        // write): stacked into one after it goes, and a single layer is not copied at all.
+        let (base_manifest, base_version, disk_size, layers, bytes, has_rollback) = {
             let st = self.st();
             let has_rollback = st
                 .pending
                 .iter()
                 .any(|l| l.rec.version <= cp.version && l.rec.rollback_to.is_some());
-            let mut merged = Overlay::default();
+            let mut layers = vec![];
             let mut bytes = 0;
             for l in st.pending.iter().filter(|l| l.rec.version <= cp.version) {
-                // The first (usually the largest) layer is copied as it is, not run by run.
-                merged = if merged.runs() == 0 {
-                    (*l.overlay).clone()
-                } else {
-                    (*l.overlay).clone().over(&merged)
-                };
+                layers.push(l.overlay.clone());
                 bytes += l.bytes;
             }
             (
                 st.base_id,
                 st.base_version,
                 st.base.disk_size,
-                merged,
+                layers,
                 bytes,
                 has_rollback,
             )
         };
+        let overlay = Overlay::stack(&layers);
+        drop(layers);
         if disk_size != self.size() || self.has_pending_grow() {
             return Ok((cp.version, None)); // The fork's base would be the smaller disk.
         }

@@ -113,6 +113,8 @@ impl Volume {
         let mut files: HashMap<u64, SegFile> = HashMap::new();
         let disk_blocks = base.disk_blocks();
         let inherited = p.inherit.is_some();
+        // A live fork's inherited layer, shared with its source's.
+        let mut shared: Option<(usize, Arc<Overlay>)> = None;
         let opened = if let Some(inh) = p.inherit {
             // A live fork: the source's merged layers stand for the replay of the linked
             // segments (the same records: its journal wrote and synced them at the cut).
@@ -134,7 +136,11 @@ impl Volume {
             }
             // In the layer recorded for them (the fork's first, `rebase.rs`), else the active.
             let at = cuts.partition_point(|&c| c < inh.last_seq);
-            overlays[at] = inh.overlay;
+            if at < cuts.len() {
+                shared = Some((at, inh.overlay)); // a pending layer: kept shared
+            } else {
+                overlays[at] = Arc::unwrap_or_clone(inh.overlay); // the active one is written
+            }
             layer_bytes[at] = inh.bytes;
             (j, 0)
         } else {
@@ -209,9 +215,13 @@ impl Volume {
             .into_iter()
             .zip(overlays)
             .zip(layer_bytes)
-            .map(|((rec, o), bytes)| Layer {
+            .enumerate()
+            .map(|(i, ((rec, o), bytes))| Layer {
                 rec,
-                overlay: Arc::new(o),
+                overlay: match shared.take_if(|(at, _)| *at == i) {
+                    Some((_, layer)) => layer,
+                    None => Arc::new(o),
+                },
                 bytes,
                 since: Some(Instant::now()),
                 under: None,
