@@ -286,7 +286,8 @@ impl Daemon {
                         .checkpoints_expired
                         .fetch_add(rep.checkpoints_expired, Relaxed);
                     *self.gc.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(rep.clone());
-                    if rep.reconciled {
+                    // A listing that skipped a failed tenant would under-count the gauges.
+                    if rep.reconciled && rep.failed_tenants.is_empty() {
                         *self
                             .gc
                             .last_listed

@@ -3,8 +3,10 @@
 //! For each dirty size (0, 64 MiB, 1 GiB, 4 GiB; written at random offsets, then flushed) a
 //! writer keeps writing 4 KiB blocks while 200 checkpoints are taken 25 ms apart, without
 //! `wait`: each returns once its cut is durable on the node (a `local` receipt), while the
-//! first one's upload of everything dirty runs in the background; then, the writer still
-//! writing, 200 forks of the live workspace (each deleted before the next, untimed).
+//! first one's upload of everything dirty runs in the background; then as much dirty data is
+//! written again and, a writer writing, 200 forks of the live workspace are taken one after
+//! another (each deleted before the next, untimed): the first fork's cut makes the dirty data
+//! a pending layer, uploaded in the background while the next forks inherit it.
 //! Reported: checkpoint and fork latency (p50, p99, max: the whole call; a checkpoint is cut +
 //! fdatasync + pending record, a fork also links the segments, records the fork and opens it),
 //! the writer's worst and p99 write latency over the same time, then the time a rollback to
@@ -31,6 +33,19 @@ const DISK: u64 = 16 << 30;
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
+}
+
+/// Writes `dirty` bytes at random offsets in pieces of `chunk`, then flushes; the time taken.
+async fn make_dirty(v: &strata_engine::Volume, dirty: u64, chunk: u64, seed: u64) -> Duration {
+    let buf = vec![0x5au8; chunk as usize];
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let t = Instant::now();
+    for _ in 0..dirty / chunk {
+        let off = rng.random_range(1024..DISK / chunk) * chunk;
+        v.write(off, &buf, false).await.unwrap();
+    }
+    v.flush().await.unwrap();
+    t.elapsed()
 }
 
 fn pct(v: &[Duration], p: usize) -> Duration {
@@ -67,15 +82,7 @@ async fn main() {
         let v = e.attach(T, &name).await.unwrap();
         // 4 KiB random writes up to 1 GiB; 64 KiB ones beyond (to bound the bench's time).
         let chunk: u64 = if dirty > 1 << 30 { 64 << 10 } else { 4 << 10 };
-        let buf = vec![0x5au8; chunk as usize];
-        let mut rng = SmallRng::seed_from_u64(dirty);
-        let t = Instant::now();
-        for _ in 0..dirty / chunk {
-            let off = rng.random_range(1024..DISK / chunk) * chunk;
-            v.write(off, &buf, false).await.unwrap();
-        }
-        v.flush().await.unwrap();
-        let wrote = t.elapsed();
+        let wrote = make_dirty(&v, dirty, chunk, dirty).await;
         let stop = Arc::new(AtomicBool::new(false));
         let writer = {
             let (v, stop) = (v.clone(), stop.clone());
@@ -102,6 +109,28 @@ async fn main() {
             assert_eq!(p.state, CheckpointState::Local);
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
+        stop.store(true, Relaxed);
+        let mut lat = writer.await.unwrap();
+        // The forks against as much unpublished data again: written anew (the checkpoints'
+        // upload has published the first), one fork after another, a writer writing.
+        make_dirty(&v, dirty, chunk, dirty + 1).await;
+        stop.store(false, Relaxed);
+        let writer = {
+            let (v, stop) = (v.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut lat = vec![];
+                let block = vec![8u8; 4096];
+                let mut i = 0u64;
+                while !stop.load(Relaxed) {
+                    let t = Instant::now();
+                    v.write((i % 256) * 4096, &block, false).await.unwrap();
+                    lat.push(t.elapsed());
+                    i += 1;
+                    tokio::time::sleep(Duration::from_micros(200)).await;
+                }
+                lat
+            })
+        };
         let mut forks = vec![];
         for i in 0..n_fork {
             let fork = format!("{name}-fork-{i}");
@@ -112,7 +141,8 @@ async fn main() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         stop.store(true, Relaxed);
-        let mut lat = writer.await.unwrap();
+        let mut fork_lat = writer.await.unwrap();
+        fork_lat.sort();
         lat.sort();
         cps.sort();
         forks.sort();
@@ -133,11 +163,13 @@ async fn main() {
             "writes_during": lat.len(), "forks": n_fork,
             "fork_of_live_ms": ms(pct(&forks, 50)), "fork_p50_ms": ms(pct(&forks, 50)),
             "fork_p99_ms": ms(pct(&forks, 99)), "fork_max_ms": ms(*forks.last().unwrap()),
+            "fork_writer_worst_ms": ms(*fork_lat.last().unwrap()),
+            "fork_writer_p99_ms": ms(pct(&fork_lat, 99)),
             "rollback_ms": ms(rollback), "rollback_state": rb.state.as_str(),
             "publish_rest_ms": ms(rest), "dirty_write_s": wrote.as_secs_f64(),
         });
         println!(
-            "{} MiB dirty: local checkpoint p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; fork of the live workspace p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; writer worst {:.2} ms, p99 {:.3} ms over {} writes; rollback to the newest {:.1} ms ({}); detach after {:.0} ms",
+            "{} MiB dirty: local checkpoint p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; fork of the live workspace p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms (writer worst {:.2} ms meanwhile); writer worst {:.2} ms, p99 {:.3} ms over {} writes; rollback to the newest {:.1} ms ({}); detach after {:.0} ms",
             dirty >> 20,
             ms(pct(&cps, 50)),
             ms(pct(&cps, 99)),
@@ -145,6 +177,7 @@ async fn main() {
             ms(pct(&forks, 50)),
             ms(pct(&forks, 99)),
             ms(*forks.last().unwrap()),
+            ms(*fork_lat.last().unwrap()),
             ms(*lat.last().unwrap()),
             ms(pct(&lat, 99)),
             lat.len(),

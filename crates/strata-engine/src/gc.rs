@@ -174,11 +174,16 @@ pub struct TenantFailure {
 impl GcReport {
     fn tenant_failed(&mut self, tenant: &str, during: &str, e: &Error) {
         tracing::warn!(tenant, during, error = %e, "GC of a tenant failed; the pass goes on with the others");
-        if !self.failed_tenants.iter().any(|f| f.tenant == tenant) {
-            self.failed_tenants.push(TenantFailure {
+        let error = format!("{during}: {e}");
+        match self.failed_tenants.iter_mut().find(|f| f.tenant == tenant) {
+            Some(f) => {
+                f.error.push_str("; ");
+                f.error.push_str(&error);
+            }
+            None => self.failed_tenants.push(TenantFailure {
                 tenant: tenant.to_string(),
-                error: format!("{during}: {e}"),
-            });
+                error,
+            }),
         }
     }
 }
@@ -305,7 +310,8 @@ impl Engine {
             opts.dry_run,
         ) {
             for tenant in self.catalog().list_tenants().await? {
-                if self.live_tenant(&tenant).await? && self.servable(&tenant).await {
+                if self.live_tenant(&tenant).await.unwrap_or(false) && self.servable(&tenant).await
+                {
                     if let Err(e) = self.compact_detached(&tenant, t, after, &mut report).await {
                         report.tenant_failed(&tenant, "compacting detached workspaces", &e);
                     }
@@ -320,9 +326,18 @@ impl Engine {
                 .unwrap_or_else(|p| p.into_inner())
                 .retain(|(t, _), _| names.contains(t));
         }
+        // Tenants the pass could not collect (to tell one tenant's failure from the pass's).
+        let mut uncollected = 0u64;
         for tenant in tenants {
-            if !self.live_tenant(&tenant).await? || !self.servable(&tenant).await {
-                continue;
+            match self.live_tenant(&tenant).await {
+                Ok(true) if self.servable(&tenant).await => {}
+                Ok(_) => continue,
+                Err(e) => {
+                    report.tenants += 1;
+                    uncollected += 1;
+                    report.tenant_failed(&tenant, "reading the tenant", &e);
+                    continue;
+                }
             }
             report.tenants += 1;
             // One tenant's failure (its own bucket refusing, say) is its own: the pass goes on
@@ -333,7 +348,10 @@ impl Engine {
                     report.stopped = true;
                     break;
                 }
-                Err(e) => report.tenant_failed(&tenant, "collecting", &e),
+                Err(e) => {
+                    uncollected += 1;
+                    report.tenant_failed(&tenant, "collecting", &e);
+                }
             }
         }
         if !opts.dry_run && !report.stopped && opts.reconcile {
@@ -346,6 +364,18 @@ impl Engine {
             }
         }
         report.duration_ms = started.elapsed().as_millis() as u64;
+        // Every tenant failing is the pass failing (the catalog is down, say), not a pass
+        // that happened to collect nothing.
+        if uncollected > 0 && uncollected == report.tenants {
+            let f = &report.failed_tenants[0];
+            return Err(Error::Unavailable(
+                "gc".into(),
+                format!(
+                    "every tenant failed ({uncollected} of them); {}: {}",
+                    f.tenant, f.error
+                ),
+            ));
+        }
         Ok(report)
     }
 
