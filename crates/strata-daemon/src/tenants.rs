@@ -487,7 +487,7 @@ impl Daemon {
             // before: listing and deleting need no key.)
             cat.shred_data_key(&t).await?;
             d.engine.reader().store().unbind(&t);
-            let prefix = object_store::path::Path::from(format!("t/{t}"));
+            let prefix = strata_store::keys::tenant(&t);
             loop {
                 let batch: Vec<_> = store
                     .list(Some(&prefix))

@@ -264,13 +264,12 @@ use strata_format::now_ms;
 
 /// A store key's id, if it is an object or manifest key of `tenant`.
 fn key_id(tenant: &str, key: &str) -> Option<(bool, Hash)> {
-    let rest = key.strip_prefix(&format!("t/{tenant}/"))?;
-    if let Some(o) = rest.strip_prefix("obj/") {
-        let (_, hex) = o.split_once('/')?;
-        return hex.parse().ok().map(|h| (true, h));
+    use strata_store::keys::{parse, Kind};
+    match parse(key)? {
+        (t, Kind::Object(h)) if t == tenant => Some((true, h)),
+        (t, Kind::Manifest(h)) if t == tenant => Some((false, h)),
+        _ => None,
     }
-    let hex = rest.strip_prefix("man/")?;
-    hex.parse().ok().map(|h| (false, h))
 }
 
 impl Engine {

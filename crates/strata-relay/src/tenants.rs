@@ -158,7 +158,7 @@ impl Relay {
             .inner_for(tenant)
             .await
             .map_err(crate::store_err)?;
-        let root = object_store::path::Path::from(format!("t/{tenant}/relay2"));
+        let root = strata_store::keys::relay_incarnations(tenant);
         let listed = store
             .list_with_delimiter(Some(&root))
             .await

@@ -5,18 +5,14 @@ use super::*;
 
 use object_store::path::Path as ObjectPath;
 
-/// Where a relay file's keys are in the object store (docs/FORMATS.md, "Relay keys").
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Layout {
-    /// `t/{T}/relay/{stream}/{meta,data}/…`, parts `data/{name}.p{i}`: files stored before
-    /// incarnations were in keys. Read only, and only those created since the tenant's current
-    /// incarnation began.
-    Legacy,
-    /// `t/{T}/relay2/{incarnation}/{stream}/{meta,data,parts}/…`, parts `parts/{name}/{i}`:
-    /// the tenant's `created_ms` in every key, so a tenant created again under a deleted one's
-    /// name starts from an empty key space whatever lands late under the old one.
-    Incarnation(u64),
-}
+/// Where a relay file's keys are in the object store (`strata_store::keys`; docs/FORMATS.md,
+/// "Relay keys"). `Legacy`: `t/{T}/relay/{stream}/{meta,data}/…`, parts `data/{name}.p{i}`:
+/// files stored before incarnations were in keys; read only, and only those created since the
+/// tenant's current incarnation began. `Incarnation`: `t/{T}/relay2/{incarnation}/{stream}/
+/// {meta,data,parts}/…`, parts `parts/{name}/{i}`: the tenant's `created_ms` in every key, so
+/// a tenant created again under a deleted one's name starts from an empty key space whatever
+/// lands late under the old one.
+pub(crate) use strata_store::keys::RelayLayout as Layout;
 
 /// A file's meta as the object store holds it.
 pub(crate) struct Remote {
@@ -29,12 +25,7 @@ pub(crate) struct Remote {
 impl Relay {
     /// A key of a relay file's in `layout`: `what` is `meta`, `data` or `parts`.
     fn key(tenant: &str, stream: &str, layout: Layout, what: &str, rest: &str) -> ObjectPath {
-        match layout {
-            Layout::Legacy => ObjectPath::from(format!("t/{tenant}/relay/{stream}/{what}/{rest}")),
-            Layout::Incarnation(inc) => {
-                ObjectPath::from(format!("t/{tenant}/relay2/{inc}/{stream}/{what}/{rest}"))
-            }
-        }
+        strata_store::keys::relay(tenant, stream, layout, what, rest)
     }
 
     pub(crate) fn data_key(tenant: &str, stream: &str, name: &str, layout: Layout) -> ObjectPath {
@@ -64,12 +55,7 @@ impl Relay {
 
     /// The prefix of a stream's metas in `layout` (listings).
     pub(crate) fn meta_prefix(tenant: &str, stream: &str, layout: Layout) -> ObjectPath {
-        match layout {
-            Layout::Legacy => ObjectPath::from(format!("t/{tenant}/relay/{stream}/meta")),
-            Layout::Incarnation(inc) => {
-                ObjectPath::from(format!("t/{tenant}/relay2/{inc}/{stream}/meta"))
-            }
-        }
+        strata_store::keys::relay_prefix(tenant, stream, layout, "meta")
     }
 
     /// The tenant incarnation this node's relay files of `tenant` are bound to (its

@@ -9,6 +9,7 @@
 //!   cached.
 
 mod cache;
+pub mod keys;
 mod local_put;
 mod reader;
 mod seal;

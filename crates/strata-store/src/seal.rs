@@ -192,7 +192,7 @@ impl DataKey {
 
     /// Whether `path` is an object (read by range, enciphered in place) rather than a value.
     pub fn is_object(path: &str) -> bool {
-        path.split('/').nth(2) == Some("obj")
+        crate::keys::is_object(path)
     }
 
     /// Enciphers (or deciphers: CTR is its own inverse) `buf`, the bytes of object `path`

@@ -357,7 +357,7 @@ impl Store {
         self.placement
             .listings
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(inner.list(Some(&Path::from(format!("t/{tenant}")))))
+        Ok(inner.list(Some(&crate::keys::tenant(tenant))))
     }
 
     /// How many manifests [`Store::get_manifest`] fetched.
@@ -440,12 +440,11 @@ impl Store {
         &self.default.url
     }
 
-    /// The tenant a key belongs to (`t/{tenant}/…`).
+    /// The tenant a key belongs to ([`crate::keys::parse`]).
     fn tenant_of(key: &Path) -> Result<String> {
-        let mut parts = key.parts();
-        match (parts.next(), parts.next()) {
-            (Some(t), Some(tenant)) if t.as_ref() == "t" => Ok(tenant.as_ref().to_string()),
-            _ => Err(StoreError::Placement {
+        match crate::keys::parse(key.as_ref()) {
+            Some((tenant, _)) => Ok(tenant.to_string()),
+            None => Err(StoreError::Placement {
                 message: format!("key {key} is not under a tenant"),
                 retryable: false,
             }),
@@ -453,12 +452,11 @@ impl Store {
     }
 
     pub fn object_key(tenant: &str, id: &Hash) -> Path {
-        let hex = id.to_hex();
-        Path::from(format!("t/{tenant}/obj/{}/{hex}", &hex[..2]))
+        crate::keys::object(tenant, id)
     }
 
     pub fn manifest_key(tenant: &str, id: &Hash) -> Path {
-        Path::from(format!("t/{tenant}/man/{}", id.to_hex()))
+        crate::keys::manifest(tenant, id)
     }
 
     /// The key `tenant`'s object ids and frame hashes are keyed with (an encrypted tenant's);
