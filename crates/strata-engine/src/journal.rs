@@ -194,10 +194,8 @@ impl Journal {
                     }
                     // A valid record that does not follow the previous one: a record between
                     // them was lost. (Bytes from a file's earlier life never verify, so they
-                    // cannot look like a gap.) With none seen yet, the first unpublished record
-                    // follows the published ones: every record of the first segment lost (a
-                    // power cut before its first sync) must not let a later segment's replay.
-                    if h.seq > skip_upto && h.seq != prev_seq.unwrap_or(skip_upto) + 1 {
+                    // cannot look like a gap.)
+                    if h.seq > skip_upto && prev_seq.is_some_and(|p| h.seq != p + 1) {
                         return Ok(Some(Err(())));
                     }
                     Ok(Some(Ok(h)))

@@ -63,36 +63,6 @@ fn a_lost_record_ends_the_journal_even_across_segments() {
     assert!(!seg_path(dir.path(), later).exists());
 }
 
-/// Every record of the first segment lost (a power cut before anything was synced) and the
-/// next segment's records there: replay must not start at them (found by the crash campaign's
-/// seed 6527, which recovered the later writes without the earlier ones).
-#[test]
-fn a_first_segment_whose_records_are_all_lost_ends_the_journal() {
-    let dir = tempfile::tempdir().unwrap();
-    let (mut j, _) = open(dir.path(), 0);
-    let first = append(&mut j, 2);
-    let (_, seg, off) = first[0];
-    j.file(seg).unwrap().write_at(&[0xff; 16], off).unwrap();
-    j.rotate().unwrap();
-    let later = append(&mut j, 2)[0].1;
-    drop(j);
-    let (_, seqs) = open(dir.path(), 0);
-    assert_eq!(seqs, Vec::<u64>::new());
-    assert!(!seg_path(dir.path(), later).exists());
-    // The same after published records: the first unpublished one must follow them.
-    let dir = tempfile::tempdir().unwrap();
-    let (mut j, _) = open(dir.path(), 5);
-    let first = append(&mut j, 2); // records 6 and 7
-    assert_eq!(first[0].0, 6);
-    let (_, seg, off) = first[0];
-    j.file(seg).unwrap().write_at(&[0xff; 16], off).unwrap();
-    j.rotate().unwrap();
-    append(&mut j, 2);
-    drop(j);
-    let (_, seqs) = open(dir.path(), 5);
-    assert_eq!(seqs, Vec::<u64>::new());
-}
-
 /// Published records left in a sealed segment also count for the gap check.
 #[test]
 fn a_gap_right_after_published_records_is_caught() {
