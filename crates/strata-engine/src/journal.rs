@@ -131,6 +131,8 @@ impl Journal {
         // The last valid record seen in any segment: sequence numbers continue across segments,
         // so once one is known every later record must follow it exactly.
         let mut prev_seq: Option<u64> = None;
+        // Where the headers say the first record is (`seq_code`), until a record is seen.
+        let mut first_code: Option<u32> = None;
         let mut discarded = 0u64;
         let mut torn = false;
         let mut dir_dirty = false;
@@ -168,7 +170,19 @@ impl Journal {
                 id,
                 nonce: 0,
                 version: rec::SEGMENT_VERSION,
+                first: 0,
             });
+            // Until a record is seen, the segments' headers say where the records begin: a
+            // segment that held none legitimately (rotated away from at once) names the same
+            // first record as the next one; one whose every record was lost (a power cut
+            // before its first sync) names an earlier one, and replay must stop there rather
+            // than go on with a later segment's records.
+            if !torn && prev_seq.is_none() && header.first != 0 {
+                match first_code {
+                    Some(c) if c != header.first => torn = true,
+                    _ => first_code = Some(header.first),
+                }
+            }
             while !torn && pos < len {
                 // Bytes that are not a valid record end the segment; an error reading bytes
                 // that are there fails the open (as above).
@@ -196,6 +210,13 @@ impl Journal {
                     // them was lost. (Bytes from a file's earlier life never verify, so they
                     // cannot look like a gap.)
                     if h.seq > skip_upto && prev_seq.is_some_and(|p| h.seq != p + 1) {
+                        return Ok(Some(Err(())));
+                    }
+                    // The first record seen must be the one the headers named.
+                    if h.seq > skip_upto
+                        && prev_seq.is_none()
+                        && first_code.is_some_and(|c| c != rec::seq_code(h.seq))
+                    {
                         return Ok(Some(Err(())));
                     }
                     Ok(Some(Ok(h)))
@@ -394,10 +415,11 @@ impl Journal {
             id,
             nonce: rand::random(),
             version: rec::SEGMENT_VERSION,
+            first: rec::seq_code(self.next_seq),
         };
         let file = file.and_then(|f| {
             f.write_at(
-                &rec::encode_segment_header_version(header.version, id, header.nonce),
+                &rec::encode_segment_header_first(header.version, id, header.nonce, header.first),
                 0,
             )?;
             Ok(f)

@@ -6,8 +6,12 @@
 //! payload     : nblocks x 4096 bytes for a write, nothing for zeros
 //! ```
 //! Each segment file starts with a 32-byte segment header:
-//! `"SRJSEG01" | version u32 | reserved u32 | segment id u64 | nonce u64`, where the nonce is
-//! chosen at random each time a file (new or recycled) becomes a segment. The version names the
+//! `"SRJSEG01" | version u32 | first u32 | segment id u64 | nonce u64`, where the nonce is
+//! chosen at random each time a file (new or recycled) becomes a segment, and `first` says
+//! which sequence number the segment's first record has: [`seq_code`] of it (never 0), or 0
+//! in headers written before it was recorded (the field was reserved, always 0; readers that
+//! predate it ignore it). Replay uses it to tell a segment whose every record was lost from
+//! one that legitimately held none. The version names the
 //! check of every record in the segment, over `nonce ++ header[0..32] ++ payload`:
 //! - version 2 (written now): CRC-64/NVME of it, little-endian. Linear, so a record of an earlier
 //!   incarnation (another nonce, same bytes) can never verify: the difference is the CRC of a
@@ -59,23 +63,42 @@ const SEGMENT_MAGIC: &[u8; 8] = b"SRJSEG01";
 /// The segment format written now (see the module docs); 1 is still read.
 pub const SEGMENT_VERSION: u32 = 2;
 
-/// Encodes a segment header of the current version.
+/// Encodes a segment header of the current version (first sequence number not recorded).
 pub fn encode_segment_header(id: u64, nonce: u64) -> [u8; SEGMENT_HEADER_LEN] {
     encode_segment_header_version(SEGMENT_VERSION, id, nonce)
 }
 
-/// Encodes a segment header of `version` (an earlier one only to test that it is still read).
+/// Encodes a segment header of `version` (an earlier one only to test that it is still read),
+/// without its first sequence number.
 pub fn encode_segment_header_version(
     version: u32,
     id: u64,
     nonce: u64,
 ) -> [u8; SEGMENT_HEADER_LEN] {
+    encode_segment_header_first(version, id, nonce, 0)
+}
+
+/// Encodes a segment header whose first record will have a sequence number of code `first`
+/// ([`seq_code`]; 0: not recorded).
+pub fn encode_segment_header_first(
+    version: u32,
+    id: u64,
+    nonce: u64,
+    first: u32,
+) -> [u8; SEGMENT_HEADER_LEN] {
     let mut b = [0u8; SEGMENT_HEADER_LEN];
     b[..8].copy_from_slice(SEGMENT_MAGIC);
     b[8..12].copy_from_slice(&version.to_le_bytes());
+    b[12..16].copy_from_slice(&first.to_le_bytes());
     b[16..24].copy_from_slice(&id.to_le_bytes());
     b[24..32].copy_from_slice(&nonce.to_le_bytes());
     b
+}
+
+/// A sequence number in a segment header's 32 bits: never 0 (0 means not recorded). Two
+/// sequence numbers share a code only 2^32 - 1 apart: no gap replay meets is that long.
+pub fn seq_code(seq: u64) -> u32 {
+    (seq % 0xffff_ffff) as u32 + 1
 }
 
 /// A decoded segment header.
@@ -85,6 +108,8 @@ pub struct SegmentHeader {
     pub nonce: u64,
     /// 1 or 2: which check its records carry.
     pub version: u32,
+    /// [`seq_code`] of the sequence number its first record has; 0 if not recorded.
+    pub first: u32,
 }
 
 /// Decodes a segment header.
@@ -98,8 +123,9 @@ pub fn decode_segment_header(buf: &[u8]) -> Result<SegmentHeader, Error> {
     if version != 1 && version != 2 {
         return Err(Error::UnsupportedVersion { what: W, version });
     }
-    let _reserved = r.u32()?;
+    let first = r.u32()?;
     Ok(SegmentHeader {
+        first,
         id: r.u64()?,
         nonce: r.u64()?,
         version,
@@ -206,6 +232,7 @@ mod tests {
             id: 1,
             nonce,
             version,
+            first: 0,
         }
     }
 
@@ -238,11 +265,18 @@ mod tests {
                 Ok(SegmentHeader {
                     id: 9,
                     nonce: 77,
-                    version: v
+                    version: v,
+                    first: 0,
                 })
             );
             assert!(decode_segment_header(&sh[..20]).is_err());
+            let sh = encode_segment_header_first(v, 9, 77, seq_code(12));
+            assert_eq!(decode_segment_header(&sh).unwrap().first, seq_code(12));
         }
+        for s in [0, 1, 0xffff_fffe, 0xffff_ffff, 0x1_0000_0000, u64::MAX] {
+            assert_ne!(seq_code(s), 0, "{s}");
+        }
+        assert_ne!(seq_code(7), seq_code(8));
         assert_eq!(encode_segment_header(9, 77)[8..12], 2u32.to_le_bytes());
         assert!(decode_segment_header(&encode_segment_header_version(3, 9, 77)).is_err());
     }

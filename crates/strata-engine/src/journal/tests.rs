@@ -63,6 +63,78 @@ fn a_lost_record_ends_the_journal_even_across_segments() {
     assert!(!seg_path(dir.path(), later).exists());
 }
 
+/// Every record of the first segment lost (a power cut before anything was synced) and the
+/// next segments' records there: the headers say where records begin, so replay stops rather
+/// than start at a later segment (the crash campaign's seed 6527 recovered later writes
+/// without earlier ones). Also after published records (the first unpublished one is named by
+/// its segment's header, not assumed to follow them: cleaning deletes whole old segments).
+#[test]
+fn a_first_segment_whose_records_are_all_lost_ends_the_journal() {
+    for skip in [0, 5] {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut j, _) = open(dir.path(), skip);
+        let first = append(&mut j, 2);
+        assert_eq!(first[0].0, skip + 1);
+        let (_, seg, off) = first[0];
+        j.file(seg).unwrap().write_at(&[0xff; 16], off).unwrap();
+        j.rotate().unwrap();
+        let later = append(&mut j, 2)[0].1;
+        j.rotate().unwrap();
+        append(&mut j, 1);
+        drop(j);
+        let (j, seqs) = open(dir.path(), skip);
+        assert_eq!(seqs, Vec::<u64>::new(), "skip {skip}");
+        assert!(!seg_path(dir.path(), later + 1).exists());
+        assert_eq!(
+            j.last_seq(),
+            skip,
+            "the journal goes on from the published records"
+        );
+    }
+}
+
+/// What the header check must not catch: segments rotated away from before holding any
+/// record, and the oldest segments deleted whole (cleaning, retirement): every record replays.
+#[test]
+fn empty_segments_and_a_deleted_oldest_one_replay_everything_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut j, _) = open(dir.path(), 0);
+    let oldest = append(&mut j, 2)[0].1; // records 1, 2
+    j.rotate().unwrap();
+    j.rotate().unwrap(); // an empty sealed segment
+    append(&mut j, 2); // 3, 4
+    j.rotate().unwrap();
+    j.rotate().unwrap();
+    append(&mut j, 1); // 5
+    drop(j);
+    let (_, seqs) = open(dir.path(), 0);
+    assert_eq!(seqs, vec![1, 2, 3, 4, 5]);
+    // The oldest segment deleted whole, its records published (or copied forward by cleaning).
+    std::fs::remove_file(seg_path(dir.path(), oldest)).unwrap();
+    let (_, seqs) = open(dir.path(), 2);
+    assert_eq!(seqs, vec![3, 4, 5]);
+    // Segments written before the header named the first record (0: unknown) are not judged.
+    let dir = tempfile::tempdir().unwrap();
+    let (mut j, _) = open(dir.path(), 0);
+    let first = append(&mut j, 2);
+    let (_, seg, off) = first[0];
+    j.file(seg).unwrap().write_at(&[0xff; 16], off).unwrap();
+    let f = j.file(seg).unwrap();
+    let mut h = [0u8; SEGMENT_HEADER_LEN];
+    f.read_at(&mut h, 0).unwrap();
+    h[12..16].copy_from_slice(&[0; 4]);
+    f.write_at(&h, 0).unwrap();
+    j.rotate().unwrap();
+    append(&mut j, 1);
+    drop(j);
+    let (_, seqs) = open(dir.path(), 0);
+    assert_eq!(
+        seqs,
+        vec![3],
+        "an old header says nothing; the next record is taken as before"
+    );
+}
+
 /// Published records left in a sealed segment also count for the gap check.
 #[test]
 fn a_gap_right_after_published_records_is_caught() {
