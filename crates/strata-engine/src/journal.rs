@@ -625,13 +625,13 @@ impl Journal {
         self.detach(victims)
     }
 
-    fn detach(&mut self, victims: Vec<u64>) -> Retired {
+    fn detach(&mut self, mut victims: Vec<u64>) -> Retired {
+        victims.sort_unstable();
         let mut room = FREE_POOL.saturating_sub(self.free.len());
         let mut r = Retired {
             ids: victims.clone(),
             files: vec![],
-            recycle: vec![],
-            remove: vec![],
+            steps: vec![],
             fs: self.fs.clone(),
             dir: self.dir.clone(),
         };
@@ -651,10 +651,10 @@ impl Journal {
             let path = seg_path(&self.dir, id);
             if let (true, Some(f)) = (room > 0 && !self.shared.contains(&id), file) {
                 room -= 1;
-                r.recycle
-                    .push((path, self.dir.join(format!("{id:016x}.free")), f));
+                let to = self.dir.join(format!("{id:016x}.free"));
+                r.steps.push((path, Some((to, f))));
             } else {
-                r.remove.push(path);
+                r.steps.push((path, None));
             }
         }
         r
@@ -704,31 +704,37 @@ impl Reserved {
 pub(crate) struct Retired {
     pub ids: Vec<u64>,
     files: Vec<Arc<dyn FsFile>>,
-    recycle: Vec<(PathBuf, PathBuf, Arc<dyn FsFile>)>,
-    remove: Vec<PathBuf>,
+    /// Oldest first: each segment's path, and where it goes in the pool if it is recycled.
+    steps: Vec<(PathBuf, Option<(PathBuf, Arc<dyn FsFile>)>)>,
     fs: Arc<dyn Fs>,
     dir: PathBuf,
 }
 
 impl Retired {
-    /// Renames the recyclable files, deletes the rest (and those of segments in `busy`, which a
-    /// read still holds: unlinked, their blocks are never reused under it), syncs the directory
-    /// and closes the handles. Returns the recycled paths for [`Journal::add_free`].
+    /// Renames the recyclable files and deletes the rest (and those of segments in `busy`,
+    /// which a read still holds: unlinked, their blocks are never reused under it), one by one
+    /// from the oldest, stopping at the first error; syncs the directory and closes the
+    /// handles. Returns the recycled paths for [`Journal::add_free`].
+    ///
+    /// Oldest first, whatever goes where: what a crash or an error leaves is always the newer
+    /// part of the journal, which replay reads whole. A newer segment gone with an older one
+    /// left would look like lost records (replay's gap checks) and end the journal before
+    /// flushed records.
     pub fn apply(self, busy: &[u64]) -> io::Result<Vec<PathBuf>> {
         let mut free = vec![];
-        for (from, to, file) in &self.recycle {
-            let in_use = busy.iter().any(|id| *from == seg_path(&self.dir, *id))
-                // Shared with a fork (a hard link): overwriting it would change the fork's data.
-                || !matches!(file.links(), Ok(1));
-            if in_use {
-                self.fs.remove(from)?;
-            } else {
-                self.fs.rename(from, to)?;
-                free.push(to.clone());
+        for (from, recycle) in &self.steps {
+            match recycle {
+                Some((to, file))
+                    if !busy.iter().any(|id| *from == seg_path(&self.dir, *id))
+                        // Shared with a fork (a hard link): overwriting it would change the
+                        // fork's data.
+                        && matches!(file.links(), Ok(1)) =>
+                {
+                    self.fs.rename(from, to)?;
+                    free.push(to.clone());
+                }
+                _ => self.fs.remove(from)?,
             }
-        }
-        for path in &self.remove {
-            self.fs.remove(path)?;
         }
         if !self.ids.is_empty() {
             self.fs.sync_dir(&self.dir)?;

@@ -219,6 +219,38 @@ fn a_segment_shared_with_a_fork_is_never_recycled() {
     assert_eq!(gone, 0);
 }
 
+/// Retirement goes oldest first whatever goes where (deleted or recycled), and stops at an
+/// error: what it leaves is the newer part of the journal. (Before, recycled segments were
+/// renamed before the deleted ones went: an older segment shared with a fork left behind a
+/// newer, recycled one ended the next replay before flushed records.)
+#[test]
+fn retirement_goes_oldest_first_and_leaves_the_newer_part_on_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut j, _) = open(dir.path(), 0);
+    let old = append(&mut j, 2)[0].1; // records 1, 2
+    j.rotate().unwrap();
+    let newer = append(&mut j, 2)[0].1; // 3, 4
+    j.rotate().unwrap();
+    append(&mut j, 2); // 5, 6: flushed, unpublished
+    j.mark_shared([old]); // linked into a fork: deleted, never recycled
+    let retired = j.detach_through(4);
+    assert_eq!(retired.ids, vec![old, newer]);
+    // The older segment cannot be removed (a directory stands at its name).
+    let old_path = seg_path(dir.path(), old);
+    std::fs::rename(&old_path, dir.path().join("aside")).unwrap();
+    std::fs::create_dir(&old_path).unwrap();
+    assert!(retired.apply(&[]).is_err());
+    assert!(
+        seg_path(dir.path(), newer).exists(),
+        "a newer segment went while an older one stayed"
+    );
+    std::fs::remove_dir(&old_path).unwrap();
+    std::fs::rename(dir.path().join("aside"), &old_path).unwrap();
+    drop(j);
+    let (_, seqs) = open(dir.path(), 4);
+    assert_eq!(seqs, vec![5, 6], "the flushed records replay");
+}
+
 /// The journal's size is kept as segments grow, rotate, are prepared and retire: it is what
 /// metrics read without the journal's lock, and it must equal a recount at every step.
 #[test]
