@@ -705,10 +705,13 @@ pub(crate) struct Retired {
     pub ids: Vec<u64>,
     files: Vec<Arc<dyn FsFile>>,
     /// Oldest first: each segment's path, and where it goes in the pool if it is recycled.
-    steps: Vec<(PathBuf, Option<(PathBuf, Arc<dyn FsFile>)>)>,
+    steps: Vec<(PathBuf, Option<Recycle>)>,
     fs: Arc<dyn Fs>,
     dir: PathBuf,
 }
+
+/// A retired segment's name in the pool, and its handle (to see whether a fork links it).
+type Recycle = (PathBuf, Arc<dyn FsFile>);
 
 impl Retired {
     /// Renames the recyclable files and deletes the rest (and those of segments in `busy`,
