@@ -671,11 +671,13 @@ async fn a_record_that_never_lands_leaves_no_acknowledged_write_behind_it() {
         let v = v.clone();
         tokio::spawn(async move { v.write(2 * 4096, &tagged(3, 2), false).await })
     };
+    assert!(eventually(|| v.stats().appends_unlocked >= 2).await);
+    // A flush sent once the later write has landed (not acknowledged: a flush sent before
+    // that owes it nothing and may return at once) must wait for the record in flight.
     let flush = tokio::spawn({
         let v = v.clone();
         async move { v.flush().await }
     });
-    assert!(eventually(|| v.stats().appends_unlocked >= 2).await);
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(
         !later.is_finished(),
