@@ -10,7 +10,7 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(h) = decode_header(data) {
         let payload = data.get(HEADER_LEN..HEADER_LEN + h.payload_len as usize).unwrap_or(&[]);
         for version in [1, 2] {
-            let seg = SegmentHeader { id: 1, nonce: 7, version };
+            let seg = SegmentHeader { id: 1, nonce: 7, version, first: 0 };
             let _ = verify(&seg, data, &h, payload);
         }
     }
