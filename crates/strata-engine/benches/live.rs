@@ -48,6 +48,28 @@ async fn make_dirty(v: &strata_engine::Volume, dirty: u64, chunk: u64, seed: u64
     t.elapsed()
 }
 
+/// A writer of 4 KiB blocks (`byte`), one every 200 µs until `stop`; its write latencies.
+fn spawn_writer(
+    v: &Arc<strata_engine::Volume>,
+    stop: &Arc<AtomicBool>,
+    byte: u8,
+) -> tokio::task::JoinHandle<Vec<Duration>> {
+    let (v, stop) = (v.clone(), stop.clone());
+    tokio::spawn(async move {
+        let mut lat = vec![];
+        let block = vec![byte; 4096];
+        let mut i = 0u64;
+        while !stop.load(Relaxed) {
+            let t = Instant::now();
+            v.write((i % 256) * 4096, &block, false).await.unwrap();
+            lat.push(t.elapsed());
+            i += 1;
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        lat
+    })
+}
+
 fn pct(v: &[Duration], p: usize) -> Duration {
     v[(v.len() * p / 100).min(v.len() - 1)]
 }
@@ -84,22 +106,7 @@ async fn main() {
         let chunk: u64 = if dirty > 1 << 30 { 64 << 10 } else { 4 << 10 };
         let wrote = make_dirty(&v, dirty, chunk, dirty).await;
         let stop = Arc::new(AtomicBool::new(false));
-        let writer = {
-            let (v, stop) = (v.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut lat = vec![];
-                let block = vec![7u8; 4096];
-                let mut i = 0u64;
-                while !stop.load(Relaxed) {
-                    let t = Instant::now();
-                    v.write((i % 256) * 4096, &block, false).await.unwrap();
-                    lat.push(t.elapsed());
-                    i += 1;
-                    tokio::time::sleep(Duration::from_micros(200)).await;
-                }
-                lat
-            })
-        };
+        let writer = spawn_writer(&v, &stop, 7u8);
         tokio::time::sleep(Duration::from_millis(25)).await;
         let mut cps = vec![];
         for _ in 0..n_cp {
@@ -115,22 +122,7 @@ async fn main() {
         // upload has published the first), one fork after another, a writer writing.
         make_dirty(&v, dirty, chunk, dirty + 1).await;
         stop.store(false, Relaxed);
-        let writer = {
-            let (v, stop) = (v.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut lat = vec![];
-                let block = vec![8u8; 4096];
-                let mut i = 0u64;
-                while !stop.load(Relaxed) {
-                    let t = Instant::now();
-                    v.write((i % 256) * 4096, &block, false).await.unwrap();
-                    lat.push(t.elapsed());
-                    i += 1;
-                    tokio::time::sleep(Duration::from_micros(200)).await;
-                }
-                lat
-            })
-        };
+        let writer = spawn_writer(&v, &stop, 8u8);
         let mut forks = vec![];
         for i in 0..n_fork {
             let fork = format!("{name}-fork-{i}");

@@ -306,6 +306,18 @@ mod tests {
         assert_eq!(here, MAX_LEN + 2);
     }
 
+    /// A resolved range block by block: (seq, location) of each, or None below.
+    fn per_block(v: &[(u64, u64, Hit)]) -> Vec<Option<(u64, Loc)>> {
+        v.iter()
+            .flat_map(|&(_, n, h)| {
+                (0..n).map(move |i| match h {
+                    Hit::Here(r) => Some((r.seq, r.loc.advance(i))),
+                    Hit::Below => None,
+                })
+            })
+            .collect()
+    }
+
     proptest! {
         #[test]
         fn matches_a_block_model(ops in proptest::collection::vec((0u64..64, 1u64..16, any::<bool>()), 1..40)) {
@@ -356,13 +368,7 @@ mod tests {
             let (mut a, mut b) = (vec![], vec![]);
             want.resolve(0, 80, &mut a);
             got.resolve(0, 80, &mut b);
-            let blocks = |v: &Vec<(u64, u64, Hit)>| -> Vec<Option<(u64, Loc)>> {
-                v.iter().flat_map(|&(_, n, h)| (0..n).map(move |i| match h {
-                    Hit::Here(r) => Some((r.seq, r.loc.advance(i))),
-                    Hit::Below => None,
-                })).collect()
-            };
-            prop_assert_eq!(blocks(&a), blocks(&b));
+            prop_assert_eq!(per_block(&a), per_block(&b));
             prop_assert_eq!(want.data_blocks(), got.data_blocks());
         }
 
@@ -392,13 +398,7 @@ mod tests {
             let (mut a, mut b) = (vec![], vec![]);
             want.resolve(0, 80, &mut a);
             got.resolve(0, 80, &mut b);
-            let blocks = |v: &Vec<(u64, u64, Hit)>| -> Vec<Option<(u64, Loc)>> {
-                v.iter().flat_map(|&(_, n, h)| (0..n).map(move |i| match h {
-                    Hit::Here(r) => Some((r.seq, r.loc.advance(i))),
-                    Hit::Below => None,
-                })).collect()
-            };
-            prop_assert_eq!(blocks(&a), blocks(&b));
+            prop_assert_eq!(per_block(&a), per_block(&b));
             prop_assert_eq!(want.data_blocks(), got.data_blocks());
         }
     }

@@ -1,0 +1,145 @@
+//! The acknowledgement order of the write fast path: a write is acknowledged only once every
+//! record reserved before it has landed (replay stops at the first missing record).
+
+use super::*;
+
+/// Releases the stalled file operation on drop, so a failing assertion fails the test
+/// instead of hanging it.
+struct Release(Arc<Switches>);
+impl Drop for Release {
+    fn drop(&mut self) {
+        self.0.release();
+    }
+}
+
+/// Runs `v.write(at, data)` on a thread of its own and returns once its record's `pwrite` has
+/// stalled (a switch of `sw` set by the caller), with the guard that releases it.
+async fn stalled_write(
+    v: &Arc<strata_engine::Volume>,
+    sw: &Arc<Switches>,
+    at: u64,
+    data: Vec<u8>,
+) -> (std::thread::JoinHandle<strata_engine::Result<()>>, Release) {
+    let v = v.clone();
+    let write = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(v.write(at, &data, false))
+    });
+    tokio::task::spawn_blocking({
+        let sw = sw.clone();
+        move || sw.wait_stalled()
+    })
+    .await
+    .unwrap();
+    (write, Release(sw.clone()))
+}
+
+/// Writes reserved after a record whose `pwrite` has not happened yet land beside it, but
+/// are not acknowledged until it lands: replay stops at the first record missing from the
+/// journal, so a write acknowledged past one would not survive a kill -9 that came first.
+/// Once the older record lands, the younger ones are acknowledged and flushed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_is_acknowledged_only_once_every_older_record_has_landed() {
+    let c = Cluster::new().await;
+    let sw = Arc::new(Switches::default());
+    sw.in_place.store(true, SeqCst);
+    let a = c.node_with(c.config("a"), Arc::new(FaultFs(sw.clone())));
+    let v = empty_volume(&a, "order", DISK, Mode::Durable).await;
+    v.prepare_journal().await.unwrap(); // rotates onto a prepared segment
+    v.write(0, &tagged(1, 0), false).await.unwrap();
+    v.flush().await.unwrap();
+    sw.stall_next_write.store(true, SeqCst);
+    let (first, release) = stalled_write(&v, &sw, 4096, tagged(2, 1)).await;
+    let later: Vec<_> = (2..6u64)
+        .map(|b| {
+            let v = v.clone();
+            tokio::spawn(async move { v.write(b * 4096, &tagged(b + 1, b), false).await })
+        })
+        .collect();
+    assert!(
+        eventually(|| v.stats().appends_unlocked >= 5).await,
+        "the later writes did not land beside the stalled one"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        later.iter().all(|w| !w.is_finished()),
+        "a write was acknowledged past an older record still in flight"
+    );
+    assert!(v.stats().acks_held >= 4, "{:?}", v.stats());
+    drop(release);
+    first.join().unwrap().unwrap();
+    for w in later {
+        w.await.unwrap().unwrap();
+    }
+    v.flush().await.unwrap();
+    let img = image(&v).await;
+    assert_eq!(&img[..6], &[1, 2, 3, 4, 5, 6]);
+}
+
+/// The kill -9 of the rule above: a record that never lands (its writer died, or its
+/// `pwrite` failed) leaves a hole replay stops at. Writes reserved after it are not
+/// acknowledged, a flush waiting for it fails rather than sync past the hole, and after the
+/// process is gone every write that was acknowledged reads back on the next attach.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_never_lands_leaves_no_acknowledged_write_behind_it() {
+    let c = Cluster::new().await;
+    let sw = Arc::new(Switches::default());
+    sw.in_place.store(true, SeqCst);
+    let cfg = c.config("a");
+    let a = c.node_with(cfg.clone(), Arc::new(FaultFs(sw.clone())));
+    let v = empty_volume(&a, "hole", DISK, Mode::Durable).await;
+    v.prepare_journal().await.unwrap(); // rotates onto a prepared segment
+    v.write(0, &tagged(1, 0), false).await.unwrap();
+    v.flush().await.unwrap();
+    assert!(
+        v.stats().appends_unlocked >= 1,
+        "the write path took the lock"
+    );
+    sw.stall_then_fail_next_write.store(true, SeqCst);
+    let (first, release) = stalled_write(&v, &sw, 4096, tagged(2, 1)).await;
+    // Reserved after the stalled one and landed first: written, not acknowledged.
+    let later = {
+        let v = v.clone();
+        tokio::spawn(async move { v.write(2 * 4096, &tagged(3, 2), false).await })
+    };
+    assert!(eventually(|| v.stats().appends_unlocked >= 2).await);
+    // A flush sent once the later write has landed (not acknowledged: a flush sent before
+    // that owes it nothing and may return at once) must wait for the record in flight.
+    let flush = tokio::spawn({
+        let v = v.clone();
+        async move { v.flush().await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !later.is_finished(),
+        "a write was acknowledged past a record still in flight"
+    );
+    assert!(
+        !flush.is_finished(),
+        "the flush did not wait for the record in flight"
+    );
+    // The process dies here: the stalled record is never written.
+    drop(release);
+    assert!(
+        first.join().unwrap().is_err(),
+        "the failed record was acknowledged"
+    );
+    assert!(
+        later.await.unwrap().is_err(),
+        "a write behind the hole was acknowledged"
+    );
+    assert!(
+        flush.await.unwrap().is_err(),
+        "a flush synced past a hole and reported success"
+    );
+    assert!(v.failure().is_some());
+    a.abandon().await;
+    drop(v);
+    let b = c.node_with(cfg, Arc::new(FaultFs(Arc::new(Switches::default()))));
+    let v = b.attach(TENANT, "hole").await.unwrap();
+    let img = image(&v).await;
+    assert_eq!(img[0], 1, "the flushed write was lost");
+    b.abandon().await;
+}
