@@ -48,9 +48,13 @@ impl LocalState {
         }
     }
 
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        serde_json::to_vec_pretty(self)
+            .map_err(|e| Error::Invalid(format!("encoding local state: {e}")))
+    }
+
     pub fn store(&self, fs: &dyn Fs, dir: &Path) -> Result<()> {
-        let bytes = serde_json::to_vec_pretty(self)
-            .map_err(|e| Error::Invalid(format!("encoding local state: {e}")))?;
+        let bytes = self.encode()?;
         fs.write_atomic(&dir.join("state.json"), &bytes)
             .map_err(Error::io(format!("writing {}/state.json", dir.display())))
     }

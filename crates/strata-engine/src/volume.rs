@@ -77,10 +77,11 @@ mod rebase;
 mod write;
 
 pub(crate) use compact::object_usage;
+pub(crate) use cutlog::stage as stage_cut_log;
 pub use layers::CheckpointState;
-pub(crate) use layers::Inheritance;
+pub(crate) use layers::{Adopt, Inheritance};
 use layers::{CutSpec, Layer, LayerRecord};
-pub(crate) use rebase::record_fork_layer;
+pub(crate) use rebase::fork_layer;
 
 /// Tunables of one volume (from the engine's config).
 #[derive(Clone, Debug)]

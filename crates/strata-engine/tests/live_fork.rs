@@ -325,3 +325,83 @@ async fn a_live_fork_of_a_clean_workspace_leaves_the_node_and_its_start_is_never
     let g = b.attach(TENANT, "g").await.unwrap();
     assert_eq!(&image(&g).await[..16], &[1; 16]);
 }
+
+/// One power cut at every file-system step of a live fork (and of whatever else ran then: the
+/// source's background publish, the fork's own): after the restart the source reads what it
+/// flushed, and the fork either does not exist or exists whole, reading the source at its cut
+/// (its catalog row is never ahead of its local files); an absent fork's name can be made
+/// again, and what the fork left on the node never replays onto that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_power_cut_at_any_step_of_a_live_fork_leaves_it_whole_or_absent() {
+    let mut steps = None;
+    let mut k = 1;
+    let (mut whole, mut absent) = (0, 0);
+    while steps.is_none_or(|n| k <= n + 2) {
+        let c = Cluster::new().await;
+        let disk = SimFs::new();
+        let cfg = c.config("p");
+        let a = c.node_with(cfg.clone(), Arc::new(disk.process()));
+        let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
+        write_tag(&v, 1, 0, 64).await;
+        let cp = v.checkpoint(None).await.unwrap().version;
+        let at_checkpoint = image(&v).await;
+        write_tag(&v, 2, 16, 64).await;
+        v.flush().await.unwrap(); // flushed, unpublished: what the fork inherits
+        let at_fork = image(&v).await;
+        let before = disk.counter("op");
+        if steps.is_some() {
+            disk.power_loss_after(k, k);
+        }
+        let forked = a.fork(TENANT, "w", None, "f", None).await;
+        if steps.is_none() {
+            // The dry run: how many steps a fork takes (its background publish may add some).
+            forked.unwrap();
+            steps = Some(disk.counter("op") - before);
+            eprintln!("a live fork took {} file-system steps", steps.unwrap());
+            continue;
+        }
+        // Let whatever is still running meet the cut (or finish, past the last step).
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        disk.power_loss(k, true);
+        a.abandon().await;
+        drop(v);
+        let a2 = c.node_with(cfg, Arc::new(disk.process()));
+        let src = a2.attach(TENANT, "w").await.unwrap();
+        assert_eq!(image(&src).await, at_fork, "step {k}: the source");
+        match c.catalog.get_workspace(TENANT, "f").await {
+            Ok(_) => {
+                let f = a2
+                    .attach(TENANT, "f")
+                    .await
+                    .unwrap_or_else(|e| panic!("step {k}: the fork's row is there: {e}"));
+                assert_eq!(image(&f).await, at_fork, "step {k}: the fork");
+                whole += 1;
+            }
+            Err(_) => {
+                assert!(forked.is_err(), "step {k}: an acknowledged fork is gone");
+                assert!(
+                    a2.attach(TENANT, "f").await.is_err(),
+                    "step {k}: a fork without a row was attached"
+                );
+                // The name made again elsewhere, from the checkpoint the interrupted fork's
+                // base was (the same manifest, as version 1): attached here, what the fork left
+                // in this node's directory must not replay onto it.
+                c.node("b")
+                    .fork(TENANT, "w", Some(cp), "f", None)
+                    .await
+                    .unwrap();
+                let f = a2.attach(TENANT, "f").await.unwrap();
+                assert_eq!(
+                    image(&f).await,
+                    at_checkpoint,
+                    "step {k}: the name made again from the checkpoint"
+                );
+                absent += 1;
+            }
+        }
+        a2.abandon().await;
+        k += 1;
+    }
+    eprintln!("{whole} cuts left the fork whole, {absent} left none");
+    assert!(whole > 0 && absent > 0);
+}

@@ -50,6 +50,9 @@ pub struct SimFs {
     /// Microseconds every write of a whole block or more waits before it lands (a writer
     /// preempted in its `pwrite`), to widen the windows concurrent writes race in.
     write_delay_us: Arc<AtomicU64>,
+    /// A power cut armed by [`SimFs::power_loss_after`]: (operations left, seed); 0 left is
+    /// none armed.
+    cut_armed: Arc<(AtomicU64, AtomicU64)>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -138,6 +141,16 @@ impl SimFs {
     }
 
     fn alive(&self) -> io::Result<()> {
+        if self.born.is_some() {
+            self.count("op");
+            let left = &self.cut_armed.0;
+            if left
+                .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                .is_ok_and(|n| n == 1)
+            {
+                self.power_loss(self.cut_armed.1.load(SeqCst), true);
+            }
+        }
         match self.born {
             Some(b) if b != self.boots.load(SeqCst) => {
                 self.count("dead");
@@ -156,7 +169,8 @@ impl SimFs {
         self.write_delay_us.store(d.as_micros() as u64, SeqCst);
     }
 
-    /// How many times an operation ran (`sync_data`, `sync_dir`).
+    /// How many times an operation ran (`sync_data`, `sync_dir`; `op`: any call through a
+    /// process handle).
     pub fn counter(&self, what: &'static str) -> u64 {
         lock(&self.counters).get(what).copied().unwrap_or(0)
     }
@@ -197,6 +211,14 @@ impl SimFs {
             i.data = img.clone();
             i.durable = img;
         }
+    }
+
+    /// Arms a power cut (torn, `seed`) at the `ops`-th file operation from now by any process
+    /// handle (1: the next one), which then fails with every later one: a crash at a chosen
+    /// step of what runs next.
+    pub fn power_loss_after(&self, ops: u64, seed: u64) {
+        self.cut_armed.1.store(seed, SeqCst);
+        self.cut_armed.0.store(ops, SeqCst);
     }
 
     /// Sum of visible file sizes (for space checks).

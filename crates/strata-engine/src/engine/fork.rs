@@ -15,13 +15,14 @@
 //! this node is lost first, the fork is lost with it: delete it).
 //!
 //! Crash safety: the links come first, then `forking.json` (naming the fork's source,
-//! `ws:SRC@VERSION`, unique since only the source's lease holder forks it live), then the
-//! first layer's record in `cuts.log`, then `state.json`, then the catalog row, then the
-//! marker goes. An attach that finds the marker
-//! keeps the directory if the catalog has that very fork (version 1 a `livefork` of that
-//! source) and removes it otherwise; a directory with links but no `state.json` is swept at the
-//! next start (`sweep_unfinished_forks`). Once the row may exist (also when its reply was
-//! lost), the directory is never removed by the fork.
+//! `ws:SRC@VERSION`, unique since only the source's lease holder forks it live) with the
+//! first layer's record in `cuts.log`, then `state.json`, each durable before the next is in
+//! place (`write_fork_files`: three rounds of syncs), then the catalog row, then the marker
+//! goes (not synced: one that comes back is settled like one a crash left). An attach that
+//! finds the marker keeps the directory if the catalog has that very fork (version 1 a
+//! `livefork` of that source, or pruned since) and removes it otherwise; a directory with
+//! links but no `state.json` is swept at the next start (`sweep_unfinished_forks`). Once the
+//! row may exist (also when its reply was lost), the directory is never removed by the fork.
 
 use super::*;
 use crate::local::LocalState;
@@ -115,10 +116,11 @@ impl Engine {
             }
         };
         // The fork exists from here on: its directory is never removed (an attach completes it).
+        // Not synced: a marker that comes back after a power cut is settled by the next attach
+        // (the catalog has this fork), like one a crash left right here.
         let (fs, d) = (self.fs.clone(), dir.clone());
         let unmarked = blocking(move || {
             fs.remove(&d.join(MARKER))
-                .and_then(|_| fs.sync_dir(&d))
                 .map_err(Error::io("completing the fork's directory"))
         })
         .await;
@@ -168,15 +170,9 @@ impl Engine {
             base_seq: b.base_seq,
         };
         let (fs, d, marker, adopt) = (self.fs.clone(), dir.to_path_buf(), source.clone(), b.adopt);
-        blocking(move || {
-            fs.write_atomic(&d.join(MARKER), marker.as_bytes())
-                .map_err(Error::io("marking the fork's directory"))?;
-            // Its first layer: the source's checkpoint, published by rebasing onto it.
-            crate::volume::record_fork_layer(fs.clone(), &d, &state.journal_id, &adopt)?;
-            state.store(&*fs, &d)
-        })
-        .await
-        .map_err(|e| (e, None))?;
+        blocking(move || write_fork_files(&*fs, &d, &marker, &state, &adopt))
+            .await
+            .map_err(|e| (e, None))?;
         let w = self
             .catalog
             .create_workspace(&NewWorkspace {
@@ -210,8 +206,17 @@ impl Engine {
             Err(CatalogError::NotFound { .. }) => return Ok(false),
             Err(e) => return Err(e.into()),
         };
-        let first = self.catalog.get_checkpoint(tenant, ws, 1).await?;
-        Ok(w.source == source && first.kind == CheckpointKind::LiveFork)
+        if w.source != source {
+            return Ok(false);
+        }
+        match self.catalog.get_checkpoint(tenant, ws, 1).await {
+            Ok(first) => Ok(first.kind == CheckpointKind::LiveFork),
+            // Pruned: the head has moved past version 1, and `Volume::open` discards a local
+            // state based on any other head than the catalog's (a marker that came back after
+            // a power cut is on a fork that has published since).
+            Err(CatalogError::NotFound { .. }) => Ok(true),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Publishes a live fork's data in the background, then detaches it unless a user attached
@@ -302,4 +307,72 @@ impl Engine {
             }
         }
     }
+}
+
+/// `bytes` as the whole of the file `path`, synced (for a rename into place afterwards).
+fn write_synced(fs: &dyn Fs, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let f = fs.open(path, true)?;
+    f.set_len(0)?;
+    f.write_at(bytes, 0)?;
+    f.sync_data()
+}
+
+/// A fork's marker (naming its source), first layer's record (`cuts.log`: the source's
+/// checkpoint, published by rebasing onto it) and local state, in the order an interrupted
+/// fork is told by: `state.json` is never there without the other two and the journal's links.
+/// In three rounds of syncs where one after another took eight: the three contents written
+/// and synced side by side with the journal directory (its links) and the directory's own name
+/// in its parent, the marker and the record renamed into place and the directory synced once,
+/// then the local state renamed and the directory synced.
+fn write_fork_files(
+    fs: &dyn Fs,
+    d: &Path,
+    marker: &str,
+    state: &LocalState,
+    adopt: &crate::volume::Adopt,
+) -> Result<()> {
+    let state_bytes = state.encode()?;
+    let (marker_tmp, state_tmp) = (d.join("forking.json.tmp"), d.join("state.json.tmp"));
+    let parent = d.parent().unwrap_or(d);
+    let first = crate::volume::fork_layer(adopt);
+    let (m, c, st, p) = std::thread::scope(|s| {
+        let m = s.spawn(|| {
+            write_synced(fs, &marker_tmp, marker.as_bytes())
+                .map_err(Error::io("marking the fork's directory"))
+        });
+        let c = s.spawn(|| {
+            crate::volume::stage_cut_log(fs, d, &state.journal_id, std::slice::from_ref(&first))
+        });
+        let st = s.spawn(|| {
+            write_synced(fs, &state_tmp, &state_bytes)
+                .map_err(Error::io("writing the fork's local state"))
+        });
+        // The links to the source's segments (made by `Volume::fork_into`, not yet synced).
+        let j = s.spawn(|| {
+            fs.sync_dir(&d.join("journal"))
+                .map_err(Error::io("syncing the fork's journal"))
+        });
+        // The directory is new: its name in its parent made durable too.
+        let p = fs
+            .sync_dir(parent)
+            .map_err(Error::io("syncing the fork's directory's parent"));
+        fn join<T>(h: std::thread::ScopedJoinHandle<'_, Result<T>>) -> Result<T> {
+            h.join()
+                .unwrap_or_else(|_| Err(Error::Invalid("a fork's file writer panicked".into())))
+        }
+        (join(m), join(c), join(st), join(j).and(p))
+    });
+    m?;
+    let (cut_tmp, cut_log) = c?;
+    st?;
+    p?;
+    let io = |what: &'static str| Error::io(what);
+    fs.rename(&marker_tmp, &d.join(MARKER))
+        .map_err(io("marking the fork's directory"))?;
+    fs.rename(&cut_tmp, &cut_log)
+        .map_err(io("recording the fork's first layer"))?;
+    fs.sync_dir(d).map_err(io("syncing the fork's directory"))?;
+    fs.rename(&state_tmp, &d.join("state.json"))
+        .map_err(io("writing the fork's local state"))?;
+    fs.sync_dir(d).map_err(io("syncing the fork's directory"))
 }

@@ -100,8 +100,9 @@ fn parse(buf: &[u8], journal: &str) -> (Vec<Entry>, u64, u64) {
     (out, pos as u64, prev.map_or(0, |p| p.saturating_add(1)))
 }
 
-/// A file of `LOG_BYTES` zeros holding `records` at its start, durably at `path`.
-fn make(fs: &dyn Fs, dir: &Path, records: &[u8]) -> std::io::Result<()> {
+/// A file of `LOG_BYTES` zeros holding `records` at its start, written and synced beside the
+/// log (`cuts.log.tmp`, returned): not yet in place.
+fn write_staged(fs: &dyn Fs, dir: &Path, records: &[u8]) -> std::io::Result<PathBuf> {
     let tmp = dir.join("cuts.log.tmp");
     let f = fs.open(&tmp, true)?;
     f.set_len(0)?;
@@ -109,9 +110,42 @@ fn make(fs: &dyn Fs, dir: &Path, records: &[u8]) -> std::io::Result<()> {
     img[..records.len()].copy_from_slice(records);
     f.write_at(&img, 0)?;
     f.sync_data()?;
-    drop(f);
+    Ok(tmp)
+}
+
+/// A file of `LOG_BYTES` zeros holding `records` at its start, durably in place.
+fn make(fs: &dyn Fs, dir: &Path, records: &[u8]) -> std::io::Result<()> {
+    let tmp = write_staged(fs, dir, records)?;
     fs.rename(&tmp, &dir.join(FILE))?;
     fs.sync_dir(dir)
+}
+
+fn encode(journal: &str, e: &Entry) -> Result<Vec<u8>> {
+    serde_json::to_vec(&Payload {
+        journal: journal.to_string(),
+        entry: e.clone(),
+    })
+    .map_err(|e| Error::Invalid(format!("encoding a cut: {e}")))
+}
+
+/// A new volume's log holding `entries`, written and synced but not in place: returns (the
+/// staged file, the log's name) for the caller to rename and then make durable with one fsync
+/// of the directory, shared with its other files (a live fork's first layer, `engine/fork.rs`).
+pub(crate) fn stage(
+    fs: &dyn Fs,
+    dir: &Path,
+    journal: &str,
+    entries: &[Entry],
+) -> Result<(PathBuf, PathBuf)> {
+    let mut img = Vec::new();
+    for (n, e) in entries.iter().enumerate() {
+        img.extend(frame(n as u64, &encode(journal, e)?));
+    }
+    if img.len() as u64 > LOG_BYTES {
+        return Err(Error::Invalid("the cuts do not fit the cut log".into()));
+    }
+    let tmp = write_staged(fs, dir, &img).map_err(Error::io("staging the cut log"))?;
+    Ok((tmp, dir.join(FILE)))
 }
 
 impl CutLog {
@@ -151,11 +185,7 @@ impl CutLog {
     }
 
     fn payload(&self, e: &Entry) -> Result<Vec<u8>> {
-        serde_json::to_vec(&Payload {
-            journal: self.journal.clone(),
-            entry: e.clone(),
-        })
-        .map_err(|e| Error::Invalid(format!("encoding a cut: {e}")))
+        encode(&self.journal, e)
     }
 
     /// Appends `e` durably. When the file is full, it is replaced by one holding `live`

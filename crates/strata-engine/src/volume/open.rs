@@ -14,6 +14,7 @@ impl Volume {
             .get_checkpoint(&p.tenant, &p.name, ws.head_version)
             .await?;
         let local = LocalState::load(&*p.fs, &p.dir)?;
+        let loaded = local.clone();
         let ours = |l: &LocalState| {
             l.base_version == ws.head_version && l.base_manifest == ws.head_manifest
         };
@@ -50,18 +51,28 @@ impl Volume {
         };
         p.fs.create_dir_all(&p.dir)
             .map_err(Error::io(format!("creating {}", p.dir.display())))?;
-        let base = p
-            .reader
-            .store()
-            .get_manifest(&p.tenant, &ws.head_manifest)
-            .await?;
+        // A live fork's base is its source's, already decoded there: shared, not read again.
+        let inherited_base = p
+            .inherit
+            .as_ref()
+            .filter(|i| i.base.0 == ws.head_manifest)
+            .map(|i| i.base.1.clone());
+        let base = match inherited_base {
+            Some(b) => b,
+            None => Arc::new(
+                p.reader
+                    .store()
+                    .get_manifest(&p.tenant, &ws.head_manifest)
+                    .await?,
+            ),
+        };
         if base.disk_size != ws.disk_size {
             return Err(Error::Invalid(format!(
                 "manifest {} describes {} bytes, workspace says {}",
                 ws.head_manifest, base.disk_size, ws.disk_size
             )));
         }
-        LocalState {
+        let state = LocalState {
             format: crate::local::LOCAL_FORMAT,
             tenant: p.tenant.clone(),
             workspace: p.name.clone(),
@@ -69,8 +80,18 @@ impl Volume {
             base_version: ws.head_version,
             base_manifest: ws.head_manifest,
             base_seq,
+        };
+        let inherited = p.inherit.is_some();
+        if loaded.as_ref() != Some(&state) {
+            state.store(&*p.fs, &p.dir)?;
+        } else if !inherited {
+            // Unchanged. Its content was synced before its rename (`write_atomic`), but a
+            // process that stopped before the directory's fsync may have left the name
+            // volatile. (A live fork's was stored whole by the fork, just before, in this
+            // process.)
+            p.fs.sync_dir(&p.dir)
+                .map_err(Error::io(format!("syncing {}", p.dir.display())))?;
         }
-        .store(&*p.fs, &p.dir)?;
 
         // Cuts recorded and not yet published: their records replay into their own layers.
         // Those the head already holds are published (two cuts with no write between them
@@ -112,7 +133,6 @@ impl Volume {
         let mut layer_bytes: Vec<u64> = vec![0; cuts.len() + 1];
         let mut files: HashMap<u64, SegFile> = HashMap::new();
         let disk_blocks = base.disk_blocks();
-        let inherited = p.inherit.is_some();
         // A live fork's inherited layer, shared with its source's.
         let mut shared: Option<(usize, Arc<Overlay>)> = None;
         let opened = if let Some(inh) = p.inherit {
@@ -210,7 +230,6 @@ impl Volume {
             bytes: active_bytes,
             since: (active_bytes > 0).then(Instant::now),
         };
-        let base = Arc::new(base);
         let mut pending: VecDeque<Layer> = recs
             .into_iter()
             .zip(overlays)

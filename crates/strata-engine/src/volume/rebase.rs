@@ -25,22 +25,14 @@
 //! shrinks). Its receipt is `local` at once, like a checkpoint's, and survives a crash the same
 //! way (the layer is recorded in `cuts.log` with its target).
 
-use std::path::Path;
-
-use super::cutlog::{CutLog, Entry};
+use super::cutlog::Entry;
 use super::layers::{Adopt, CheckpointState, CutSpec, Layer, LayerRecord, MAX_PENDING};
 use super::*;
 
-/// Records a new live fork's first layer (version 2, through the source's cut) in its cut log,
-/// durably: written by the fork, before its local state.
-pub(crate) fn record_fork_layer(
-    fs: Arc<dyn Fs>,
-    dir: &Path,
-    journal: &str,
-    adopt: &Adopt,
-) -> Result<()> {
-    let (mut log, _) = CutLog::open(fs, dir, journal)?;
-    let rec = LayerRecord {
+/// A new live fork's first layer (version 2, through the source's cut): the one entry of its
+/// cut log, staged by the fork with its other files before its local state (`engine/fork.rs`).
+pub(crate) fn fork_layer(adopt: &Adopt) -> Entry {
+    Entry::Cut(LayerRecord {
         cut: adopt.cut,
         version: 2,
         kind: CheckpointKind::Auto,
@@ -50,8 +42,7 @@ pub(crate) fn record_fork_layer(
         taken_ms: crate::now_ms(),
         adopt: Some(adopt.clone()),
         rollback_to: None,
-    };
-    log.append(&Entry::Cut(rec.clone()), &[Entry::Cut(rec)])
+    })
 }
 
 /// How long a live fork's first layer waits for its source's checkpoint when the source is
