@@ -362,6 +362,7 @@ async fn a_power_cut_at_any_step_of_a_live_fork_leaves_it_whole_or_absent() {
         }
         // Let whatever is still running meet the cut (or finish, past the last step).
         tokio::time::sleep(Duration::from_millis(20)).await;
+        disk.power_loss_after(0, 0); // disarmed, if nothing met it
         disk.power_loss(k, true);
         a.abandon().await;
         drop(v);
@@ -404,4 +405,36 @@ async fn a_power_cut_at_any_step_of_a_live_fork_leaves_it_whole_or_absent() {
     }
     eprintln!("{whole} cuts left the fork whole, {absent} left none");
     assert!(whole > 0 && absent > 0);
+}
+
+/// A fork's marker whose removal was not synced can come back after a power cut, on a fork
+/// that has published and taken writes since, its version 1 pruned: it is settled by the head
+/// having been published from the directory's journal, and the flushed writes stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_marker_back_after_its_first_version_is_pruned_keeps_the_fork() {
+    let c = Cluster::new().await;
+    let cfg = c.config("a");
+    let a = c.node_with(cfg.clone(), Arc::new(strata_engine::fs::RealFs));
+    let v = empty_volume(&a, "w", DISK, Mode::Durable).await;
+    write_tag(&v, 1, 0, 32).await;
+    v.flush().await.unwrap();
+    a.fork(TENANT, "w", None, "f", None).await.unwrap();
+    released(&a, "f").await;
+    let f = a.attach(TENANT, "f").await.unwrap();
+    f.checkpoint(None).await.unwrap(); // published from this node's journal
+    write_tag(&f, 3, 8, 8).await;
+    f.flush().await.unwrap(); // flushed, not published
+    let want = image(&f).await;
+    a.abandon().await;
+    drop((f, v));
+    let w = c.catalog.get_workspace(TENANT, "f").await.unwrap();
+    let dir = cfg.data_dir.join("volumes").join(TENANT).join("f");
+    std::fs::write(dir.join("forking.json"), &w.source).unwrap();
+    c.catalog.expire_checkpoints(TENANT, "f", &[1]).await.unwrap();
+    c.catalog.purge_expired_checkpoints(TENANT, 0).await.unwrap();
+    assert!(c.catalog.get_checkpoint(TENANT, "f", 1).await.is_err());
+    let a2 = c.node_with(cfg, Arc::new(strata_engine::fs::RealFs));
+    let f = a2.attach(TENANT, "f").await.unwrap();
+    assert_eq!(image(&f).await, want, "the fork's flushed writes");
+    assert!(!dir.join("forking.json").exists(), "the marker is settled");
 }

@@ -20,7 +20,8 @@
 //! place (`write_fork_files`: three rounds of syncs), then the catalog row, then the marker
 //! goes (not synced: one that comes back is settled like one a crash left). An attach that
 //! finds the marker keeps the directory if the catalog has that very fork (version 1 a
-//! `livefork` of that source, or pruned since) and removes it otherwise; a directory with
+//! `livefork` of that source, or pruned since and the head published from this journal) and
+//! removes it otherwise; a directory with
 //! links but no `state.json` is swept at the next start (`sweep_unfinished_forks`). Once the
 //! row may exist (also when its reply was lost), the directory is never removed by the fork.
 
@@ -211,10 +212,21 @@ impl Engine {
         }
         match self.catalog.get_checkpoint(tenant, ws, 1).await {
             Ok(first) => Ok(first.kind == CheckpointKind::LiveFork),
-            // Pruned: the head has moved past version 1, and `Volume::open` discards a local
-            // state based on any other head than the catalog's (a marker that came back after
-            // a power cut is on a fork that has published since).
-            Err(CatalogError::NotFound { .. }) => Ok(true),
+            // Pruned (a marker whose removal was not synced came back after a power cut, on a
+            // fork that has published since): ours only if its head was published from this
+            // directory's journal. A checkpoint fork of the same version has the same source.
+            Err(CatalogError::NotFound { .. }) => {
+                let head = self
+                    .catalog
+                    .get_checkpoint(tenant, ws, w.head_version)
+                    .await?;
+                let local =
+                    crate::local::LocalState::load(&*self.fs, &self.volume_dir(tenant, ws))?;
+                Ok(
+                    local
+                        .is_some_and(|l| head.journal_id.as_deref() == Some(l.journal_id.as_str())),
+                )
+            }
             Err(e) => Err(e.into()),
         }
     }
