@@ -67,6 +67,12 @@ pub(crate) struct Journal {
     next_seq: u64,
     dirty: BTreeMap<u64, Arc<dyn FsFile>>,
     dir_dirty: bool,
+    /// The active segment while it holds no record since [`Journal::rotate`] made it: its
+    /// header and name are left out of the sync set until its first record (or the next
+    /// rotation) puts them in. Lost to a power cut, a segment without records loses nothing,
+    /// and a later segment's records are never synced without it: so a cut that rotates (a
+    /// live fork) or an open syncs no new file and no directory for it.
+    fresh: Option<u64>,
     max_segment: u64,
     /// Recyclable segment files.
     free: Vec<PathBuf>,
@@ -291,6 +297,7 @@ impl Journal {
             next_seq: last_seq + 1,
             dirty: BTreeMap::new(),
             dir_dirty: false,
+            fresh: None,
             max_segment,
             free,
             rotated: vec![],
@@ -337,6 +344,7 @@ impl Journal {
             next_seq: last_seq + 1,
             dirty: BTreeMap::new(),
             dir_dirty: false,
+            fresh: None,
             max_segment,
             free: vec![],
             rotated: vec![],
@@ -399,6 +407,14 @@ impl Journal {
         // next one only if the sequence continues without a gap.
         let id = self.active + 1;
         let path = seg_path(&self.dir, id);
+        // Rotating away from a segment that never got a record: its header and name are synced
+        // with (before) anything written after it, or replay would end there.
+        if let Some(prev) = self.fresh.take() {
+            if let Some(m) = self.segments.get(&prev) {
+                self.dirty.insert(prev, m.file.clone());
+                self.dir_dirty = true;
+            }
+        }
         let recycled = self.free.pop();
         let file = match &recycled {
             Some(f) => {
@@ -438,7 +454,7 @@ impl Journal {
                 return Err(e);
             }
         };
-        self.dirty.insert(id, file.clone());
+        self.fresh = Some(id);
         self.segments.insert(
             id,
             SegMeta {
@@ -450,7 +466,6 @@ impl Journal {
             },
         );
         self.active = id;
-        self.dir_dirty = true;
         self.held.fetch_add(
             SEGMENT_HEADER_LEN as u64,
             std::sync::atomic::Ordering::Relaxed,
@@ -559,6 +574,11 @@ impl Journal {
             );
             seg.last_seq = r.seq;
             self.dirty.insert(r.seg, seg.file.clone());
+            if self.fresh == Some(r.seg) {
+                // Its first record: the header and the segment's name are synced with it.
+                self.fresh = None;
+                self.dir_dirty = true;
+            }
         }
         self.next_seq += 1;
     }

@@ -283,9 +283,11 @@ impl Volume {
         }
         // Durable on this node: the records through the cut, then the cut itself.
         // In this order: a recorded cut whose records were lost would, after a restart, claim
-        // the sequence numbers of later writes.
+        // the sequence numbers of later writes. A rotating cut (a live fork's) syncs every
+        // sealed segment whole, headers included: the fork links them all. The segment it
+        // rotated into is not synced (`Journal::fresh`).
         let durable = async {
-            self.sync_journal().await?;
+            self.sync_journal_with(spec.rotate).await?;
             self.record(Entry::Cut(rec.clone())).await
         };
         if let Err(e) = durable.await {

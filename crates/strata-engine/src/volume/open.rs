@@ -200,18 +200,19 @@ impl Volume {
         if discarded > 0 {
             tracing::info!(tenant = %p.tenant, workspace = %p.name, discarded, "dropped torn journal tail");
         }
-        // What survived a process crash may still be only in the page cache: make it durable
-        // now, so that "replayed" implies "flushed".
-        // …and so does what opening wrote (the new active segment's header): a segment whose
-        // header never reached the disk would end replay there after a power cut.
+        // What survived a process crash may still be only in the page cache, the segments'
+        // names too: make it durable now, so that "replayed" implies "flushed". (The new
+        // active segment opening made is left to its first record, `Journal::fresh`. A live
+        // fork's linked segments were synced by its source, their names by the fork.)
         let batch = journal.take_dirty();
         let replayed = files.values().map(|f| &f.file).filter(|_| !inherited);
         for f in replayed.chain(batch.files.iter().map(|(_, f)| f)) {
             f.sync_data()
                 .map_err(Error::io("syncing replayed journal"))?;
         }
-        if let Some(d) = &batch.dir {
-            p.fs.sync_dir(d)
+        let journal_dir = (!inherited).then(|| journal.dir().to_path_buf());
+        if let Some(d) = batch.dir.or(journal_dir) {
+            p.fs.sync_dir(&d)
                 .map_err(Error::io("syncing journal directory"))?;
         }
         let active_seg = journal.active();

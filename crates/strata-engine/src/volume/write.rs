@@ -343,12 +343,20 @@ impl Volume {
 
     /// Group commit: one batch of `fdatasync`s covers every write acknowledged before the call.
     pub(super) async fn sync_journal(&self) -> Result<()> {
+        self.sync_journal_with(false).await
+    }
+
+    /// [`Self::sync_journal`]; `whole`: also when every record is synced, whatever the journal
+    /// still holds unsynced (the header of a segment rotated away from before it got a
+    /// record): a live fork links every sealed segment, and its replay ends at one whose header
+    /// was lost.
+    pub(super) async fn sync_journal_with(&self, whole: bool) -> Result<()> {
         let target = self.acked_seq.load(SeqCst);
-        if self.synced_seq.load(SeqCst) >= target {
+        if !whole && self.synced_seq.load(SeqCst) >= target {
             return Ok(());
         }
         let _s = self.sync_lock.lock().await;
-        if self.synced_seq.load(SeqCst) >= target {
+        if !whole && self.synced_seq.load(SeqCst) >= target {
             return Ok(());
         }
         let batch = self.journal_whole().await?.take_dirty();
