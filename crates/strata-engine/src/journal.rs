@@ -126,11 +126,31 @@ impl Journal {
             // An interrupted preparation: never part of the journal.
             fs.remove(&dir.join(n))?;
         }
-        let free: Vec<PathBuf> = names
-            .iter()
-            .filter(|n| n.ends_with(".free"))
-            .map(|n| dir.join(n))
-            .collect();
+        // A pooled file may hold a valid segment header and records under the name a rotation
+        // gave it before a power cut undid the rename: rotated into again under that same id
+        // (this open's next one), with its new header not yet synced (`Journal::fresh`) and
+        // its name made durable by any directory fsync, those records (dropped by the replay
+        // before, never flushed) would replay after the next power cut. Their header is
+        // zeroed, durably, before the file is pooled again; a file that cannot be is dropped.
+        let mut free: Vec<PathBuf> = Vec::new();
+        for n in names.iter().filter(|n| n.ends_with(".free")) {
+            let path = dir.join(n);
+            let scrub = || -> io::Result<()> {
+                let f = fs.open(&path, false)?;
+                if f.len()? >= SEGMENT_HEADER_LEN as u64 {
+                    f.write_at(&[0u8; SEGMENT_HEADER_LEN], 0)?;
+                    f.sync_data()?;
+                }
+                Ok(())
+            };
+            match scrub() {
+                Ok(()) => free.push(path),
+                Err(e) => {
+                    tracing::warn!(file = %path.display(), error = %e, "dropping a pooled journal file");
+                    fs.remove(&path)?;
+                }
+            }
+        }
         ids.sort_unstable();
         let mut segments = BTreeMap::new();
         let mut last_seq = skip_upto;
