@@ -2,7 +2,9 @@
 //!
 //! `state.json`, replaced atomically (temp, fdatasync, rename, directory fsync):
 //! `{ "format": 1, "tenant", "workspace", "journal_id", "base_version", "base_manifest",
-//!    "base_seq" }`. Every journal record with `seq <= base_seq` is already in `base_manifest`.
+//!    "base_seq", "created_ms"? }`. Every journal record with `seq <= base_seq` is already in
+//! `base_manifest`. `created_ms` is the catalog row's (the workspace's incarnation): a journal
+//! left by a deleted workspace never applies to another one made under its name.
 
 use std::path::Path;
 
@@ -23,6 +25,18 @@ pub struct LocalState {
     pub base_version: u64,
     pub base_manifest: Hash,
     pub base_seq: u64,
+    /// The catalog row's creation time: which incarnation of the name this journal belongs
+    /// to. Absent in states written before it was kept, and in a live fork's first state
+    /// (written before its row exists; its marker guards it until then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_ms: Option<u64>,
+}
+
+impl LocalState {
+    /// Whether this state can belong to the catalog's workspace created at `created_ms`.
+    pub fn same_incarnation(&self, created_ms: u64) -> bool {
+        self.created_ms.is_none_or(|c| c == created_ms)
+    }
 }
 
 impl LocalState {

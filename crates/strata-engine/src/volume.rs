@@ -236,6 +236,8 @@ pub struct Volume {
     lease_deadline: Mutex<Instant>,
     /// Set when the node stops renewing this volume's lease (a paused node, in fault tests).
     renewal_stopped: AtomicBool,
+    /// The catalog row's creation time (its incarnation), kept in local state.
+    created_ms: u64,
     journal_id: String,
     opts: VolumeOptions,
     gate: Arc<tokio::sync::RwLock<()>>,

@@ -459,3 +459,44 @@ async fn a_compaction_whose_reply_is_lost_settles_before_the_next_cut() {
     assert_eq!(&img[1..60], &[2; 59]);
     assert_eq!(&img[60..64], &[1; 4]);
 }
+
+/// A node that died holding a workspace keeps its journal; the workspace is deleted elsewhere
+/// once the lease is free, and made again under the same name from the same source (the same
+/// version-1 manifest). When the first node comes back, its journal belongs to the deleted
+/// workspace and must not replay onto the new one: local state names the incarnation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_left_by_a_deleted_workspace_never_replays_onto_its_namesake() {
+    let c = Cluster::new().await;
+    let a = c.node("a");
+    empty_volume(&a, "base", DISK, Mode::Durable).await;
+    a.detach(TENANT, "base").await.unwrap();
+    let from_base = || strata_engine::Source::Checkpoint {
+        workspace: "base".into(),
+        version: None,
+    };
+    a.create_workspace(TENANT, "w", from_base(), Mode::Durable, None)
+        .await
+        .unwrap();
+    let v = a.attach(TENANT, "w").await.unwrap();
+    write_tag(&v, 7, 0, 16).await;
+    v.flush().await.unwrap();
+    let lease = v.lease();
+    a.abandon().await; // the node dies: its journal stays, unpublished
+    drop(v);
+    c.catalog.release_lease(TENANT, "w", &lease).await.unwrap(); // (expired)
+    let b = c.node("b");
+    b.delete_workspace(TENANT, "w").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await; // a later creation time
+    b.create_workspace(TENANT, "w", from_base(), Mode::Durable, None)
+        .await
+        .unwrap();
+    let w = b.attach(TENANT, "w").await.unwrap();
+    assert!(image(&w).await.iter().all(|&t| t == 0));
+    b.detach(TENANT, "w").await.unwrap();
+    let a = c.node("a");
+    let w = a.attach(TENANT, "w").await.unwrap();
+    assert!(
+        image(&w).await.iter().all(|&t| t == 0),
+        "the deleted workspace's writes replayed onto its namesake"
+    );
+}

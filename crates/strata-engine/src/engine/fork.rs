@@ -169,6 +169,7 @@ impl Engine {
             base_version: 1,
             base_manifest: b.base_manifest,
             base_seq: b.base_seq,
+            created_ms: None, // the row does not exist yet: the marker guards the directory
         };
         let (fs, d, marker, adopt) = (self.fs.clone(), dir.to_path_buf(), source.clone(), b.adopt);
         blocking(move || write_fork_files(&*fs, &d, &marker, &state, &adopt))

@@ -15,8 +15,12 @@ impl Volume {
             .await?;
         let local = LocalState::load(&*p.fs, &p.dir)?;
         let loaded = local.clone();
+        // Based on the catalog's head, of this very workspace (not of a deleted one whose
+        // name was given again to a workspace starting from the same manifest).
         let ours = |l: &LocalState| {
-            l.base_version == ws.head_version && l.base_manifest == ws.head_manifest
+            l.base_version == ws.head_version
+                && l.base_manifest == ws.head_manifest
+                && l.same_incarnation(ws.created_ms)
         };
         if head.kind == CheckpointKind::LiveFork && !local.as_ref().is_some_and(ours) {
             // Its head is only the base: the rest is in a journal on the node that forked it.
@@ -72,6 +76,7 @@ impl Volume {
                 ws.head_manifest, base.disk_size, ws.disk_size
             )));
         }
+        let inherited = p.inherit.is_some();
         let state = LocalState {
             format: crate::local::LOCAL_FORMAT,
             tenant: p.tenant.clone(),
@@ -80,8 +85,9 @@ impl Volume {
             base_version: ws.head_version,
             base_manifest: ws.head_manifest,
             base_seq,
+            // A live fork keeps the state it just wrote (the first publish records the row's).
+            created_ms: (!inherited).then_some(ws.created_ms),
         };
-        let inherited = p.inherit.is_some();
         if loaded.as_ref() != Some(&state) {
             state.store(&*p.fs, &p.dir)?;
         } else if !inherited {
@@ -293,6 +299,7 @@ impl Volume {
             )),
             renewal_stopped: AtomicBool::new(false),
             journal_id,
+            created_ms: ws.created_ms,
             opts: p.opts,
             gate: Arc::new(tokio::sync::RwLock::new(())),
             journal_held: journal.held(),

@@ -14,6 +14,7 @@ impl Volume {
             base_version: version,
             base_manifest: manifest,
             base_seq: seq,
+            created_ms: Some(self.created_ms),
         }
     }
 
