@@ -16,6 +16,10 @@ use crate::{Error, Result};
 
 pub const LOCAL_FORMAT: u32 = 1;
 
+/// A live fork's marker (`engine/fork.rs`), in its directory until a local state naming the
+/// fork's catalog row replaces the one the fork wrote before the row existed.
+pub const FORK_MARKER: &str = "forking.json";
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct LocalState {
     pub format: u32,
@@ -70,7 +74,16 @@ impl LocalState {
     pub fn store(&self, fs: &dyn Fs, dir: &Path) -> Result<()> {
         let bytes = self.encode()?;
         fs.write_atomic(&dir.join("state.json"), &bytes)
-            .map_err(Error::io(format!("writing {}/state.json", dir.display())))
+            .map_err(Error::io(format!("writing {}/state.json", dir.display())))?;
+        // Durable with the incarnation: a live fork's marker has done its work (its removal
+        // need not be synced: one that comes back is settled against the catalog).
+        let marker = dir.join(FORK_MARKER);
+        if self.created_ms.is_some() && fs.exists(&marker) {
+            if let Err(e) = fs.remove(&marker) {
+                tracing::warn!(file = %marker.display(), error = %e, "removing a fork's marker failed; the next attach settles it");
+            }
+        }
+        Ok(())
     }
 }
 

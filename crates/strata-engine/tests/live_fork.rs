@@ -452,15 +452,7 @@ async fn a_fork_marker_back_after_its_first_version_is_pruned_keeps_the_fork() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forks_in_a_row_keep_their_flushed_writes_through_a_power_cut() {
     // Uploads slow enough that no fork has published (and let go of its links) by the cut.
-    let store = {
-        use object_store::throttle::{ThrottleConfig, ThrottledStore};
-        let cfg = ThrottleConfig {
-            wait_put_per_call: Duration::from_millis(300),
-            ..ThrottleConfig::default()
-        };
-        let inner = ThrottledStore::new(object_store::memory::InMemory::new(), cfg);
-        strata_store::Store::from_object_store(Arc::new(inner), "slow")
-    };
+    let store = slow_store(300);
     for seed in 0..4 {
         let c = Cluster::new().await;
         let disk = SimFs::new();
@@ -496,4 +488,82 @@ async fn forks_in_a_row_keep_their_flushed_writes_through_a_power_cut() {
         }
         a2.abandon().await;
     }
+}
+
+/// An in-memory object store whose every put takes `ms` milliseconds.
+fn slow_store(ms: u64) -> strata_store::Store {
+    use object_store::throttle::{ThrottleConfig, ThrottledStore};
+    let cfg = ThrottleConfig {
+        wait_put_per_call: Duration::from_millis(ms),
+        ..ThrottleConfig::default()
+    };
+    let inner = ThrottledStore::new(object_store::memory::InMemory::new(), cfg);
+    strata_store::Store::from_object_store(Arc::new(inner), "slow")
+}
+
+/// A node dies holding a live fork that has not published yet; the fork (unavailable
+/// everywhere else, as its error says) is deleted on another node and forked again there from
+/// the checkpoint the dead fork's base was: the same version-1 manifest. When the first node
+/// comes back, the dead fork's journal must not replay onto the new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_node_s_unpublished_fork_never_replays_onto_a_namesake() {
+    let c = Cluster::new().await;
+    let store = slow_store(2000); // the fork does not publish before the node dies
+    let node = |n: &str| {
+        Engine::open_with(
+            c.config(n),
+            c.catalog.clone(),
+            store.clone(),
+            Arc::new(strata_engine::fs::RealFs),
+        )
+        .unwrap()
+    };
+    let a = node("a");
+    let v = empty_volume(&a, "s", DISK, Mode::Durable).await;
+    let base = v.checkpoint(None).await.unwrap().version; // the source's published base
+    write_tag(&v, 5, 0, 16).await;
+    v.flush().await.unwrap(); // unpublished: inherited by the fork only
+    a.fork(TENANT, "s", None, "f", None).await.unwrap();
+    let fv = a.attach(TENANT, "f").await.unwrap();
+    write_tag(&fv, 9, 32, 8).await;
+    fv.flush().await.unwrap(); // the fork's own write, only in its journal
+    let (f_lease, s_lease) = (fv.lease(), v.lease());
+    drop(fv);
+    a.abandon().await; // node a dies
+    drop(v);
+    c.catalog
+        .release_lease(TENANT, "f", &f_lease)
+        .await
+        .unwrap(); // (expired)
+    c.catalog
+        .release_lease(TENANT, "s", &s_lease)
+        .await
+        .unwrap();
+    assert_eq!(
+        c.catalog
+            .get_workspace(TENANT, "f")
+            .await
+            .unwrap()
+            .head_version,
+        1
+    );
+    let b = node("b");
+    b.delete_workspace(TENANT, "f").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    // From the checkpoint the dead fork's base was (the source's head, unless the dead node's
+    // publish of the fork's cut got through first).
+    b.fork(TENANT, "s", Some(base), "f", None).await.unwrap();
+    let want = image(&b.attach(TENANT, "f").await.unwrap()).await;
+    assert!(
+        want[32..40].iter().all(|&t| t == 0),
+        "the dead fork's own write is not in the new one"
+    );
+    b.detach(TENANT, "f").await.unwrap();
+    let a = node("a");
+    let f = a.attach(TENANT, "f").await.unwrap();
+    assert_eq!(
+        image(&f).await,
+        want,
+        "the dead fork's journal replayed onto its namesake"
+    );
 }

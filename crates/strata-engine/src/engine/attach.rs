@@ -68,7 +68,10 @@ impl Engine {
             self.set_live(&key, None);
         }
         let owner = self.lock_workspace(tenant, ws)?;
-        self.settle_fork_marker(tenant, ws).await?;
+        if inherit.is_none() {
+            // (A live fork attached by the fork itself keeps its marker: `engine/fork.rs`.)
+            self.settle_fork_marker(tenant, ws).await?;
+        }
         let ttl = self.cfg.lease_ttl.as_millis() as u64;
         // Whether a failed open may let go of the lease (below): not over a journal of ours,
         // nor when taking over another node's expired lease (its journal may still apply).

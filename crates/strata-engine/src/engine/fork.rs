@@ -17,8 +17,9 @@
 //! Crash safety: the links come first, then `forking.json` (naming the fork's source,
 //! `ws:SRC@VERSION`, unique since only the source's lease holder forks it live) with the
 //! first layer's record in `cuts.log`, then `state.json`, each durable before the next is in
-//! place (`write_fork_files`: three rounds of syncs), then the catalog row, then the marker
-//! goes (not synced: one that comes back is settled like one a crash left). An attach that
+//! place (`write_fork_files`: three rounds of syncs), then the catalog row; the marker goes
+//! once a local state naming the row's incarnation (`created_ms`) is durable (the fork's first
+//! publish; not synced: one that comes back is settled like one a crash left). An attach that
 //! finds the marker keeps the directory if the catalog has that very fork (version 1 a
 //! `livefork` of that source, or pruned since and the head published from this journal) and
 //! removes it otherwise; a directory with
@@ -28,7 +29,7 @@
 use super::*;
 use crate::local::LocalState;
 
-const MARKER: &str = "forking.json";
+use crate::local::FORK_MARKER as MARKER;
 
 impl Engine {
     /// Forks the live workspace `src` (its volume `vol`, attached here) into `new`. Err(local
@@ -117,17 +118,10 @@ impl Engine {
             }
         };
         // The fork exists from here on: its directory is never removed (an attach completes it).
-        // Not synced: a marker that comes back after a power cut is settled by the next attach
-        // (the catalog has this fork), like one a crash left right here.
-        let (fs, d) = (self.fs.clone(), dir.clone());
-        let unmarked = blocking(move || {
-            fs.remove(&d.join(MARKER))
-                .map_err(Error::io("completing the fork's directory"))
-        })
-        .await;
-        if let Err(e) = unmarked {
-            tracing::warn!(tenant, workspace = new, error = %e, "the fork's marker stays; its next attach completes it");
-        }
+        // The marker stays until a local state naming the row's incarnation replaces the
+        // fork's first one (written before the row existed): the first publish's, or an
+        // attach's after a restart, which settles it against the catalog first. Until then
+        // it is what keeps this journal off a namesake made elsewhere.
         if let Err(e) = self.attach_locked(tenant, new, s, false, inherit).await {
             return Err(Error::Unavailable(
                 new.to_string(),
