@@ -547,6 +547,29 @@ async fn a_dead_node_s_unpublished_fork_never_replays_onto_a_namesake() {
             .head_version,
         1
     );
+    // Node a comes back with its object store out of reach: the fork's attach gets past the
+    // marker's check (the catalog has this fork) and fails in the open. The marker must stay.
+    let cut_off = Engine::open_with(
+        c.config("a"),
+        c.catalog.clone(),
+        strata_store::Store::from_object_store(
+            Arc::new(object_store::memory::InMemory::new()),
+            "empty",
+        ),
+        Arc::new(strata_engine::fs::RealFs),
+    )
+    .unwrap();
+    assert!(cut_off.attach(TENANT, "f").await.is_err());
+    cut_off.abandon().await;
+    let held = c.catalog.get_lease(TENANT, "f").await.unwrap();
+    if let Some(node) = held.holder {
+        let grant = strata_catalog::LeaseGrant {
+            node,
+            epoch: held.epoch,
+            expires_ms: held.expires_ms,
+        };
+        c.catalog.release_lease(TENANT, "f", &grant).await.unwrap(); // (expired)
+    }
     let b = node("b");
     b.delete_workspace(TENANT, "f").await.unwrap();
     tokio::time::sleep(Duration::from_millis(5)).await;

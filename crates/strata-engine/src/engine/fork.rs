@@ -261,8 +261,15 @@ impl Engine {
         )
         .into_owned();
         if self.is_our_fork(tenant, ws, &source).await? {
+            // The marker goes once a local state naming the row is durable: now if the state
+            // already names it, else with the state the open stores (`LocalState::store`). An
+            // open that fails before then leaves it, to be settled again.
             let (fs, d) = (self.fs.clone(), dir.clone());
             blocking(move || {
+                let named = LocalState::load(&*fs, &d)?.is_some_and(|l| l.created_ms.is_some());
+                if !named {
+                    return Ok(());
+                }
                 fs.remove(&d.join(MARKER))
                     .and_then(|_| fs.sync_dir(&d))
                     .map_err(Error::io("completing a fork's directory"))
