@@ -236,6 +236,49 @@ UNION ALL SELECT 2, m.id, 0 FROM manifests m WHERE m.tenant = ?1 AND m.created_m
 UNION ALL SELECT 3, o.id, o.data_len FROM objects o WHERE o.tenant = ?1 AND o.created_ms < ?3
     AND NOT EXISTS (SELECT 1 FROM live l WHERE l.object = o.id)";
 
+/// Whether manifest `x` (an SQL expression) is referenced now: a workspace's head, any
+/// checkpoint row (expired ones too, until purged) or a template names it. `?1`/`$1` is the
+/// tenant; each test is one probe of an index (`*_manifest` in the schema).
+pub(crate) fn referenced_sql(x: &str) -> String {
+    format!(
+        "(EXISTS (SELECT 1 FROM workspaces rw WHERE rw.tenant = ?1 AND rw.head_manifest = {x}) \
+         OR EXISTS (SELECT 1 FROM checkpoints rc WHERE rc.tenant = ?1 AND rc.manifest = {x}) \
+         OR EXISTS (SELECT 1 FROM templates rt WHERE rt.tenant = ?1 AND rt.manifest = {x}))"
+    )
+}
+
+/// Whether object `x` (an SQL expression) is live: a referenced manifest links it.
+pub(crate) fn object_live_sql(x: &str) -> String {
+    format!(
+        "EXISTS (SELECT 1 FROM manifest_objects ol WHERE ol.tenant = ?1 AND ol.object = {x} AND {})",
+        referenced_sql("ol.manifest")
+    )
+}
+
+/// The change log's rows for a tenant, oldest first, at most `?2`: each row's sequence
+/// number, manifest, the manifest's record time (NULL: no record) and whether it is
+/// referenced now (1 or 0). See [`Catalog::gc_changes`].
+pub(crate) fn gc_changes_sql() -> String {
+    format!(
+        "SELECT l.seq, l.manifest, m.created_ms, CASE WHEN {} THEN 1 ELSE 0 END \
+         FROM gc_log l LEFT JOIN manifests m ON m.tenant = l.tenant AND m.id = l.manifest \
+         WHERE l.tenant = ?1 ORDER BY l.seq LIMIT ?2",
+        referenced_sql("l.manifest")
+    )
+}
+
+/// The objects of the manifests `mo.manifest {is}` names (an unreferenced manifest) that
+/// were recorded before `?3` and that no referenced manifest links: each id once, with its
+/// data length.
+pub(crate) fn gc_stale_objects_sql(is: &str) -> String {
+    format!(
+        "SELECT DISTINCT o.id, o.data_len FROM manifest_objects mo \
+         JOIN objects o ON o.tenant = mo.tenant AND o.id = mo.object \
+         WHERE mo.tenant = ?1 AND mo.manifest {is} AND o.created_ms < ?3 AND NOT {}",
+        object_live_sql("mo.object")
+    )
+}
+
 /// Tables with a `tenant` column, in the order a tenant's purge empties them (tokens before
 /// the tenant row PostgreSQL's foreign key names).
 pub(crate) const TENANT_TABLES: &[&str] = &[
@@ -249,6 +292,7 @@ pub(crate) const TENANT_TABLES: &[&str] = &[
     "leases",
     "workspaces",
     "templates",
+    "gc_log",
     "tokens",
 ];
 
@@ -476,6 +520,38 @@ pub trait Catalog: Send + Sync + 'static {
     /// recorded it, so they are whole; an unrecorded one (written before the catalog kept the
     /// record) is the caller's to read from the store.
     async fn gc_mark(&self, tenant: &str, grace_ms: u64) -> Result<GcMark>;
+    /// The incremental mark: the manifests that lost a reference, or were recorded, or were
+    /// referenced without a record, since the log was last settled (triggers write the log
+    /// `gc_log` in the transactions that make those changes), at most `limit` log rows, each
+    /// judged now. An unreferenced manifest recorded more than `grace_ms` ago (by the clock
+    /// that recorded it) is stale, and so are its objects recorded before then that no
+    /// referenced manifest links. Its cost follows the rows read, not the tenant's size.
+    async fn gc_changes(&self, tenant: &str, grace_ms: u64, limit: usize) -> Result<GcChanges>;
+    /// Removes log rows [`Catalog::gc_changes`] settled (once what they found is condemned).
+    async fn gc_settle(&self, tenant: &str, seqs: &[i64]) -> Result<()>;
+    /// Which of `manifests` are referenced now, and which of `objects` a referenced manifest
+    /// links (the re-mark of condemned keys before they are deleted); the recorded length of
+    /// the others.
+    async fn gc_live(&self, tenant: &str, manifests: &[Hash], objects: &[Hash]) -> Result<GcLive>;
+    /// The workspaces whose retention may have changed: a checkpoint was added, labelled or
+    /// kept since retention last looked ([`Catalog::retention_done`]), or a time it named has
+    /// come (`now_ms`, the caller's clock, as it computed that time). `all`: every workspace.
+    async fn retention_due(
+        &self,
+        tenant: &str,
+        now_ms: u64,
+        all: bool,
+    ) -> Result<Vec<RetentionDue>>;
+    /// Retention looked at `workspace` as of `seen` (its [`RetentionDue::generation`]); look
+    /// again at `next_ms` (caller's clock) unless a checkpoint changes first. A workspace that
+    /// changed since `seen` stays due. Returns whether it was recorded.
+    async fn retention_done(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        seen: u64,
+        next_ms: u64,
+    ) -> Result<bool>;
     /// Deletes checkpoint rows expired more than `grace_ms` ago.
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64>;
     /// Records store keys found unreferenced (first GC phase); existing entries keep their time.

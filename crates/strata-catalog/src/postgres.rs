@@ -714,6 +714,37 @@ impl Catalog for PostgresCatalog {
         Ok(mark)
     }
 
+    async fn gc_changes(&self, tenant: &str, grace_ms: u64, limit: usize) -> Result<GcChanges> {
+        self.changes(tenant, grace_ms, limit).await
+    }
+
+    async fn gc_settle(&self, tenant: &str, seqs: &[i64]) -> Result<()> {
+        self.settle(tenant, seqs).await
+    }
+
+    async fn gc_live(&self, tenant: &str, manifests: &[Hash], objects: &[Hash]) -> Result<GcLive> {
+        self.live(tenant, manifests, objects).await
+    }
+
+    async fn retention_due(
+        &self,
+        tenant: &str,
+        now_ms: u64,
+        all: bool,
+    ) -> Result<Vec<RetentionDue>> {
+        self.due_for_retention(tenant, now_ms, all).await
+    }
+
+    async fn retention_done(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        seen: u64,
+        next_ms: u64,
+    ) -> Result<bool> {
+        self.retention_seen(tenant, workspace, seen, next_ms).await
+    }
+
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64> {
         let c = self.conn().await?;
         c.execute(

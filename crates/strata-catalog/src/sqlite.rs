@@ -572,6 +572,37 @@ impl Catalog for SqliteCatalog {
         gc::gc_mark(self, tenant, grace_ms).await
     }
 
+    async fn gc_changes(&self, tenant: &str, grace_ms: u64, limit: usize) -> Result<GcChanges> {
+        gc::gc_changes(self, tenant, grace_ms, limit).await
+    }
+
+    async fn gc_settle(&self, tenant: &str, seqs: &[i64]) -> Result<()> {
+        gc::gc_settle(self, tenant, seqs).await
+    }
+
+    async fn gc_live(&self, tenant: &str, manifests: &[Hash], objects: &[Hash]) -> Result<GcLive> {
+        gc::gc_live(self, tenant, manifests, objects).await
+    }
+
+    async fn retention_due(
+        &self,
+        tenant: &str,
+        now_ms: u64,
+        all: bool,
+    ) -> Result<Vec<RetentionDue>> {
+        gc::retention_due(self, tenant, now_ms, all).await
+    }
+
+    async fn retention_done(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        seen: u64,
+        next_ms: u64,
+    ) -> Result<bool> {
+        gc::retention_done(self, tenant, workspace, seen, next_ms).await
+    }
+
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64> {
         gc::purge_expired_checkpoints(self, tenant, grace_ms).await
     }

@@ -385,3 +385,81 @@ pub struct GcMark {
     /// the caller filters by what it read.)
     pub stale_objects: Vec<(Hash, u64)>,
 }
+
+/// The incremental mark ([`crate::Catalog::gc_changes`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GcChanges {
+    /// Log rows read.
+    pub looked: u64,
+    /// The read had more rows than its limit: the next pass goes on.
+    pub more: bool,
+    /// Log rows settled by this look: to be removed once the stale ones are condemned. Rows
+    /// of manifests that are unreferenced but not stale yet, or referenced without a record,
+    /// are left for the next look.
+    pub settled: Vec<i64>,
+    /// Referenced manifests the catalog has no record of (their objects are the caller's to
+    /// read from the store).
+    pub unrecorded: Vec<Hash>,
+    /// Unreferenced manifests recorded more than the grace period ago.
+    pub stale_manifests: Vec<Hash>,
+    /// Their objects recorded more than the grace period ago that no referenced manifest
+    /// links, each once, with its data length.
+    pub stale_objects: Vec<(Hash, u64)>,
+}
+
+/// A workspace retention should look at ([`crate::Catalog::retention_due`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RetentionDue {
+    pub workspace: String,
+    pub head_version: u64,
+    /// Its checkpoints' generation: given back to [`crate::Catalog::retention_done`].
+    pub generation: u64,
+}
+
+impl GcChanges {
+    /// Judges the log rows [`crate::gc_changes_sql`] returned (`(seq, manifest, recorded at,
+    /// referenced)`, `limit` asked for): a referenced manifest with a record settles its rows;
+    /// one without is reported unrecorded and one of its rows stays; an unreferenced one without a
+    /// record settles (its key, if any, is a reconciliation's to find); an unreferenced one
+    /// recorded before `stale_before` is stale and settles; one recorded since stays.
+    pub(crate) fn judge(
+        rows: Vec<(i64, Hash, Option<i64>, bool)>,
+        stale_before: i64,
+        limit: usize,
+    ) -> GcChanges {
+        let mut out = GcChanges {
+            looked: rows.len() as u64,
+            more: rows.len() >= limit,
+            ..Default::default()
+        };
+        let mut seen = std::collections::HashSet::new();
+        for (seq, m, recorded, referenced) in rows {
+            let first = seen.insert(m);
+            match (referenced, recorded) {
+                (true, Some(_)) | (false, None) => out.settled.push(seq),
+                // One row stays to look at it again; its duplicates go.
+                (true, None) if first => out.unrecorded.push(m),
+                (true, None) => out.settled.push(seq),
+                (false, Some(at)) if at < stale_before => {
+                    out.settled.push(seq);
+                    if first {
+                        out.stale_manifests.push(m);
+                    }
+                }
+                (false, Some(_)) => {}
+            }
+        }
+        out
+    }
+}
+
+/// The re-mark of condemned keys ([`crate::Catalog::gc_live`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GcLive {
+    /// The manifests asked about that are referenced now.
+    pub manifests: Vec<Hash>,
+    /// The objects asked about that a referenced manifest links now.
+    pub objects: Vec<Hash>,
+    /// The others the catalog has a record of, with their data length.
+    pub dead_objects: Vec<(Hash, u64)>,
+}

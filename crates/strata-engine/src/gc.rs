@@ -450,65 +450,88 @@ impl Engine {
     ) -> Result<bool> {
         let cat = self.catalog().clone();
         let grace_ms = opts.grace.as_millis() as u64;
-        // 1. Retention.
-        for w in cat.list_workspaces(tenant).await? {
-            let cps = cat.list_checkpoints(tenant, &w.name).await?;
-            let exp = expired_versions(&cps, w.head_version, now_ms(), opts);
-            if exp.is_empty() {
-                continue;
-            }
+        // 1. Retention, of the workspaces whose checkpoints changed since it last looked or
+        // whose next expiry has come (a reconciliation looks at every workspace).
+        let now = now_ms();
+        for d in cat.retention_due(tenant, now, opts.reconcile).await? {
+            report.retention_looked += 1;
+            let cps = match cat.list_checkpoints(tenant, &d.workspace).await {
+                Ok(cps) => cps,
+                Err(strata_catalog::CatalogError::NotFound { .. }) => continue, // deleted
+                Err(e) => return Err(e.into()),
+            };
+            let exp = expired_versions(&cps, d.head_version, now, opts);
             if opts.dry_run {
                 report.checkpoints_expired += exp.len() as u64;
                 continue;
             }
+            if !exp.is_empty() {
+                if !steps.take() {
+                    return Ok(false);
+                }
+                report.checkpoints_expired +=
+                    cat.expire_checkpoints(tenant, &d.workspace, &exp).await?;
+            }
+            // A checkpoint added or kept meanwhile leaves the workspace due.
+            let next = retention_next(&cps, d.head_version, &exp, now, opts);
+            cat.retention_done(tenant, &d.workspace, d.generation, next)
+                .await?;
+        }
+        // 2. Rows expired for longer than the grace period go: their manifests' references end
+        // here (the catalog logs them for the mark).
+        if !opts.dry_run {
             if !steps.take() {
                 return Ok(false);
             }
-            report.checkpoints_expired += cat.expire_checkpoints(tenant, &w.name, &exp).await?;
+            report.checkpoints_purged += cat.purge_expired_checkpoints(tenant, grace_ms).await?;
         }
-        // 2. Mark, from the catalog's record of what each manifest references: one query, no
-        // store request. Only a manifest the catalog has no record of is read from the store.
-        // (It is not recorded then: a pass on another node may be deleting it meanwhile, when
-        // its last reference expired, and a record made after that delete would never be
-        // pruned. Every manifest has been recorded since the record began, so there are none
-        // in practice.)
-        let mark = cat.gc_mark(tenant, grace_ms).await?;
-        let live_manifests: HashSet<Hash> = mark.manifests.iter().copied().collect();
-        let mut live_objects: HashSet<Hash> = mark.objects.into_iter().collect();
+        // 3. Mark, from the catalog's record of what each manifest references, never by reading
+        // manifests (only one the catalog has no record of is read from the store: none unless
+        // rows were lost). An ordinary pass looks only at what changed since the last one (the
+        // catalog's change log: manifests that lost a reference or were recorded); a
+        // reconciliation marks everything. (An unrecorded manifest is not recorded by GC: a pass
+        // on another node may be deleting it meanwhile, when its last reference expired, and a
+        // record made after that delete would never be pruned.)
         let store = self.reader().store();
-        for m in mark.unrecorded {
-            let man = store.get_manifest(tenant, &m).await.map_err(|e| {
-                Error::Invalid(format!(
-                    "GC of tenant {tenant:?} stopped: referenced manifest {m} is unreadable ({e}); nothing was deleted"
-                ))
-            })?;
-            report.manifests_read += 1;
-            live_objects.extend(man.objects.iter().map(|o| o.id));
-        }
-        report.live_manifests += live_manifests.len() as u64;
-        report.live_objects += live_objects.len() as u64;
-        // 3. Sweep. Unreferenced: the catalog's stale records (recorded more than the grace
-        // period ago, referenced by nothing marked; no store request), and in a reconciliation
-        // pass every key a listing of the tenant's prefix finds unreferenced and older than the
-        // grace period by the store's clock: keys the catalog does not know (uploads whose
-        // publish failed before recording them, keys whose delete failed after their records
-        // were pruned).
-        let live = |is_obj: bool, id: &Hash| {
-            if is_obj {
-                live_objects.contains(id)
-            } else {
-                live_manifests.contains(id)
-            }
-        };
+        let mut live_manifests: HashSet<Hash> = HashSet::new();
+        let mut live_objects: HashSet<Hash> = HashSet::new();
+        // Unreferenced keys: the catalog's stale records (recorded more than the grace period
+        // ago, referenced by nothing; no store request), and in a reconciliation pass every key
+        // a listing of the tenant's prefix finds unreferenced and older than the grace period by
+        // the store's clock: keys the catalog does not know (uploads whose publish failed before
+        // recording them, keys whose delete failed after their records were pruned).
         let mut unreferenced: HashMap<String, u64> = HashMap::new();
-        for m in &mark.stale_manifests {
-            if !live(false, m) {
+        // Change-log rows this pass settles once what they found is condemned.
+        let mut settled = vec![];
+        let (stale_manifests, stale_objects) = if opts.reconcile {
+            let mark = cat.gc_mark(tenant, grace_ms).await?;
+            live_manifests.extend(mark.manifests.iter().copied());
+            live_objects.extend(mark.objects.iter().copied());
+            live_objects.extend(
+                self.unrecorded_objects(tenant, &mark.unrecorded, report)
+                    .await?,
+            );
+            report.live_manifests += live_manifests.len() as u64;
+            report.live_objects += live_objects.len() as u64;
+            (mark.stale_manifests, mark.stale_objects)
+        } else {
+            let ch = cat.gc_changes(tenant, grace_ms, CHANGES_PER_PASS).await?;
+            report.changes += ch.looked;
+            live_objects.extend(
+                self.unrecorded_objects(tenant, &ch.unrecorded, report)
+                    .await?,
+            );
+            settled = ch.settled;
+            (ch.stale_manifests, ch.stale_objects)
+        };
+        for m in &stale_manifests {
+            if !live_manifests.contains(m) {
                 unreferenced.insert(strata_store::Store::manifest_key(tenant, m).to_string(), 0);
             }
         }
-        for (o, len) in &mark.stale_objects {
+        for (o, len) in &stale_objects {
             // An object an unrecorded manifest names is live, though no record links it.
-            if !live(true, o) {
+            if !live_objects.contains(o) {
                 unreferenced.insert(strata_store::Store::object_key(tenant, o).to_string(), *len);
             }
         }
@@ -532,7 +555,7 @@ impl Engine {
                 };
                 report.stored_keys += 1;
                 report.stored_bytes += meta.size;
-                if live(is_obj, &id) {
+                if live_in(&live_manifests, &live_objects, is_obj, &id) {
                     report.live_bytes += meta.size;
                     continue;
                 }
@@ -566,6 +589,37 @@ impl Engine {
             cat.gc_condemn(tenant, &fresh).await?;
             report.condemned += fresh.len() as u64;
         }
+        // What the log found is condemned (or needs nothing): its rows go. A pass cut off
+        // before this looks at them again.
+        if !settled.is_empty() {
+            if !steps.take() {
+                return Ok(false);
+            }
+            cat.gc_settle(tenant, &settled).await?;
+        }
+        // The recorded data length of condemned objects found unreferenced by the re-mark.
+        let mut dead_len: HashMap<Hash, u64> = HashMap::new();
+        if !opts.reconcile {
+            // The re-mark before a delete: of the condemned keys not found unreferenced just
+            // now, those referenced again (one probe each, no store request).
+            let (mut ms, mut os) = (vec![], vec![]);
+            for (k, _) in &condemned {
+                match key_id(tenant, k) {
+                    Some((true, id)) if !unreferenced.contains_key(k) => os.push(id),
+                    Some((false, id)) if !unreferenced.contains_key(k) => ms.push(id),
+                    _ => {}
+                }
+            }
+            if !ms.is_empty() || !os.is_empty() {
+                let l = cat.gc_live(tenant, &ms, &os).await?;
+                live_manifests.extend(l.manifests);
+                live_objects.extend(l.objects);
+                for (o, len) in l.dead_objects {
+                    dead_len.insert(o, len);
+                }
+            }
+        }
+        let live = |is_obj: bool, id: &Hash| live_in(&live_manifests, &live_objects, is_obj, id);
         // Where a condemned key stands now. Unreferenced by this pass's mark: it may go once
         // condemned for the grace period (it was unreferenced then too). Without a listing, a
         // condemned key neither stale in the catalog nor live (one a reconciliation pass
@@ -578,7 +632,11 @@ impl Engine {
             match key_id(tenant, k) {
                 Some((is_obj, id)) if live(is_obj, &id) => Standing::Revived,
                 _ if opts.reconcile => Standing::Revived,
-                Some(_) => Standing::Unreferenced(0),
+                Some((is_obj, id)) => Standing::Unreferenced(if is_obj {
+                    dead_len.get(&id).copied().unwrap_or(0)
+                } else {
+                    0
+                }),
                 None => Standing::Unknown,
             }
         };
@@ -656,12 +714,68 @@ impl Engine {
             }
             cat.gc_forget(tenant, &deleted).await?;
         }
-        if !steps.take() {
-            return Ok(false);
-        }
-        report.checkpoints_purged += cat.purge_expired_checkpoints(tenant, grace_ms).await?;
         Ok(true)
     }
+
+    /// The objects of referenced manifests the catalog has no record of, read from the store
+    /// (an unreadable one stops the tenant's pass: nothing is deleted on incomplete
+    /// information).
+    async fn unrecorded_objects(
+        &self,
+        tenant: &str,
+        manifests: &[Hash],
+        report: &mut GcReport,
+    ) -> Result<HashSet<Hash>> {
+        let mut out = HashSet::new();
+        for m in manifests {
+            let man = self.reader().store().get_manifest(tenant, m).await.map_err(|e| {
+                Error::Invalid(format!(
+                    "GC of tenant {tenant:?} stopped: referenced manifest {m} is unreadable ({e}); nothing was deleted"
+                ))
+            })?;
+            report.manifests_read += 1;
+            out.extend(man.objects.iter().map(|o| o.id));
+        }
+        Ok(out)
+    }
+}
+
+/// Change-log rows one pass looks at per tenant (a longer log is worked off over passes).
+pub const CHANGES_PER_PASS: usize = 100_000;
+
+fn live_in(manifests: &HashSet<Hash>, objects: &HashSet<Hash>, is_obj: bool, id: &Hash) -> bool {
+    if is_obj {
+        objects.contains(id)
+    } else {
+        manifests.contains(id)
+    }
+}
+
+/// When retention's verdict on a workspace's checkpoints next changes by time alone (no
+/// checkpoint added or kept): the earliest `keep_until` still ahead, or the earliest instant
+/// at which an unlabelled one it keeps grows older than `max_age`, among the checkpoints it
+/// keeps besides the head; `u64::MAX` if none.
+pub fn retention_next(
+    cps: &[Checkpoint],
+    head: u64,
+    expired: &[u64],
+    now_ms: u64,
+    opts: &GcOptions,
+) -> u64 {
+    let max_age_ms = opts.max_age.as_millis() as u64;
+    let mut next = u64::MAX;
+    for c in cps {
+        if c.version == head || expired.contains(&c.version) {
+            continue;
+        }
+        if let Some(k) = c.keep_until_ms.filter(|k| *k > now_ms) {
+            next = next.min(k);
+        }
+        if c.label.is_none() {
+            next = next.min(c.created_ms.saturating_add(max_age_ms).saturating_add(1));
+        }
+    }
+    next
 }
 
 /// Where a condemned key stands in a pass (see `gc_tenant`).

@@ -73,6 +73,89 @@ CREATE TABLE usage_meter (tenant TEXT PRIMARY KEY, live_bytes BIGINT NOT NULL,
 ALTER TABLE tenants ADD COLUMN store TEXT;
 ALTER TABLE tenants ADD COLUMN data_key TEXT;
 "#,
+    // GC whose cost follows change (see the SQLite twin): the change log written by triggers,
+    // the indexes that judge a manifest or object in one probe, retention's generation.
+    r#"
+CREATE TABLE gc_log (seq BIGSERIAL PRIMARY KEY, tenant TEXT NOT NULL, manifest TEXT NOT NULL);
+CREATE INDEX gc_log_tenant ON gc_log (tenant, seq);
+CREATE INDEX workspaces_manifest ON workspaces (tenant, head_manifest);
+CREATE INDEX checkpoints_manifest ON checkpoints (tenant, manifest);
+CREATE INDEX templates_manifest ON templates (tenant, manifest);
+CREATE INDEX manifest_objects_object ON manifest_objects (tenant, object);
+CREATE INDEX checkpoints_expired ON checkpoints (tenant, expired_ms) WHERE expired_ms IS NOT NULL;
+ALTER TABLE workspaces ADD COLUMN retain_gen BIGINT NOT NULL DEFAULT 1;
+ALTER TABLE workspaces ADD COLUMN retain_seen BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE workspaces ADD COLUMN retain_next_ms BIGINT NOT NULL DEFAULT 0;
+CREATE INDEX workspaces_retain_changed ON workspaces (tenant) WHERE retain_gen <> retain_seen;
+CREATE INDEX workspaces_retain_next ON workspaces (tenant, retain_next_ms);
+CREATE FUNCTION strata_gc_gained(t TEXT, m TEXT) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM manifests WHERE tenant = t AND id = m) THEN
+        INSERT INTO gc_log (tenant, manifest) VALUES (t, m);
+    END IF;
+END $$;
+CREATE FUNCTION strata_gc_workspaces() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        PERFORM strata_gc_gained(NEW.tenant, NEW.head_manifest);
+    ELSIF TG_OP = 'DELETE' THEN
+        INSERT INTO gc_log (tenant, manifest) VALUES (OLD.tenant, OLD.head_manifest);
+    ELSIF OLD.head_manifest <> NEW.head_manifest THEN
+        INSERT INTO gc_log (tenant, manifest) VALUES (OLD.tenant, OLD.head_manifest);
+        PERFORM strata_gc_gained(NEW.tenant, NEW.head_manifest);
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER gc_workspaces AFTER INSERT OR DELETE OR UPDATE OF head_manifest ON workspaces
+    FOR EACH ROW EXECUTE FUNCTION strata_gc_workspaces();
+CREATE FUNCTION strata_gc_checkpoints() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        PERFORM strata_gc_gained(NEW.tenant, NEW.manifest);
+        UPDATE workspaces SET retain_gen = retain_gen + 1 WHERE tenant = NEW.tenant AND name = NEW.workspace;
+    ELSIF TG_OP = 'DELETE' THEN
+        INSERT INTO gc_log (tenant, manifest) VALUES (OLD.tenant, OLD.manifest);
+    ELSE
+        IF OLD.manifest <> NEW.manifest THEN
+            INSERT INTO gc_log (tenant, manifest) VALUES (OLD.tenant, OLD.manifest);
+            PERFORM strata_gc_gained(NEW.tenant, NEW.manifest);
+        END IF;
+        IF OLD.label IS DISTINCT FROM NEW.label OR OLD.keep_until_ms IS DISTINCT FROM NEW.keep_until_ms THEN
+            UPDATE workspaces SET retain_gen = retain_gen + 1 WHERE tenant = NEW.tenant AND name = NEW.workspace;
+        END IF;
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER gc_checkpoints AFTER INSERT OR DELETE OR UPDATE OF manifest, label, keep_until_ms
+    ON checkpoints FOR EACH ROW EXECUTE FUNCTION strata_gc_checkpoints();
+CREATE FUNCTION strata_gc_templates() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        PERFORM strata_gc_gained(NEW.tenant, NEW.manifest);
+    ELSIF TG_OP = 'DELETE' THEN
+        INSERT INTO gc_log (tenant, manifest) VALUES (OLD.tenant, OLD.manifest);
+    ELSIF OLD.manifest <> NEW.manifest THEN
+        INSERT INTO gc_log (tenant, manifest) VALUES (OLD.tenant, OLD.manifest);
+        PERFORM strata_gc_gained(NEW.tenant, NEW.manifest);
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER gc_templates AFTER INSERT OR DELETE OR UPDATE OF manifest ON templates
+    FOR EACH ROW EXECUTE FUNCTION strata_gc_templates();
+CREATE FUNCTION strata_gc_manifests() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO gc_log (tenant, manifest) VALUES (NEW.tenant, NEW.id);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER gc_manifests AFTER INSERT ON manifests
+    FOR EACH ROW EXECUTE FUNCTION strata_gc_manifests();
+INSERT INTO gc_log (tenant, manifest) SELECT tenant, id FROM manifests;
+INSERT INTO gc_log (tenant, manifest) SELECT r.tenant, r.manifest FROM (
+    SELECT tenant, head_manifest AS manifest FROM workspaces
+    UNION SELECT tenant, manifest FROM checkpoints
+    UNION SELECT tenant, manifest FROM templates) r
+    WHERE NOT EXISTS (SELECT 1 FROM manifests m WHERE m.tenant = r.tenant AND m.id = r.manifest);
+"#,
 ];
 
 /// A row written by a node of an older version has no id: it is derived the same way.

@@ -93,4 +93,168 @@ impl PostgresCatalog {
         .map_err(be)?;
         Ok(())
     }
+
+    /// The incremental mark (see the trait): the log's rows and their judgement in one
+    /// statement, then the stale manifests' objects in a second (a reference made between the
+    /// two only keeps more objects; the sweep re-marks before it deletes).
+    pub(super) async fn changes(
+        &self,
+        tenant: &str,
+        grace_ms: u64,
+        limit: usize,
+    ) -> Result<GcChanges> {
+        let c = self.conn().await?;
+        // Records carry the recording node's clock (`record_manifest`).
+        let stale_before = now_ms() as i64 - grace_ms as i64;
+        let rows = c
+            .query(
+                &dollars(&crate::gc_changes_sql()),
+                &[&tenant, &(limit as i64)],
+            )
+            .await
+            .map_err(be)?;
+        let mut judged = vec![];
+        for r in &rows {
+            let referenced: i32 = r.get(3);
+            judged.push((
+                r.get::<_, i64>(0),
+                hash(r.get(1))?,
+                r.get::<_, Option<i64>>(2),
+                referenced == 1,
+            ));
+        }
+        let mut out = GcChanges::judge(judged, stale_before, limit);
+        if !out.stale_manifests.is_empty() {
+            let ms: Vec<String> = out.stale_manifests.iter().map(|h| h.to_hex()).collect();
+            for r in c
+                .query(
+                    &dollars(&crate::gc_stale_objects_sql("= ANY(?2)")),
+                    &[&tenant, &ms, &stale_before],
+                )
+                .await
+                .map_err(be)?
+            {
+                out.stale_objects
+                    .push((hash(r.get(0))?, r.get::<_, i64>(1).max(0) as u64));
+            }
+        }
+        Ok(out)
+    }
+
+    pub(super) async fn settle(&self, tenant: &str, seqs: &[i64]) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute(
+            "DELETE FROM gc_log WHERE tenant = $1 AND seq = ANY($2)",
+            &[&tenant, &seqs],
+        )
+        .await
+        .map_err(be)?;
+        Ok(())
+    }
+
+    pub(super) async fn live(
+        &self,
+        tenant: &str,
+        manifests: &[Hash],
+        objects: &[Hash],
+    ) -> Result<GcLive> {
+        let hex = |hs: &[Hash]| hs.iter().map(|h| h.to_hex()).collect::<Vec<String>>();
+        let (ms, os) = (hex(manifests), hex(objects));
+        let c = self.conn().await?;
+        let mut out = GcLive::default();
+        if !ms.is_empty() {
+            let sql = dollars(&format!(
+                "SELECT u.k FROM unnest(?2::TEXT[]) AS u(k) WHERE {}",
+                crate::referenced_sql("u.k")
+            ));
+            for r in c.query(&sql, &[&tenant, &ms]).await.map_err(be)? {
+                out.manifests.push(hash(r.get(0))?);
+            }
+        }
+        if !os.is_empty() {
+            let sql = dollars(&format!(
+                "SELECT u.k, {}, o.data_len FROM unnest(?2::TEXT[]) AS u(k) \
+                 LEFT JOIN objects o ON o.tenant = ?1 AND o.id = u.k",
+                crate::object_live_sql("u.k")
+            ));
+            for r in c.query(&sql, &[&tenant, &os]).await.map_err(be)? {
+                let id = hash(r.get(0))?;
+                match (r.get::<_, bool>(1), r.get::<_, Option<i64>>(2)) {
+                    (true, _) => out.objects.push(id),
+                    (false, Some(len)) => out.dead_objects.push((id, len.max(0) as u64)),
+                    (false, None) => {}
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub(super) async fn due_for_retention(
+        &self,
+        tenant: &str,
+        now_ms: u64,
+        all: bool,
+    ) -> Result<Vec<RetentionDue>> {
+        let c = self.conn().await?;
+        let cols = "name, head_version, retain_gen";
+        let rows = if all {
+            c.query(
+                &format!("SELECT {cols} FROM workspaces WHERE tenant = $1 ORDER BY name"),
+                &[&tenant],
+            )
+            .await
+        } else {
+            c.query(
+                &format!(
+                    "SELECT {cols} FROM workspaces WHERE tenant = $1 AND retain_gen <> retain_seen
+                     UNION SELECT {cols} FROM workspaces WHERE tenant = $1 AND retain_next_ms <= $2
+                     ORDER BY name"
+                ),
+                &[&tenant, &(now_ms.min(i64::MAX as u64 - 1) as i64)],
+            )
+            .await
+        }
+        .map_err(be)?;
+        Ok(rows
+            .iter()
+            .map(|r| RetentionDue {
+                workspace: r.get(0),
+                head_version: u(r, 1),
+                generation: u(r, 2),
+            })
+            .collect())
+    }
+
+    pub(super) async fn retention_seen(
+        &self,
+        tenant: &str,
+        workspace: &str,
+        seen: u64,
+        next_ms: u64,
+    ) -> Result<bool> {
+        let c = self.conn().await?;
+        let n = c
+            .execute(
+                "UPDATE workspaces SET retain_seen = $3, retain_next_ms = $4
+                 WHERE tenant = $1 AND name = $2 AND retain_gen = $3",
+                &[
+                    &tenant,
+                    &workspace,
+                    &(seen as i64),
+                    &(next_ms.min(i64::MAX as u64) as i64),
+                ],
+            )
+            .await
+            .map_err(be)?;
+        Ok(n == 1)
+    }
+}
+
+/// The shared SQL's `?N` placeholders as PostgreSQL's `$N`.
+fn dollars(sql: &str) -> String {
+    let mut out = sql.to_string();
+    for n in (1..=9).rev() {
+        out = out.replace(&format!("?{n}"), &format!("${n}"));
+    }
+    out
 }

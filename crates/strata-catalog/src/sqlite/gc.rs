@@ -205,3 +205,170 @@ pub(super) async fn gc_forget(cat: &SqliteCatalog, tenant: &str, keys: &[String]
     })
     .await
 }
+
+pub(super) async fn gc_changes(
+    cat: &SqliteCatalog,
+    tenant: &str,
+    grace_ms: u64,
+    limit: usize,
+) -> Result<GcChanges> {
+    let t = tenant.to_string();
+    let clock = cat.clock.clone();
+    cat.run(move |c| {
+        // One read transaction: the log, the judgements and the stale objects in one snapshot.
+        let tx = c.transaction().map_err(be)?;
+        // Rows are recorded by the same clock (`record_manifest`).
+        let stale_before = clock.now_ms() as i64 - grace_ms as i64;
+        let mut rows = vec![];
+        {
+            let mut s = tx.prepare_cached(&crate::gc_changes_sql()).map_err(be)?;
+            let mut q = s.query(params![t, limit as i64]).map_err(be)?;
+            while let Some(r) = q.next().map_err(be)? {
+                rows.push((
+                    r.get::<_, i64>(0).map_err(be)?,
+                    hash(r.get(1).map_err(be)?).map_err(be)?,
+                    r.get::<_, Option<i64>>(2).map_err(be)?,
+                    r.get::<_, i64>(3).map_err(be)? == 1,
+                ));
+            }
+        }
+        let mut out = GcChanges::judge(rows, stale_before, limit);
+        {
+            let mut s = tx
+                .prepare_cached(&crate::gc_stale_objects_sql("= ?2"))
+                .map_err(be)?;
+            let mut seen = std::collections::HashSet::new();
+            for m in &out.stale_manifests {
+                let mut q = s.query(params![t, m.to_hex(), stale_before]).map_err(be)?;
+                while let Some(r) = q.next().map_err(be)? {
+                    let id = hash(r.get(0).map_err(be)?).map_err(be)?;
+                    if seen.insert(id) {
+                        out.stale_objects
+                            .push((id, r.get::<_, i64>(1).map_err(be)?.max(0) as u64));
+                    }
+                }
+            }
+        }
+        tx.commit().map_err(be)?;
+        Ok(out)
+    })
+    .await
+}
+
+pub(super) async fn gc_settle(cat: &SqliteCatalog, tenant: &str, seqs: &[i64]) -> Result<()> {
+    let (t, seqs) = (tenant.to_string(), seqs.to_vec());
+    cat.run(move |c| {
+        let tx = c.transaction().map_err(be)?;
+        {
+            let mut s = tx
+                .prepare_cached("DELETE FROM gc_log WHERE tenant = ?1 AND seq = ?2")
+                .map_err(be)?;
+            for q in &seqs {
+                s.execute(params![t, q]).map_err(be)?;
+            }
+        }
+        tx.commit().map_err(be)
+    })
+    .await
+}
+
+pub(super) async fn gc_live(
+    cat: &SqliteCatalog,
+    tenant: &str,
+    manifests: &[Hash],
+    objects: &[Hash],
+) -> Result<GcLive> {
+    let (t, ms, os) = (tenant.to_string(), manifests.to_vec(), objects.to_vec());
+    cat.run(move |c| {
+        let tx = c.transaction().map_err(be)?;
+        let mut out = GcLive::default();
+        {
+            let mut man = tx
+                .prepare_cached(&format!("SELECT {}", crate::referenced_sql("?2")))
+                .map_err(be)?;
+            let mut obj = tx
+                .prepare_cached(&format!(
+                    "SELECT {}, (SELECT data_len FROM objects WHERE tenant = ?1 AND id = ?2)",
+                    crate::object_live_sql("?2")
+                ))
+                .map_err(be)?;
+            for m in ms {
+                if man
+                    .query_row(params![t, m.to_hex()], |r| r.get::<_, bool>(0))
+                    .map_err(be)?
+                {
+                    out.manifests.push(m);
+                }
+            }
+            for o in os {
+                let (live, len) = obj
+                    .query_row(params![t, o.to_hex()], |r| {
+                        Ok((r.get::<_, bool>(0)?, r.get::<_, Option<i64>>(1)?))
+                    })
+                    .map_err(be)?;
+                match (live, len) {
+                    (true, _) => out.objects.push(o),
+                    (false, Some(len)) => out.dead_objects.push((o, len.max(0) as u64)),
+                    (false, None) => {}
+                }
+            }
+        }
+        tx.commit().map_err(be)?;
+        Ok(out)
+    })
+    .await
+}
+
+pub(super) async fn retention_due(
+    cat: &SqliteCatalog,
+    tenant: &str,
+    now_ms: u64,
+    all: bool,
+) -> Result<Vec<RetentionDue>> {
+    let t = tenant.to_string();
+    cat.run(move |c| {
+        let sql = if all {
+            "SELECT name, head_version, retain_gen FROM workspaces WHERE tenant = ?1 ORDER BY name"
+        } else {
+            "SELECT name, head_version, retain_gen FROM workspaces WHERE tenant = ?1 AND retain_gen <> retain_seen
+             UNION SELECT name, head_version, retain_gen FROM workspaces WHERE tenant = ?1 AND retain_next_ms <= ?2
+             ORDER BY name"
+        };
+        let mut s = c.prepare_cached(sql).map_err(be)?;
+        let map = |r: &rusqlite::Row| {
+            Ok(RetentionDue {
+                workspace: r.get(0)?,
+                head_version: r.get::<_, i64>(1)? as u64,
+                generation: r.get::<_, i64>(2)? as u64,
+            })
+        };
+        let rows = if all {
+            s.query_map(params![t], map)
+        } else {
+            s.query_map(params![t, now_ms.min(i64::MAX as u64 - 1) as i64], map)
+        }
+        .map_err(be)?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
+    })
+    .await
+}
+
+pub(super) async fn retention_done(
+    cat: &SqliteCatalog,
+    tenant: &str,
+    workspace: &str,
+    seen: u64,
+    next_ms: u64,
+) -> Result<bool> {
+    let (t, n) = (tenant.to_string(), workspace.to_string());
+    cat.run(move |c| {
+        Ok(c.execute(
+            "UPDATE workspaces SET retain_seen = ?3, retain_next_ms = ?4
+             WHERE tenant = ?1 AND name = ?2 AND retain_gen = ?3",
+            params![t, n, seen as i64, next_ms.min(i64::MAX as u64) as i64],
+        )
+        .map_err(be)?
+            == 1)
+    })
+    .await
+}

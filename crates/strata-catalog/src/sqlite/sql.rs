@@ -75,6 +75,79 @@ CREATE TABLE usage_meter (tenant TEXT PRIMARY KEY, live_bytes INTEGER NOT NULL,
 ALTER TABLE tenants ADD COLUMN store TEXT;
 ALTER TABLE tenants ADD COLUMN data_key TEXT;
 "#,
+    // GC whose cost follows change: the change log (manifests that lost a reference, were
+    // recorded, or were referenced without a record), written by triggers in the
+    // transactions that make the change; the indexes that judge a manifest or object in one
+    // probe; retention's per-workspace generation (bumped when a checkpoint is added,
+    // labelled or kept) and the time it should look again. The log starts with every
+    // recorded manifest and every referenced one without a record, so the first incremental
+    // passes judge what was there before.
+    r#"
+CREATE TABLE gc_log (seq INTEGER PRIMARY KEY AUTOINCREMENT, tenant TEXT NOT NULL, manifest TEXT NOT NULL);
+CREATE INDEX gc_log_tenant ON gc_log (tenant, seq);
+CREATE INDEX workspaces_manifest ON workspaces (tenant, head_manifest);
+CREATE INDEX checkpoints_manifest ON checkpoints (tenant, manifest);
+CREATE INDEX templates_manifest ON templates (tenant, manifest);
+CREATE INDEX manifest_objects_object ON manifest_objects (tenant, object);
+CREATE INDEX checkpoints_expired ON checkpoints (tenant, expired_ms) WHERE expired_ms IS NOT NULL;
+ALTER TABLE workspaces ADD COLUMN retain_gen INTEGER NOT NULL DEFAULT 1;
+ALTER TABLE workspaces ADD COLUMN retain_seen INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE workspaces ADD COLUMN retain_next_ms INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX workspaces_retain_changed ON workspaces (tenant) WHERE retain_gen <> retain_seen;
+CREATE INDEX workspaces_retain_next ON workspaces (tenant, retain_next_ms);
+CREATE TRIGGER gc_ws_insert AFTER INSERT ON workspaces BEGIN
+    INSERT INTO gc_log (tenant, manifest) SELECT NEW.tenant, NEW.head_manifest
+        WHERE NOT EXISTS (SELECT 1 FROM manifests WHERE tenant = NEW.tenant AND id = NEW.head_manifest);
+END;
+CREATE TRIGGER gc_ws_head AFTER UPDATE OF head_manifest ON workspaces
+    WHEN OLD.head_manifest <> NEW.head_manifest BEGIN
+    INSERT INTO gc_log (tenant, manifest) VALUES (OLD.tenant, OLD.head_manifest);
+    INSERT INTO gc_log (tenant, manifest) SELECT NEW.tenant, NEW.head_manifest
+        WHERE NOT EXISTS (SELECT 1 FROM manifests WHERE tenant = NEW.tenant AND id = NEW.head_manifest);
+END;
+CREATE TRIGGER gc_ws_delete AFTER DELETE ON workspaces BEGIN
+    INSERT INTO gc_log (tenant, manifest) VALUES (OLD.tenant, OLD.head_manifest);
+END;
+CREATE TRIGGER gc_cp_insert AFTER INSERT ON checkpoints BEGIN
+    INSERT INTO gc_log (tenant, manifest) SELECT NEW.tenant, NEW.manifest
+        WHERE NOT EXISTS (SELECT 1 FROM manifests WHERE tenant = NEW.tenant AND id = NEW.manifest);
+    UPDATE workspaces SET retain_gen = retain_gen + 1 WHERE tenant = NEW.tenant AND name = NEW.workspace;
+END;
+CREATE TRIGGER gc_cp_manifest AFTER UPDATE OF manifest ON checkpoints
+    WHEN OLD.manifest <> NEW.manifest BEGIN
+    INSERT INTO gc_log (tenant, manifest) VALUES (OLD.tenant, OLD.manifest);
+    INSERT INTO gc_log (tenant, manifest) SELECT NEW.tenant, NEW.manifest
+        WHERE NOT EXISTS (SELECT 1 FROM manifests WHERE tenant = NEW.tenant AND id = NEW.manifest);
+END;
+CREATE TRIGGER gc_cp_kept AFTER UPDATE OF label, keep_until_ms ON checkpoints BEGIN
+    UPDATE workspaces SET retain_gen = retain_gen + 1 WHERE tenant = NEW.tenant AND name = NEW.workspace;
+END;
+CREATE TRIGGER gc_cp_delete AFTER DELETE ON checkpoints BEGIN
+    INSERT INTO gc_log (tenant, manifest) VALUES (OLD.tenant, OLD.manifest);
+END;
+CREATE TRIGGER gc_tpl_insert AFTER INSERT ON templates BEGIN
+    INSERT INTO gc_log (tenant, manifest) SELECT NEW.tenant, NEW.manifest
+        WHERE NOT EXISTS (SELECT 1 FROM manifests WHERE tenant = NEW.tenant AND id = NEW.manifest);
+END;
+CREATE TRIGGER gc_tpl_manifest AFTER UPDATE OF manifest ON templates
+    WHEN OLD.manifest <> NEW.manifest BEGIN
+    INSERT INTO gc_log (tenant, manifest) VALUES (OLD.tenant, OLD.manifest);
+    INSERT INTO gc_log (tenant, manifest) SELECT NEW.tenant, NEW.manifest
+        WHERE NOT EXISTS (SELECT 1 FROM manifests WHERE tenant = NEW.tenant AND id = NEW.manifest);
+END;
+CREATE TRIGGER gc_tpl_delete AFTER DELETE ON templates BEGIN
+    INSERT INTO gc_log (tenant, manifest) VALUES (OLD.tenant, OLD.manifest);
+END;
+CREATE TRIGGER gc_man_insert AFTER INSERT ON manifests BEGIN
+    INSERT INTO gc_log (tenant, manifest) VALUES (NEW.tenant, NEW.id);
+END;
+INSERT INTO gc_log (tenant, manifest) SELECT tenant, id FROM manifests;
+INSERT INTO gc_log (tenant, manifest) SELECT r.tenant, r.manifest FROM (
+    SELECT tenant, head_manifest AS manifest FROM workspaces
+    UNION SELECT tenant, manifest FROM checkpoints
+    UNION SELECT tenant, manifest FROM templates) r
+    WHERE NOT EXISTS (SELECT 1 FROM manifests m WHERE m.tenant = r.tenant AND m.id = r.manifest);
+"#,
 ];
 
 /// A row written by a node of an older version has no id: it is derived the same way.

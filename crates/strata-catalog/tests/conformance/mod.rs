@@ -13,8 +13,10 @@ use strata_format::Hash;
 use strata_catalog::*;
 use strata_format::now_ms;
 
+mod gc;
 mod tenancy;
 mod workspaces;
+use gc::*;
 use tenancy::*;
 use workspaces::*;
 
@@ -82,6 +84,8 @@ pub async fn run_all(cat: Arc<dyn Catalog>, time: &Time) {
     store_usage_follows_references(&*cat, time).await;
     tenant_deletion(&*cat, time).await;
     tenant_placement(&*cat).await;
+    the_change_log_finds_what_the_full_mark_finds(&*cat, time).await;
+    retention_is_due_on_change_or_time(&*cat).await;
 }
 
 /// Checks for two handles on the same catalog (two nodes): `a` and `b` must be separate

@@ -49,6 +49,15 @@ pub struct GcReport {
     /// record of (none unless rows were lost: every manifest is recorded when it is written).
     #[serde(default)]
     pub manifests_read: u64,
+    /// Catalog changes the mark looked at (rows of the change log: manifests that lost a
+    /// reference or were recorded): what an ordinary pass costs. A reconciliation marks
+    /// everything instead and counts `live_manifests` and `live_objects`.
+    #[serde(default)]
+    pub changes: u64,
+    /// Workspaces retention looked at: those whose checkpoints changed or whose next expiry
+    /// came (every workspace in a reconciliation).
+    #[serde(default)]
+    pub retention_looked: u64,
     /// Tenants whose part of the pass failed (their bucket refused, their store is down): the
     /// pass goes on with the other tenants, and the next pass tries these again.
     #[serde(default)]

@@ -360,6 +360,21 @@ impl Catalog for LossyCatalog {
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64> {
         self.inner.purge_expired_checkpoints(tenant, grace_ms).await
     }
+    async fn gc_changes(&self, tenant: &str, grace_ms: u64, limit: usize) -> Result<GcChanges> {
+        self.inner.gc_changes(tenant, grace_ms, limit).await
+    }
+    async fn gc_settle(&self, tenant: &str, seqs: &[i64]) -> Result<()> {
+        self.inner.gc_settle(tenant, seqs).await
+    }
+    async fn gc_live(&self, t: &str, ms: &[Hash], os: &[Hash]) -> Result<GcLive> {
+        self.inner.gc_live(t, ms, os).await
+    }
+    async fn retention_due(&self, t: &str, now: u64, all: bool) -> Result<Vec<RetentionDue>> {
+        self.inner.retention_due(t, now, all).await
+    }
+    async fn retention_done(&self, t: &str, ws: &str, seen: u64, next: u64) -> Result<bool> {
+        self.inner.retention_done(t, ws, seen, next).await
+    }
     async fn gc_condemn(&self, tenant: &str, keys: &[String]) -> Result<()> {
         self.inner.gc_condemn(tenant, keys).await
     }
