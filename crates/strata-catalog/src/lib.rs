@@ -279,6 +279,17 @@ pub(crate) fn gc_stale_objects_sql(is: &str) -> String {
     )
 }
 
+/// Detached workspaces GC may compact ([`Catalog::compaction_candidates`]): `?1`/`$1` the
+/// tenant, `?2`/`$2` the instant before which the head must have been made.
+pub(crate) const COMPACTION_CANDIDATES_SQL: &str = "
+SELECT w.name, w.head_manifest FROM workspaces w
+    JOIN leases l ON l.tenant = w.tenant AND l.workspace = w.name
+    JOIN checkpoints c ON c.tenant = w.tenant AND c.workspace = w.name AND c.version = w.head_version
+WHERE w.tenant = ?1 AND (w.compact_judged IS NULL OR w.compact_judged <> w.head_manifest)
+    AND l.holder IS NULL AND l.epoch > 0
+    AND c.kind <> 'livefork' AND c.journal_id IS NOT NULL AND c.created_ms < ?2
+ORDER BY w.name";
+
 /// Tables with a `tenant` column, in the order a tenant's purge empties them (tokens before
 /// the tenant row PostgreSQL's foreign key names).
 pub(crate) const TENANT_TABLES: &[&str] = &[
@@ -552,6 +563,19 @@ pub trait Catalog: Send + Sync + 'static {
         seen: u64,
         next_ms: u64,
     ) -> Result<bool>;
+    /// Workspaces GC may compact while detached: the lease released by a clean detach (a
+    /// node whose attach failed keeps it until it expires; an expired lease may still have a
+    /// journal behind it), the head published by one of its own volumes (not a template's, not
+    /// a live fork's) before `idle_before_ms` (caller's clock), and not judged dense at this
+    /// head ([`Catalog::compaction_judged`]). Each with its head manifest.
+    async fn compaction_candidates(
+        &self,
+        tenant: &str,
+        idle_before_ms: u64,
+    ) -> Result<Vec<(String, Hash)>>;
+    /// GC judged `workspace`'s head `manifest` dense enough not to compact: it is not a
+    /// candidate again until its head moves. (Ignored if the head moved already.)
+    async fn compaction_judged(&self, tenant: &str, workspace: &str, manifest: Hash) -> Result<()>;
     /// Deletes checkpoint rows expired more than `grace_ms` ago.
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64>;
     /// Records store keys found unreferenced (first GC phase); existing entries keep their time.

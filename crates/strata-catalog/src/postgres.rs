@@ -745,6 +745,18 @@ impl Catalog for PostgresCatalog {
         self.retention_seen(tenant, workspace, seen, next_ms).await
     }
 
+    async fn compaction_candidates(
+        &self,
+        tenant: &str,
+        idle_before_ms: u64,
+    ) -> Result<Vec<(String, Hash)>> {
+        self.candidates(tenant, idle_before_ms).await
+    }
+
+    async fn compaction_judged(&self, tenant: &str, workspace: &str, manifest: Hash) -> Result<()> {
+        self.judged(tenant, workspace, manifest).await
+    }
+
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64> {
         let c = self.conn().await?;
         c.execute(

@@ -603,6 +603,18 @@ impl Catalog for SqliteCatalog {
         gc::retention_done(self, tenant, workspace, seen, next_ms).await
     }
 
+    async fn compaction_candidates(
+        &self,
+        tenant: &str,
+        idle_before_ms: u64,
+    ) -> Result<Vec<(String, Hash)>> {
+        gc::compaction_candidates(self, tenant, idle_before_ms).await
+    }
+
+    async fn compaction_judged(&self, tenant: &str, workspace: &str, manifest: Hash) -> Result<()> {
+        gc::compaction_judged(self, tenant, workspace, manifest).await
+    }
+
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64> {
         gc::purge_expired_checkpoints(self, tenant, grace_ms).await
     }

@@ -214,15 +214,16 @@ impl Collector for Scrape {
             ] {
                 single(e, name, help, Some(Unit::Bytes), gauge(v))?;
             }
+            single(
+                e,
+                "strata_gc_live_objects",
+                "Objects referenced (last GC pass that marked everything: a reconciliation)",
+                None,
+                gauge(r.live_objects),
+            )?;
         }
         if let Some(r) = g.last.lock().unwrap_or_else(|p| p.into_inner()).clone() {
             for (name, help, unit, v) in [
-                (
-                    "strata_gc_live_objects",
-                    "Objects referenced (last GC pass)",
-                    None,
-                    r.live_objects,
-                ),
                 (
                     "strata_gc_unreferenced",
                     "Bytes stored and referenced by nothing (last GC pass)",

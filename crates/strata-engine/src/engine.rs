@@ -78,10 +78,6 @@ pub struct Engine {
     /// The node's lease renewal (one catalog call for every attached volume), started at the
     /// first attach.
     renewer: std::sync::OnceLock<JoinHandle<()>>,
-    /// Heads of detached workspaces GC found dense enough not to compact (by manifest id, and
-    /// the threshold's bits): not read from the store again until the head moves. Kept for the
-    /// workspaces GC last saw.
-    pub(crate) gc_dense: std::sync::Mutex<HashMap<Key, (strata_format::Hash, u64)>>,
 }
 
 fn key(tenant: &str, ws: &str) -> Key {
@@ -176,7 +172,6 @@ impl Engine {
             write_rate: std::sync::atomic::AtomicU64::new(u64::MAX),
             space,
             renewer: Default::default(),
-            gc_dense: Default::default(),
         }))
     }
 

@@ -245,13 +245,6 @@ impl Engine {
             }
         }
         let tenants = self.catalog().list_tenants().await?;
-        {
-            let names: HashSet<&String> = tenants.iter().collect();
-            self.gc_dense
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .retain(|(t, _), _| names.contains(t));
-        }
         // Tenants the pass could not collect (to tell one tenant's failure from the pass's).
         let mut uncollected = 0u64;
         for tenant in tenants {
@@ -350,92 +343,57 @@ impl Engine {
         after: Duration,
         report: &mut GcReport,
     ) -> Result<()> {
-        let workspaces = self.catalog().list_workspaces(tenant).await?;
-        {
-            // Forget what GC judged of workspaces that are gone.
-            let names: HashSet<&str> = workspaces.iter().map(|w| w.name.as_str()).collect();
-            self.gc_dense
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .retain(|(t, w), _| t != tenant || names.contains(w.as_str()));
-        }
-        for w in workspaces {
-            if self.volume(tenant, &w.name).is_some() {
+        // Only workspaces not judged dense at their head: a pass after no change reads none.
+        let idle_before = now_ms().saturating_sub(after.as_millis() as u64);
+        let candidates = self
+            .catalog()
+            .compaction_candidates(tenant, idle_before)
+            .await?;
+        for (name, head) in candidates {
+            if self.volume(tenant, &name).is_some() {
                 continue; // attached here: compacted above
             }
-            match self.detached_candidate(tenant, &w, threshold, after).await {
+            match self.sparse_head(tenant, &name, head, threshold).await {
                 Ok(true) => {}
                 Ok(false) => continue,
                 Err(e) => {
-                    tracing::warn!(tenant, workspace = %w.name, error = %e, "not compacting a detached workspace");
+                    tracing::warn!(tenant, workspace = %name, error = %e, "not compacting a detached workspace");
                     continue;
                 }
             }
-            match self.compact(tenant, &w.name, threshold).await {
+            match self.compact(tenant, &name, threshold).await {
                 Ok(Some(p)) => {
                     report.compactions += 1;
                     report.compacted_bytes += p.bytes_uploaded;
-                    tracing::info!(tenant, workspace = %w.name, version = p.version, "compacted a detached workspace");
+                    tracing::info!(tenant, workspace = %name, version = p.version, "compacted a detached workspace");
                 }
                 Ok(None) => {}
                 // Attached elsewhere meanwhile, say: the next pass looks again.
                 Err(e) => {
-                    tracing::warn!(tenant, workspace = %w.name, error = %e, "compacting a detached workspace failed")
+                    tracing::warn!(tenant, workspace = %name, error = %e, "compacting a detached workspace failed")
                 }
             }
         }
         Ok(())
     }
 
-    /// Whether a workspace not attached here may be compacted now: its lease released (by a
-    /// clean detach: a node whose attach failed with a journal on its disk keeps the lease until
-    /// it expires, and an expired lease may still have a journal behind it, which the head must
-    /// not move under), its head published by one of its own volumes (not a template's or a
-    /// source's, shared) and not a live fork's, idle long enough, and sparse.
-    async fn detached_candidate(
+    /// Whether a detached workspace's head (a candidate: see
+    /// [`strata_catalog::Catalog::compaction_candidates`]) has objects less live than
+    /// `threshold`. A dense one is recorded as judged, so no later pass reads its manifest
+    /// again until the head moves (a threshold changed later applies from then on).
+    async fn sparse_head(
         &self,
         tenant: &str,
-        w: &strata_catalog::Workspace,
+        name: &str,
+        head: Hash,
         threshold: f64,
-        after: Duration,
     ) -> Result<bool> {
-        let cat = self.catalog();
-        let lease = cat.get_lease(tenant, &w.name).await?;
-        if lease.holder.is_some() || lease.epoch == 0 {
-            return Ok(false);
-        }
-        let head = cat.get_checkpoint(tenant, &w.name, w.head_version).await?;
-        let idle_ms = now_ms().saturating_sub(head.created_ms);
-        if head.kind == CheckpointKind::LiveFork
-            || head.journal_id.is_none()
-            || idle_ms < after.as_millis() as u64
-        {
-            return Ok(false);
-        }
-        let key = (tenant.to_string(), w.name.clone());
-        let judged = (w.head_manifest, threshold.to_bits());
-        let dense = self
-            .gc_dense
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-            == Some(&judged);
-        if dense {
-            return Ok(false); // judged at this head already: no manifest read per pass
-        }
-        let m = self
-            .reader()
-            .store()
-            .get_manifest(tenant, &w.head_manifest)
-            .await?;
+        let m = self.reader().store().get_manifest(tenant, &head).await?;
         let sparse = crate::volume::object_usage(&m)
             .iter()
             .any(|(live, stored)| (*live as f64) < threshold * *stored as f64);
         if !sparse {
-            self.gc_dense
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(key, judged);
+            self.catalog().compaction_judged(tenant, name, head).await?;
         }
         Ok(sparse)
     }

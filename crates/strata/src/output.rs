@@ -322,8 +322,8 @@ fn gc(v: &Value) -> String {
         )
     } else {
         format!(
-            "live {} object(s) and {} manifest(s) (from the catalog; --reconcile lists the store)",
-            v["live_objects"], v["live_manifests"]
+            "{} catalog change(s) and {} workspace(s)' retention looked at (--reconcile marks everything and lists the store)",
+            v["changes"], v["retention_looked"]
         )
     };
     let failed: String = v["failed_tenants"]

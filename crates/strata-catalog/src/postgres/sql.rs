@@ -156,6 +156,11 @@ INSERT INTO gc_log (tenant, manifest) SELECT r.tenant, r.manifest FROM (
     UNION SELECT tenant, manifest FROM templates) r
     WHERE NOT EXISTS (SELECT 1 FROM manifests m WHERE m.tenant = r.tenant AND m.id = r.manifest);
 "#,
+    r#"
+ALTER TABLE workspaces ADD COLUMN compact_judged TEXT;
+CREATE INDEX workspaces_unjudged ON workspaces (tenant)
+    WHERE compact_judged IS NULL OR compact_judged <> head_manifest;
+"#,
 ];
 
 /// A row written by a node of an older version has no id: it is derived the same way.

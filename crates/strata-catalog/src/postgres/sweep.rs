@@ -248,6 +248,34 @@ impl PostgresCatalog {
             .map_err(be)?;
         Ok(n == 1)
     }
+
+    pub(super) async fn candidates(
+        &self,
+        tenant: &str,
+        idle_before_ms: u64,
+    ) -> Result<Vec<(String, Hash)>> {
+        let c = self.conn().await?;
+        c.query(
+            &dollars(crate::COMPACTION_CANDIDATES_SQL),
+            &[&tenant, &(idle_before_ms.min(i64::MAX as u64) as i64)],
+        )
+        .await
+        .map_err(be)?
+        .iter()
+        .map(|r| Ok((r.get(0), hash(r.get(1))?)))
+        .collect()
+    }
+
+    pub(super) async fn judged(&self, tenant: &str, workspace: &str, manifest: Hash) -> Result<()> {
+        let c = self.conn().await?;
+        c.execute(
+            "UPDATE workspaces SET compact_judged = $3 WHERE tenant = $1 AND name = $2 AND head_manifest = $3",
+            &[&tenant, &workspace, &manifest.to_hex()],
+        )
+        .await
+        .map_err(be)?;
+        Ok(())
+    }
 }
 
 /// The shared SQL's `?N` placeholders as PostgreSQL's `$N`.

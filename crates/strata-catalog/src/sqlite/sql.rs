@@ -147,6 +147,12 @@ INSERT INTO gc_log (tenant, manifest) SELECT r.tenant, r.manifest FROM (
     UNION SELECT tenant, manifest FROM checkpoints
     UNION SELECT tenant, manifest FROM templates) r
     WHERE NOT EXISTS (SELECT 1 FROM manifests m WHERE m.tenant = r.tenant AND m.id = r.manifest);
+"#, // The head GC last judged dense enough not to compact (a detached workspace is judged again
+    // only once its head moves), and the index of those not judged at their head.
+    r#"
+ALTER TABLE workspaces ADD COLUMN compact_judged TEXT;
+CREATE INDEX workspaces_unjudged ON workspaces (tenant)
+    WHERE compact_judged IS NULL OR compact_judged <> head_manifest;
 "#,
 ];
 

@@ -299,4 +299,42 @@ pub(super) async fn retention_is_due_on_change_or_time(cat: &dyn Catalog) {
             .is_empty(),
         "never by time"
     );
+    // Compaction candidates: a's lease released after its own publish; b never attached.
+    let later = now_ms() + 60_000;
+    assert!(
+        cat.compaction_candidates(T, later)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a's lease is held"
+    );
+    cat.release_lease(T, "a", &g).await.unwrap();
+    assert!(
+        cat.compaction_candidates(T, 0).await.unwrap().is_empty(),
+        "not idle long enough"
+    );
+    assert_eq!(
+        cat.compaction_candidates(T, later).await.unwrap(),
+        [("a".to_string(), h(2))]
+    );
+    cat.compaction_judged(T, "a", h(1)).await.unwrap(); // not its head: ignored
+    assert_eq!(cat.compaction_candidates(T, later).await.unwrap().len(), 1);
+    cat.compaction_judged(T, "a", h(2)).await.unwrap();
+    assert!(
+        cat.compaction_candidates(T, later)
+            .await
+            .unwrap()
+            .is_empty(),
+        "judged at its head"
+    );
+    // Its head moves: a candidate again once detached.
+    let g = cat.acquire_lease(T, "a", "node", 60_000).await.unwrap();
+    cat.advance_head(T, "a", 2, &g, &cp(h(3), None))
+        .await
+        .unwrap();
+    cat.release_lease(T, "a", &g).await.unwrap();
+    assert_eq!(
+        cat.compaction_candidates(T, later).await.unwrap(),
+        [("a".to_string(), h(3))]
+    );
 }

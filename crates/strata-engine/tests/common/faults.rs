@@ -357,6 +357,22 @@ impl Catalog for LossyCatalog {
     async fn gc_mark(&self, tenant: &str, grace_ms: u64) -> Result<GcMark> {
         self.inner.gc_mark(tenant, grace_ms).await
     }
+    async fn compaction_candidates(
+        &self,
+        tenant: &str,
+        idle_before_ms: u64,
+    ) -> Result<Vec<(String, Hash)>> {
+        self.inner
+            .compaction_candidates(tenant, idle_before_ms)
+            .await
+    }
+
+    async fn compaction_judged(&self, tenant: &str, workspace: &str, manifest: Hash) -> Result<()> {
+        self.inner
+            .compaction_judged(tenant, workspace, manifest)
+            .await
+    }
+
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64> {
         self.inner.purge_expired_checkpoints(tenant, grace_ms).await
     }
