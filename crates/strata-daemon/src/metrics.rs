@@ -221,18 +221,16 @@ impl Collector for Scrape {
                 None,
                 gauge(r.live_objects),
             )?;
+            // An ordinary pass counts only what changed since the pass before it.
+            single(
+                e,
+                "strata_gc_unreferenced",
+                "Bytes stored and referenced by nothing (last GC pass that listed the store)",
+                Some(Unit::Bytes),
+                gauge(r.unreferenced_bytes),
+            )?;
         }
         if let Some(r) = g.last.lock().unwrap_or_else(|p| p.into_inner()).clone() {
-            for (name, help, unit, v) in [
-                (
-                    "strata_gc_unreferenced",
-                    "Bytes stored and referenced by nothing (last GC pass)",
-                    Some(Unit::Bytes),
-                    r.unreferenced_bytes,
-                ),
-            ] {
-                single(e, name, help, unit, gauge(v))?;
-            }
             single(
                 e,
                 "strata_gc_last_duration",
