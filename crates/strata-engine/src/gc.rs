@@ -787,6 +787,45 @@ mod tests {
         }
     }
 
+    /// The next time retention's verdict can change by time alone: the earliest `keep_until`
+    /// ahead or the earliest unlabelled kept version's `max_age`, never the head's or an
+    /// expired one's; a labelled version without `keep_until` never expires.
+    #[test]
+    fn retention_looks_again_when_the_first_kept_version_would_age_out() {
+        use CheckpointKind::*;
+        let o = opts(16, 16); // max_age 3600 s
+        let age_out = |age_s: u64| NOW - age_s * 1000 + 3_600_000 + 1;
+        let mut cps = vec![
+            cp(1, Create, None, 100),
+            cp(2, Checkpoint, Some("kept"), 90),
+            cp(3, Auto, None, 80),
+            cp(4, Auto, None, 10),
+        ];
+        assert_eq!(retention_next(&cps, 4, &[], NOW, &o), age_out(100));
+        assert_eq!(
+            retention_next(&cps, 4, &[1], NOW, &o),
+            age_out(80),
+            "1 expired"
+        );
+        assert_eq!(
+            retention_next(&cps, 1, &[3, 4], NOW, &o),
+            u64::MAX,
+            "only the head and a label"
+        );
+        cps[1].keep_until_ms = Some(NOW + 5);
+        assert_eq!(
+            retention_next(&cps, 4, &[], NOW, &o),
+            NOW + 5,
+            "a keep_until ahead"
+        );
+        cps[1].keep_until_ms = Some(NOW - 5);
+        assert_eq!(
+            retention_next(&cps, 4, &[], NOW, &o),
+            age_out(100),
+            "one passed"
+        );
+    }
+
     /// Automatic versions and the ones users made are counted apart; the head, labelled
     /// versions and versions kept until later are never expired by count.
     #[test]

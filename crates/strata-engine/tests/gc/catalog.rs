@@ -363,3 +363,97 @@ async fn a_tenant_whose_store_fails_does_not_stop_gc_for_the_others() {
         "the failed tenant's garbage, once its store is back"
     );
 }
+
+/// A pass costs what changed since the pass before it (issue 46): after no change it looks at
+/// no catalog change and no workspace's retention, and makes no store request; after K new
+/// versions of one workspace it looks at about K changes and that workspace alone. What is
+/// retained reads back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_after_no_change_looks_at_nothing_and_one_after_k_versions_at_k() {
+    let c = Cluster::new().await;
+    let node = c.node("a");
+    let mut m = Model::default();
+    let mut vols = vec![];
+    for i in 0..4u64 {
+        let name = format!("w{i}");
+        let v = empty_volume(&node, &name, DISK, Mode::Durable).await;
+        let mut disk = Disk::new();
+        for tag in 1..=4u64 {
+            write_tag(&v, 10 * i + tag, tag, 2).await;
+            disk.insert(tag, 10 * i + tag);
+            disk.insert(tag + 1, 10 * i + tag);
+            let version = v.checkpoint(None).await.unwrap().version;
+            m.cps.insert((name.clone(), version), disk.clone());
+        }
+        vols.push(v);
+    }
+    let opts = GcOptions {
+        reconcile: false,
+        compact_below: None,
+        ..gc_opts(16)
+    };
+    let first = node.gc(&opts).await.unwrap();
+    assert!(
+        first.changes >= 16 && first.retention_looked == 4,
+        "{first:?}"
+    );
+    let store = node.reader().store().clone();
+    let (gets, listed) = (store.manifest_gets(), store.tenant_listings());
+    for _ in 0..2 {
+        let r = node.gc(&opts).await.unwrap();
+        assert_eq!((r.changes, r.retention_looked), (0, 0), "no change: {r:?}");
+        assert_eq!((r.condemned, r.deleted_keys, r.manifests_read), (0, 0, 0));
+    }
+    assert_eq!(
+        (store.manifest_gets(), store.tenant_listings()),
+        (gets, listed)
+    );
+    // K new versions of one workspace: about K changes (each version's manifest, recorded and
+    // referenced), one workspace's retention.
+    const K: u64 = 5;
+    for tag in 0..K {
+        write_tag(&vols[0], 100 + tag, 0, 1).await;
+        vols[0].checkpoint(None).await.unwrap();
+    }
+    let r = node.gc(&opts).await.unwrap();
+    assert!(
+        (K..=2 * K).contains(&r.changes) && r.retention_looked == 1,
+        "{K} versions: {r:?}"
+    );
+    let r = node.gc(&opts).await.unwrap();
+    assert_eq!((r.changes, r.retention_looked), (0, 0), "{r:?}");
+    for ((ws, v), want) in &m.cps {
+        assert_eq!(&read_fresh(&c, ws, Some(*v), 3).await, want, "{ws}@{v}");
+    }
+}
+
+/// Retention still expires by age when nothing changes (issue 46): a pass that looked at a
+/// workspace records when its oldest kept version ages out, and a later pass with no change in
+/// between expires it then, and only then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn versions_age_out_with_no_change_in_between() {
+    let c = Cluster::new().await;
+    let node = c.node("a");
+    let v = empty_volume(&node, "w", DISK, Mode::Durable).await;
+    for tag in 1..=3u64 {
+        write_tag(&v, tag, 0, 1).await;
+        v.checkpoint(None).await.unwrap();
+    }
+    let opts = GcOptions {
+        reconcile: false,
+        compact_below: None,
+        max_age: Duration::from_millis(1500),
+        ..gc_opts(16)
+    };
+    let r = node.gc(&opts).await.unwrap();
+    assert_eq!((r.retention_looked, r.checkpoints_expired), (1, 0), "{r:?}");
+    let r = node.gc(&opts).await.unwrap();
+    assert_eq!(r.retention_looked, 0, "not due yet: {r:?}");
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let r = node.gc(&opts).await.unwrap();
+    assert_eq!(r.retention_looked, 1, "{r:?}");
+    // Versions 1 to 3 are older than max_age; version 4 is the head.
+    assert_eq!(r.checkpoints_expired, 3, "{r:?}");
+    let listed = c.catalog.list_checkpoints(TENANT, "w").await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+}
