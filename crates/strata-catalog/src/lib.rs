@@ -279,15 +279,22 @@ pub(crate) fn gc_stale_objects_sql(is: &str) -> String {
     )
 }
 
-/// Detached workspaces GC may compact ([`Catalog::compaction_candidates`]): `?1`/`$1` the
-/// tenant, `?2`/`$2` the instant before which the head must have been made.
+/// Detached compaction ([`Catalog::compaction_candidates`]), `?1`/`$1` the tenant: the
+/// workspaces to look at that cannot be candidates until their lease is released again
+/// (attached, never attached, a live fork's or a template's head, judged at this head) are
+/// cleared, then the others made before `?2`/`$2` are returned.
+pub(crate) const COMPACTION_SETTLE_SQL: &str = "
+UPDATE workspaces SET compact_check = 0 WHERE tenant = ?1 AND compact_check = 1 AND (
+    compact_judged = head_manifest
+    OR NOT EXISTS (SELECT 1 FROM leases l WHERE l.tenant = workspaces.tenant
+        AND l.workspace = workspaces.name AND l.holder IS NULL AND l.epoch > 0)
+    OR NOT EXISTS (SELECT 1 FROM checkpoints c WHERE c.tenant = workspaces.tenant
+        AND c.workspace = workspaces.name AND c.version = workspaces.head_version
+        AND c.kind <> 'livefork' AND c.journal_id IS NOT NULL))";
 pub(crate) const COMPACTION_CANDIDATES_SQL: &str = "
 SELECT w.name, w.head_manifest FROM workspaces w
-    JOIN leases l ON l.tenant = w.tenant AND l.workspace = w.name
     JOIN checkpoints c ON c.tenant = w.tenant AND c.workspace = w.name AND c.version = w.head_version
-WHERE w.tenant = ?1 AND (w.compact_judged IS NULL OR w.compact_judged <> w.head_manifest)
-    AND l.holder IS NULL AND l.epoch > 0
-    AND c.kind <> 'livefork' AND c.journal_id IS NOT NULL AND c.created_ms < ?2
+WHERE w.tenant = ?1 AND w.compact_check = 1 AND c.created_ms < ?2
 ORDER BY w.name";
 
 /// Tables with a `tenant` column, in the order a tenant's purge empties them (tokens before
@@ -567,14 +574,17 @@ pub trait Catalog: Send + Sync + 'static {
     /// node whose attach failed keeps it until it expires; an expired lease may still have a
     /// journal behind it), the head published by one of its own volumes (not a template's, not
     /// a live fork's) before `idle_before_ms` (caller's clock), and not judged dense at this
-    /// head ([`Catalog::compaction_judged`]). Each with its head manifest.
+    /// head ([`Catalog::compaction_judged`]). Each with its head manifest. Only workspaces
+    /// whose lease was released since they were last looked at are read (a trigger marks them),
+    /// so the cost follows detaches; `all` looks at every workspace again (reconciliation).
     async fn compaction_candidates(
         &self,
         tenant: &str,
         idle_before_ms: u64,
+        all: bool,
     ) -> Result<Vec<(String, Hash)>>;
     /// GC judged `workspace`'s head `manifest` dense enough not to compact: it is not a
-    /// candidate again until its head moves. (Ignored if the head moved already.)
+    /// candidate again until its lease is released again. (Ignored if the head moved.)
     async fn compaction_judged(&self, tenant: &str, workspace: &str, manifest: Hash) -> Result<()>;
     /// Deletes checkpoint rows expired more than `grace_ms` ago.
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64>;

@@ -749,8 +749,9 @@ impl Catalog for PostgresCatalog {
         &self,
         tenant: &str,
         idle_before_ms: u64,
+        all: bool,
     ) -> Result<Vec<(String, Hash)>> {
-        self.candidates(tenant, idle_before_ms).await
+        self.candidates(tenant, idle_before_ms, all).await
     }
 
     async fn compaction_judged(&self, tenant: &str, workspace: &str, manifest: Hash) -> Result<()> {

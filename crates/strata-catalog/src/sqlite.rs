@@ -607,8 +607,9 @@ impl Catalog for SqliteCatalog {
         &self,
         tenant: &str,
         idle_before_ms: u64,
+        all: bool,
     ) -> Result<Vec<(String, Hash)>> {
-        gc::compaction_candidates(self, tenant, idle_before_ms).await
+        gc::compaction_candidates(self, tenant, idle_before_ms, all).await
     }
 
     async fn compaction_judged(&self, tenant: &str, workspace: &str, manifest: Hash) -> Result<()> {

@@ -238,7 +238,10 @@ impl Engine {
             for tenant in self.catalog().list_tenants().await? {
                 if self.live_tenant(&tenant).await.unwrap_or(false) && self.servable(&tenant).await
                 {
-                    if let Err(e) = self.compact_detached(&tenant, t, after, &mut report).await {
+                    if let Err(e) = self
+                        .compact_detached(&tenant, t, after, opts.reconcile, &mut report)
+                        .await
+                    {
                         report.tenant_failed(&tenant, "compacting detached workspaces", &e);
                     }
                 }
@@ -341,13 +344,15 @@ impl Engine {
         tenant: &str,
         threshold: f64,
         after: Duration,
+        reconcile: bool,
         report: &mut GcReport,
     ) -> Result<()> {
-        // Only workspaces not judged dense at their head: a pass after no change reads none.
+        // Only workspaces detached since they were last looked at (every one in a
+        // reconciliation): a pass after no change reads none.
         let idle_before = now_ms().saturating_sub(after.as_millis() as u64);
         let candidates = self
             .catalog()
-            .compaction_candidates(tenant, idle_before)
+            .compaction_candidates(tenant, idle_before, reconcile)
             .await?;
         for (name, head) in candidates {
             if self.volume(tenant, &name).is_some() {

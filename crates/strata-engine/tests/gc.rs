@@ -615,6 +615,11 @@ async fn gc_on_two_nodes_overlapping_checkpoints_and_forks_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn detached_workspaces_are_compacted_and_crashed_ones_left_alone() {
     let c = Cluster::new().await;
+    // Ordinary passes: detached workspaces are looked at because their lease was released.
+    let incremental = GcOptions {
+        reconcile: false,
+        ..gc_opts(16)
+    };
     let mut cfg = c.config("a");
     cfg.lease_ttl = Duration::from_secs(1);
     let fs = Arc::new(strata_engine::fs::RealFs);
@@ -678,7 +683,7 @@ async fn detached_workspaces_are_compacted_and_crashed_ones_left_alone() {
     let gc = c.node("gc");
     let later = GcOptions {
         compact_detached_after: Some(Duration::from_secs(3600)),
-        ..gc_opts(16)
+        ..incremental.clone()
     };
     assert_eq!(
         gc.gc(&later).await.unwrap().compactions,
@@ -687,7 +692,7 @@ async fn detached_workspaces_are_compacted_and_crashed_ones_left_alone() {
     );
     tokio::time::sleep(Duration::from_millis(1500)).await; // node a's lease TTL runs out
     let idle_head = gc.workspace(TENANT, "idle").await.unwrap().head_version;
-    let r = gc.gc(&gc_opts(16)).await.unwrap();
+    let r = gc.gc(&incremental).await.unwrap();
     assert_eq!(r.compactions, 1, "{r:?}");
     assert!(gc.volume(TENANT, "idle").is_none(), "detached again");
     let lease = c.catalog.get_lease(TENANT, "idle").await.unwrap();
@@ -706,13 +711,13 @@ async fn detached_workspaces_are_compacted_and_crashed_ones_left_alone() {
         "a crashed node's workspace keeps its head"
     );
     assert_eq!(
-        gc.gc(&gc_opts(16)).await.unwrap().compactions,
+        gc.gc(&incremental).await.unwrap().compactions,
         0,
         "nothing sparse left"
     );
     // Heads judged dense are not read again while they do not move.
     let gets = gc.reader().store().manifest_gets();
-    gc.gc(&gc_opts(16)).await.unwrap();
+    gc.gc(&incremental).await.unwrap();
     assert_eq!(
         gc.reader().store().manifest_gets(),
         gets,
@@ -724,10 +729,34 @@ async fn detached_workspaces_are_compacted_and_crashed_ones_left_alone() {
         let b = v.read(lba * 4096, 4096).await.unwrap();
         assert_eq!(tag_of(&b, *lba), Some(*tag), "crashed block {lba}");
     }
-    let v = c.node("reader").attach(TENANT, "idle").await.unwrap();
+    let reader = c.node("reader");
+    let v = reader.attach(TENANT, "idle").await.unwrap();
     for (lba, tag) in &disks["idle"] {
         let b = v.read(lba * 4096, 4096).await.unwrap();
         assert_eq!(tag_of(&b, *lba), Some(*tag), "idle block {lba}");
+    }
+    // Judged dense, then attached, made sparse again and detached: the release marks it, and
+    // an ordinary pass compacts it again.
+    let disk = disks.get_mut("idle").unwrap();
+    for lba in (0..256u64).filter(|l| l % 4 != 1) {
+        v.write(lba * 4096, &tagged(3000 + lba, lba), false)
+            .await
+            .unwrap();
+        disk.insert(lba, 3000 + lba);
+    }
+    v.checkpoint(None).await.unwrap();
+    drop(v);
+    reader.detach(TENANT, "idle").await.unwrap();
+    let r = gc.gc(&incremental).await.unwrap();
+    assert_eq!(r.compactions, 1, "re-judged after its detach: {r:?}");
+    let v = c.node("reader2").attach(TENANT, "idle").await.unwrap();
+    for (lba, tag) in &disks["idle"] {
+        let b = v.read(lba * 4096, 4096).await.unwrap();
+        assert_eq!(
+            tag_of(&b, *lba),
+            Some(*tag),
+            "idle block {lba} after the second compaction"
+        );
     }
 }
 

@@ -158,8 +158,17 @@ INSERT INTO gc_log (tenant, manifest) SELECT r.tenant, r.manifest FROM (
 "#,
     r#"
 ALTER TABLE workspaces ADD COLUMN compact_judged TEXT;
-CREATE INDEX workspaces_unjudged ON workspaces (tenant)
-    WHERE compact_judged IS NULL OR compact_judged <> head_manifest;
+ALTER TABLE workspaces ADD COLUMN compact_check INTEGER NOT NULL DEFAULT 1;
+CREATE INDEX workspaces_compact_check ON workspaces (tenant) WHERE compact_check = 1;
+CREATE FUNCTION strata_gc_leases() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF OLD.holder IS NOT NULL AND NEW.holder IS NULL THEN
+        UPDATE workspaces SET compact_check = 1 WHERE tenant = NEW.tenant AND name = NEW.workspace;
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER gc_leases AFTER UPDATE OF holder ON leases
+    FOR EACH ROW EXECUTE FUNCTION strata_gc_leases();
 "#,
 ];
 

@@ -253,23 +253,40 @@ impl PostgresCatalog {
         &self,
         tenant: &str,
         idle_before_ms: u64,
+        all: bool,
     ) -> Result<Vec<(String, Hash)>> {
-        let c = self.conn().await?;
-        c.query(
-            &dollars(crate::COMPACTION_CANDIDATES_SQL),
-            &[&tenant, &(idle_before_ms.min(i64::MAX as u64) as i64)],
-        )
-        .await
-        .map_err(be)?
-        .iter()
-        .map(|r| Ok((r.get(0), hash(r.get(1))?)))
-        .collect()
+        let mut c = self.conn().await?;
+        let tx = c.transaction().await.map_err(be)?;
+        if all {
+            tx.execute(
+                "UPDATE workspaces SET compact_check = 1 WHERE tenant = $1",
+                &[&tenant],
+            )
+            .await
+            .map_err(be)?;
+        }
+        tx.execute(&dollars(crate::COMPACTION_SETTLE_SQL), &[&tenant])
+            .await
+            .map_err(be)?;
+        let out = tx
+            .query(
+                &dollars(crate::COMPACTION_CANDIDATES_SQL),
+                &[&tenant, &(idle_before_ms.min(i64::MAX as u64) as i64)],
+            )
+            .await
+            .map_err(be)?
+            .iter()
+            .map(|r| Ok((r.get(0), hash(r.get(1))?)))
+            .collect::<Result<Vec<_>>>()?;
+        tx.commit().await.map_err(be)?;
+        Ok(out)
     }
 
     pub(super) async fn judged(&self, tenant: &str, workspace: &str, manifest: Hash) -> Result<()> {
         let c = self.conn().await?;
         c.execute(
-            "UPDATE workspaces SET compact_judged = $3 WHERE tenant = $1 AND name = $2 AND head_manifest = $3",
+            "UPDATE workspaces SET compact_judged = $3, compact_check = 0
+             WHERE tenant = $1 AND name = $2 AND head_manifest = $3",
             &[&tenant, &workspace, &manifest.to_hex()],
         )
         .await

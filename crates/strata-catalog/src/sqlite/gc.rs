@@ -377,19 +377,36 @@ pub(super) async fn compaction_candidates(
     cat: &SqliteCatalog,
     tenant: &str,
     idle_before_ms: u64,
+    all: bool,
 ) -> Result<Vec<(String, Hash)>> {
     let t = tenant.to_string();
     cat.run(move |c| {
-        let mut s = c
-            .prepare_cached(crate::COMPACTION_CANDIDATES_SQL)
+        let tx = c
+            .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(be)?;
-        let rows = s
-            .query_map(
-                params![t, idle_before_ms.min(i64::MAX as u64) as i64],
-                |r| Ok((r.get::<_, String>(0)?, hash(r.get(1)?)?)),
+        if all {
+            tx.execute(
+                "UPDATE workspaces SET compact_check = 1 WHERE tenant = ?1",
+                params![t],
             )
             .map_err(be)?;
-        rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)
+        }
+        tx.execute(crate::COMPACTION_SETTLE_SQL, params![t])
+            .map_err(be)?;
+        let out = {
+            let mut s = tx
+                .prepare_cached(crate::COMPACTION_CANDIDATES_SQL)
+                .map_err(be)?;
+            let rows = s
+                .query_map(
+                    params![t, idle_before_ms.min(i64::MAX as u64) as i64],
+                    |r| Ok((r.get::<_, String>(0)?, hash(r.get(1)?)?)),
+                )
+                .map_err(be)?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().map_err(be)?
+        };
+        tx.commit().map_err(be)?;
+        Ok(out)
     })
     .await
 }
@@ -403,7 +420,8 @@ pub(super) async fn compaction_judged(
     let (t, n) = (tenant.to_string(), workspace.to_string());
     cat.run(move |c| {
         c.execute(
-            "UPDATE workspaces SET compact_judged = ?3 WHERE tenant = ?1 AND name = ?2 AND head_manifest = ?3",
+            "UPDATE workspaces SET compact_judged = ?3, compact_check = 0
+             WHERE tenant = ?1 AND name = ?2 AND head_manifest = ?3",
             params![t, n, manifest.to_hex()],
         )
         .map_err(be)?;

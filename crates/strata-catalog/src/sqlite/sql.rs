@@ -151,8 +151,12 @@ INSERT INTO gc_log (tenant, manifest) SELECT r.tenant, r.manifest FROM (
     // only once its head moves), and the index of those not judged at their head.
     r#"
 ALTER TABLE workspaces ADD COLUMN compact_judged TEXT;
-CREATE INDEX workspaces_unjudged ON workspaces (tenant)
-    WHERE compact_judged IS NULL OR compact_judged <> head_manifest;
+ALTER TABLE workspaces ADD COLUMN compact_check INTEGER NOT NULL DEFAULT 1;
+CREATE INDEX workspaces_compact_check ON workspaces (tenant) WHERE compact_check = 1;
+CREATE TRIGGER gc_lease_released AFTER UPDATE OF holder ON leases
+    WHEN OLD.holder IS NOT NULL AND NEW.holder IS NULL BEGIN
+    UPDATE workspaces SET compact_check = 1 WHERE tenant = NEW.tenant AND name = NEW.workspace;
+END;
 "#,
 ];
 

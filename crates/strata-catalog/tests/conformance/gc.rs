@@ -302,7 +302,7 @@ pub(super) async fn retention_is_due_on_change_or_time(cat: &dyn Catalog) {
     // Compaction candidates: a's lease released after its own publish; b never attached.
     let later = now_ms() + 60_000;
     assert!(
-        cat.compaction_candidates(T, later)
+        cat.compaction_candidates(T, later, false)
             .await
             .unwrap()
             .is_empty(),
@@ -310,22 +310,38 @@ pub(super) async fn retention_is_due_on_change_or_time(cat: &dyn Catalog) {
     );
     cat.release_lease(T, "a", &g).await.unwrap();
     assert!(
-        cat.compaction_candidates(T, 0).await.unwrap().is_empty(),
+        cat.compaction_candidates(T, 0, false)
+            .await
+            .unwrap()
+            .is_empty(),
         "not idle long enough"
     );
     assert_eq!(
-        cat.compaction_candidates(T, later).await.unwrap(),
+        cat.compaction_candidates(T, later, false).await.unwrap(),
         [("a".to_string(), h(2))]
     );
     cat.compaction_judged(T, "a", h(1)).await.unwrap(); // not its head: ignored
-    assert_eq!(cat.compaction_candidates(T, later).await.unwrap().len(), 1);
+    assert_eq!(
+        cat.compaction_candidates(T, later, false)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
     cat.compaction_judged(T, "a", h(2)).await.unwrap();
     assert!(
-        cat.compaction_candidates(T, later)
+        cat.compaction_candidates(T, later, false)
             .await
             .unwrap()
             .is_empty(),
         "judged at its head"
+    );
+    assert!(
+        cat.compaction_candidates(T, later, true)
+            .await
+            .unwrap()
+            .is_empty(),
+        "looked at again (all), still judged"
     );
     // Its head moves: a candidate again once detached.
     let g = cat.acquire_lease(T, "a", "node", 60_000).await.unwrap();
@@ -334,7 +350,7 @@ pub(super) async fn retention_is_due_on_change_or_time(cat: &dyn Catalog) {
         .unwrap();
     cat.release_lease(T, "a", &g).await.unwrap();
     assert_eq!(
-        cat.compaction_candidates(T, later).await.unwrap(),
+        cat.compaction_candidates(T, later, false).await.unwrap(),
         [("a".to_string(), h(3))]
     );
 }

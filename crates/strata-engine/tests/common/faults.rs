@@ -361,9 +361,10 @@ impl Catalog for LossyCatalog {
         &self,
         tenant: &str,
         idle_before_ms: u64,
+        all: bool,
     ) -> Result<Vec<(String, Hash)>> {
         self.inner
-            .compaction_candidates(tenant, idle_before_ms)
+            .compaction_candidates(tenant, idle_before_ms, all)
             .await
     }
 
