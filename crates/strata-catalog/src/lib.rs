@@ -291,10 +291,13 @@ UPDATE workspaces SET compact_check = 0 WHERE tenant = ?1 AND compact_check = 1 
     OR NOT EXISTS (SELECT 1 FROM checkpoints c WHERE c.tenant = workspaces.tenant
         AND c.workspace = workspaces.name AND c.version = workspaces.head_version
         AND c.kind <> 'livefork' AND c.journal_id IS NOT NULL))";
+/// `{from}` is `workspaces w`, with SQLite's `INDEXED BY workspaces_compact_check` (its
+/// planner, without statistics, would walk every workspace of the tenant by the primary key).
 pub(crate) const COMPACTION_CANDIDATES_SQL: &str = "
-SELECT w.name, w.head_manifest FROM workspaces w
-    JOIN checkpoints c ON c.tenant = w.tenant AND c.workspace = w.name AND c.version = w.head_version
-WHERE w.tenant = ?1 AND w.compact_check = 1 AND c.created_ms < ?2
+SELECT w.name, w.head_manifest FROM {from}
+WHERE w.tenant = ?1 AND w.compact_check = 1 AND EXISTS (SELECT 1 FROM checkpoints c
+    WHERE c.tenant = w.tenant AND c.workspace = w.name AND c.version = w.head_version
+    AND c.created_ms < ?2)
 ORDER BY w.name";
 
 /// Tables with a `tenant` column, in the order a tenant's purge empties them (tokens before

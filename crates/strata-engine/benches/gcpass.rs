@@ -7,7 +7,7 @@
 //! (3 of the version before, 1 new), every workspace attached elsewhere (its lease held). Then
 //! GC passes with the daemon's settings (grace 1 h, compaction of sparse heads, detached ones
 //! after 10 min) and retention keeping everything:
-//! - the first pass after the fill (it judges every change the fill made);
+//! - the first passes after the fill (they judge every change the fill made), summed;
 //! - passes after no change (median of 3): the goal is the same time and no store request
 //!   whatever the count;
 //! - a pass after K = 100 new versions (one in each of 100 workspaces): O(K);
@@ -157,7 +157,7 @@ async fn main() {
         std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
     };
     println!("store latency {} ms per request\n", latency.as_millis());
-    println!("| catalog | retained versions | workspaces | fill | first pass after the fill | pass after no change (median of 3) | pass after {K} new versions | reconciliation pass |");
+    println!("| catalog | retained versions | workspaces | fill | first passes after the fill | pass after no change (median of 3) | pass after {K} new versions | reconciliation pass |");
     println!("|---|---|---|---|---|---|---|---|");
     let mut rows = vec![];
     for backend in &backends {
@@ -204,7 +204,19 @@ async fn main() {
             opts.keep_last = usize::MAX;
             opts.keep_auto = usize::MAX;
             opts.max_age = Duration::from_secs(365 * 86_400);
-            let first = pass(&e, &opts, &requests).await;
+            // The passes that judge what the fill made (a pass looks at most at
+            // `CHANGES_PER_PASS` log rows), summed.
+            let mut first = pass(&e, &opts, &requests).await;
+            while first.report.changes > 0 {
+                let p = pass(&e, &opts, &requests).await;
+                if p.report.changes == 0 {
+                    break;
+                }
+                first.ms += p.ms;
+                first.requests += p.requests;
+                first.report.changes += p.report.changes;
+                first.report.retention_looked += p.report.retention_looked;
+            }
             let mut quiet: Vec<Pass> = vec![];
             for _ in 0..3 {
                 quiet.push(pass(&e, &opts, &requests).await);

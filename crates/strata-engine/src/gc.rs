@@ -1,31 +1,41 @@
 //! Retention and garbage collection.
 //!
 //! The catalog is the durable graph of what is live: workspace heads, checkpoints and templates
-//! name manifests, manifests name objects. A pass first compacts sparse heads (workspaces
-//! attached here, and those detached everywhere for a while; see
-//! [`GcOptions::compact_detached_after`]), then, per tenant:
+//! name manifests, manifests name objects. An ordinary pass costs what changed since the pass
+//! before it (issue 46): it looks at the catalog's change log and the workspaces that changed,
+//! never at everything retained, and makes no store request unless it deletes. A pass first
+//! compacts sparse heads (workspaces attached here, and those detached everywhere for a while
+//! whose lease was released since GC last looked; see [`GcOptions::compact_detached_after`]),
+//! then, per tenant:
 //!
 //! 1. **Retention** expires checkpoints by policy (never a head; labelled ones only by their
 //!    own `keep_until`; unlabelled ones a user made beyond the newest `keep_last`, automatic
-//!    ones (see [`is_automatic`]) beyond the newest `keep_auto`, either older than `max_age`).
-//!    Expiry is soft: the rows vanish from listings at once but keep their manifests
-//!    referenced for `grace`, so an operation that read one just before (a fork, a rollback)
-//!    still completes safely; later passes purge the rows.
-//! 2. **Mark**: every referenced manifest's objects are live. They come from the catalog's
-//!    record of the reference graph (`record_manifest`, written in one transaction before any
-//!    head, checkpoint or template names the manifest), in one query and no store request;
-//!    only a manifest the catalog has no record of is fetched from the store (an unreadable one
-//!    aborts the tenant's pass: nothing is deleted on incomplete information).
+//!    ones (see [`is_automatic`]) beyond the newest `keep_auto`, either older than `max_age`),
+//!    of the workspaces whose checkpoints changed since retention last looked (a catalog
+//!    trigger bumps a generation) or whose next expiry by time has come (recorded when it
+//!    looked: [`retention_next`]). Expiry is soft: the rows vanish from listings at once but
+//!    keep their manifests referenced for `grace`, so an operation that read one just before
+//!    (a fork, a rollback) still completes safely; then the pass purges them.
+//! 2. **Mark**: every referenced manifest's objects are live, from the catalog's record of the
+//!    reference graph (`record_manifest`, written in one transaction before any head,
+//!    checkpoint or template names the manifest), never by reading manifests; only a manifest
+//!    the catalog has no record of is fetched from the store (an unreadable one aborts the
+//!    tenant's pass: nothing is deleted on incomplete information). An ordinary pass judges
+//!    only the manifests in the catalog's change log (`gc_log`, written by triggers in the
+//!    transactions that drop a reference, record a manifest, or reference one without a
+//!    record): an unreferenced one recorded more than `grace` ago is stale, and so are its
+//!    objects no referenced manifest links. A reconciliation pass (`GcOptions::reconcile`)
+//!    marks everything in one query instead.
 //! 3. **Sweep, in two phases.** Store keys that are unreferenced are *condemned* in the
-//!    catalog: the catalog's stale records (recorded more than `grace` ago, referenced by
-//!    nothing marked), and in a reconciliation pass (`GcOptions::reconcile`) the keys a listing
-//!    of the store finds unreferenced and older than `grace` by the store's clock (keys the
-//!    catalog never knew). A key is deleted only by a later pass that finds it condemned for at
-//!    least `grace`, still unreferenced by its mark, and last written more than `grace` ago by
-//!    the store's clock (its listing, or a HEAD). A key that became referenced again, or was
-//!    written again, is forgotten. Before a key is deleted, the catalog's rows for it
-//!    (`record_manifest`'s manifests, links and objects) are pruned, so the catalog's record
-//!    of the reference graph stays the size of what is live.
+//!    catalog: the stale records the mark found, and in a reconciliation pass the keys a
+//!    listing of the store finds unreferenced and older than `grace` by the store's clock
+//!    (keys the catalog never knew). Then the log rows the mark judged are settled. A key is
+//!    deleted only by a later pass that finds it condemned for at least `grace`, still
+//!    unreferenced by its re-mark (one probe per condemned key), and last written more than
+//!    `grace` ago by the store's clock (its listing, or a HEAD). A key that became referenced
+//!    again, or was written again, is forgotten. Before a key is deleted, the catalog's rows
+//!    for it (`record_manifest`'s manifests, links and objects) are pruned, so the catalog's
+//!    record of the reference graph stays the size of what is live.
 //!
 //! Why that is safe under concurrent checkpoints, forks, restores and uploads:
 //! - Every upload creates keys that never existed (objects and manifests carry a random salt),
@@ -37,11 +47,14 @@
 //!   catalog transaction from a row that was live when read; the two-phase sweep re-marks after
 //!   `grace`, which bounds how long such an operation may take;
 //! - several nodes may run passes at once: each condemnation is valid on its own, deletes are
-//!   idempotent, and every pass re-marks before deleting.
+//!   idempotent, and every pass re-marks before deleting;
+//! - the log misses nothing the full mark would find: every way a manifest stops being
+//!   referenced is a row change a trigger sees, in the same transaction; what it cannot see
+//!   (keys the catalog never knew, an object left without links) is the reconciliation's.
 //!
 //! A pass interrupted at any step leaves only condemned entries and deletions of keys that were
-//! unreferenced twice `grace` apart; the next pass continues. `stop_after` stops a pass after a
-//! number of mutating steps (crash tests).
+//! unreferenced twice `grace` apart, and log rows not yet settled; the next pass continues.
+//! `stop_after` stops a pass after a number of mutating steps (crash tests).
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};

@@ -195,16 +195,23 @@ impl PostgresCatalog {
         now_ms: u64,
         all: bool,
     ) -> Result<Vec<RetentionDue>> {
-        let c = self.conn().await?;
+        let mut c = self.conn().await?;
         let cols = "name, head_version, retain_gen";
+        let tx = c.transaction().await.map_err(be)?;
         let rows = if all {
-            c.query(
+            tx.query(
                 &format!("SELECT {cols} FROM workspaces WHERE tenant = $1 ORDER BY name"),
                 &[&tenant],
             )
             .await
         } else {
-            c.query(
+            // The partial and range indexes, whatever the statistics say: right after a bulk
+            // change (the first pass over a tenant, say) they describe rows that have since
+            // been settled, and a sequential scan would walk every workspace.
+            tx.batch_execute("SET LOCAL enable_seqscan = off")
+                .await
+                .map_err(be)?;
+            tx.query(
                 &format!(
                     "SELECT {cols} FROM workspaces WHERE tenant = $1 AND retain_gen <> retain_seen
                      UNION SELECT {cols} FROM workspaces WHERE tenant = $1 AND retain_next_ms <= $2
@@ -215,6 +222,7 @@ impl PostgresCatalog {
             .await
         }
         .map_err(be)?;
+        tx.commit().await.map_err(be)?;
         Ok(rows
             .iter()
             .map(|r| RetentionDue {
@@ -264,13 +272,18 @@ impl PostgresCatalog {
             )
             .await
             .map_err(be)?;
+        } else {
+            // The partial index, whatever stale statistics say (see `due_for_retention`).
+            tx.batch_execute("SET LOCAL enable_seqscan = off")
+                .await
+                .map_err(be)?;
         }
         tx.execute(&dollars(crate::COMPACTION_SETTLE_SQL), &[&tenant])
             .await
             .map_err(be)?;
         let out = tx
             .query(
-                &dollars(crate::COMPACTION_CANDIDATES_SQL),
+                &dollars(&crate::COMPACTION_CANDIDATES_SQL.replace("{from}", "workspaces w")),
                 &[&tenant, &(idle_before_ms.min(i64::MAX as u64) as i64)],
             )
             .await

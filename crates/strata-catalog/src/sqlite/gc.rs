@@ -327,10 +327,13 @@ pub(super) async fn retention_due(
 ) -> Result<Vec<RetentionDue>> {
     let t = tenant.to_string();
     cat.run(move |c| {
+        // The partial index named: without statistics the planner would walk the tenant's every
+        // workspace by the primary key.
         let sql = if all {
             "SELECT name, head_version, retain_gen FROM workspaces WHERE tenant = ?1 ORDER BY name"
         } else {
-            "SELECT name, head_version, retain_gen FROM workspaces WHERE tenant = ?1 AND retain_gen <> retain_seen
+            "SELECT name, head_version, retain_gen FROM workspaces INDEXED BY workspaces_retain_changed
+             WHERE tenant = ?1 AND retain_gen <> retain_seen
              UNION SELECT name, head_version, retain_gen FROM workspaces WHERE tenant = ?1 AND retain_next_ms <= ?2
              ORDER BY name"
         };
@@ -394,9 +397,9 @@ pub(super) async fn compaction_candidates(
         tx.execute(crate::COMPACTION_SETTLE_SQL, params![t])
             .map_err(be)?;
         let out = {
-            let mut s = tx
-                .prepare_cached(crate::COMPACTION_CANDIDATES_SQL)
-                .map_err(be)?;
+            let sql = crate::COMPACTION_CANDIDATES_SQL
+                .replace("{from}", "workspaces w INDEXED BY workspaces_compact_check");
+            let mut s = tx.prepare_cached(&sql).map_err(be)?;
             let rows = s
                 .query_map(
                     params![t, idle_before_ms.min(i64::MAX as u64) as i64],
