@@ -255,26 +255,36 @@ pub(crate) fn object_live_sql(x: &str) -> String {
     )
 }
 
-/// The change log's rows for a tenant, oldest first, at most `?2`: each row's sequence
-/// number, manifest, the manifest's record time (NULL: no record) and whether it is
-/// referenced now (1 or 0). See [`Catalog::gc_changes`].
+/// The change log's rows for a tenant after sequence number `?3`, oldest first, at most `?2`:
+/// each row's sequence number, manifest, the manifest's record time (NULL: no record) and
+/// whether it is referenced now (1 or 0). See [`Catalog::gc_changes`].
 pub(crate) fn gc_changes_sql() -> String {
     format!(
         "SELECT l.seq, l.manifest, m.created_ms, CASE WHEN {} THEN 1 ELSE 0 END \
          FROM gc_log l LEFT JOIN manifests m ON m.tenant = l.tenant AND m.id = l.manifest \
-         WHERE l.tenant = ?1 ORDER BY l.seq LIMIT ?2",
+         WHERE l.tenant = ?1 AND l.seq > ?3 ORDER BY l.seq LIMIT ?2",
         referenced_sql("l.manifest")
     )
 }
 
-/// The objects of the manifests `mo.manifest {is}` names (an unreferenced manifest) that
-/// were recorded before `?3` and that no referenced manifest links: each id once, with its
-/// data length.
+/// Every manifest the tenant's change log names that is referenced and has no record (a
+/// row stays in the log for each while that lasts), whatever the log's length.
+pub(crate) fn gc_unrecorded_sql() -> String {
+    format!(
+        "SELECT DISTINCT l.manifest FROM gc_log l WHERE l.tenant = ?1 \
+         AND NOT EXISTS (SELECT 1 FROM manifests m WHERE m.tenant = ?1 AND m.id = l.manifest) \
+         AND {}",
+        referenced_sql("l.manifest")
+    )
+}
+
+/// The objects of the manifests `mo.manifest {is}` names (unreferenced manifests) that no
+/// referenced manifest links: `(manifest, object, data_len, recorded at)`.
 pub(crate) fn gc_stale_objects_sql(is: &str) -> String {
     format!(
-        "SELECT DISTINCT o.id, o.data_len FROM manifest_objects mo \
+        "SELECT mo.manifest, o.id, o.data_len, o.created_ms FROM manifest_objects mo \
          JOIN objects o ON o.tenant = mo.tenant AND o.id = mo.object \
-         WHERE mo.tenant = ?1 AND mo.manifest {is} AND o.created_ms < ?3 AND NOT {}",
+         WHERE mo.tenant = ?1 AND mo.manifest {is} AND NOT {}",
         object_live_sql("mo.object")
     )
 }
@@ -543,11 +553,18 @@ pub trait Catalog: Send + Sync + 'static {
     async fn gc_mark(&self, tenant: &str, grace_ms: u64) -> Result<GcMark>;
     /// The incremental mark: the manifests that lost a reference, or were recorded, or were
     /// referenced without a record, since the log was last settled (triggers write the log
-    /// `gc_log` in the transactions that make those changes), at most `limit` log rows, each
-    /// judged now. An unreferenced manifest recorded more than `grace_ms` ago (by the clock
+    /// `gc_log` in the transactions that make those changes), at most `limit` log rows after
+    /// sequence number `after_seq` (0: from the start), each judged now; and every referenced
+    /// manifest without a record the whole log names. An unreferenced manifest recorded more than `grace_ms` ago (by the clock
     /// that recorded it) is stale, and so are its objects recorded before then that no
     /// referenced manifest links. Its cost follows the rows read, not the tenant's size.
-    async fn gc_changes(&self, tenant: &str, grace_ms: u64, limit: usize) -> Result<GcChanges>;
+    async fn gc_changes(
+        &self,
+        tenant: &str,
+        grace_ms: u64,
+        after_seq: i64,
+        limit: usize,
+    ) -> Result<GcChanges>;
     /// Removes log rows [`Catalog::gc_changes`] settled (once what they found is condemned).
     async fn gc_settle(&self, tenant: &str, seqs: &[i64]) -> Result<()>;
     /// Which of `manifests` are referenced now, and which of `objects` a referenced manifest

@@ -714,8 +714,14 @@ impl Catalog for PostgresCatalog {
         Ok(mark)
     }
 
-    async fn gc_changes(&self, tenant: &str, grace_ms: u64, limit: usize) -> Result<GcChanges> {
-        self.changes(tenant, grace_ms, limit).await
+    async fn gc_changes(
+        &self,
+        tenant: &str,
+        grace_ms: u64,
+        after_seq: i64,
+        limit: usize,
+    ) -> Result<GcChanges> {
+        self.changes(tenant, grace_ms, after_seq, limit).await
     }
 
     async fn gc_settle(&self, tenant: &str, seqs: &[i64]) -> Result<()> {

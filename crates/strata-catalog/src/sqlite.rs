@@ -572,8 +572,14 @@ impl Catalog for SqliteCatalog {
         gc::gc_mark(self, tenant, grace_ms).await
     }
 
-    async fn gc_changes(&self, tenant: &str, grace_ms: u64, limit: usize) -> Result<GcChanges> {
-        gc::gc_changes(self, tenant, grace_ms, limit).await
+    async fn gc_changes(
+        &self,
+        tenant: &str,
+        grace_ms: u64,
+        after_seq: i64,
+        limit: usize,
+    ) -> Result<GcChanges> {
+        gc::gc_changes(self, tenant, grace_ms, after_seq, limit).await
     }
 
     async fn gc_settle(&self, tenant: &str, seqs: &[i64]) -> Result<()> {

@@ -391,14 +391,17 @@ pub struct GcMark {
 pub struct GcChanges {
     /// Log rows read.
     pub looked: u64,
-    /// The read had more rows than its limit: the next pass goes on.
+    /// The read had as many rows as its limit: more may follow `last_seq`.
     pub more: bool,
+    /// The highest sequence number read (the next read starts after it), or the `after` asked.
+    pub last_seq: i64,
     /// Log rows settled by this look: to be removed once the stale ones are condemned. Rows
-    /// of manifests that are unreferenced but not stale yet, or referenced without a record,
-    /// are left for the next look.
+    /// of manifests that are unreferenced but not stale yet (or whose unreferenced objects are
+    /// not all stale yet), and one row per referenced manifest without a record, are left for
+    /// the next look.
     pub settled: Vec<i64>,
-    /// Referenced manifests the catalog has no record of (their objects are the caller's to
-    /// read from the store).
+    /// Every referenced manifest the catalog has no record of that the log names, whatever
+    /// the limit (their objects are the caller's to read from the store and keep).
     pub unrecorded: Vec<Hash>,
     /// Unreferenced manifests recorded more than the grace period ago.
     pub stale_manifests: Vec<Hash>,
@@ -418,38 +421,63 @@ pub struct RetentionDue {
 
 impl GcChanges {
     /// Judges the log rows [`crate::gc_changes_sql`] returned (`(seq, manifest, recorded at,
-    /// referenced)`, `limit` asked for): a referenced manifest with a record settles its rows;
-    /// one without is reported unrecorded and one of its rows stays; an unreferenced one without a
-    /// record settles (its key, if any, is a reconciliation's to find); an unreferenced one
-    /// recorded before `stale_before` is stale and settles; one recorded since stays.
+    /// referenced)`, `limit` asked for, after `after`): a referenced manifest with a record
+    /// settles its rows; one without keeps one row (the caller lists those separately); an
+    /// unreferenced one without a record settles (its key, if any, is a reconciliation's to
+    /// find); an unreferenced one recorded before `stale_before` is stale, its rows returned
+    /// apart (they settle once its objects are judged: [`GcChanges::take_objects`]); one
+    /// recorded since stays.
     pub(crate) fn judge(
         rows: Vec<(i64, Hash, Option<i64>, bool)>,
         stale_before: i64,
+        after: i64,
         limit: usize,
-    ) -> GcChanges {
+    ) -> (GcChanges, std::collections::HashMap<Hash, Vec<i64>>) {
         let mut out = GcChanges {
             looked: rows.len() as u64,
             more: rows.len() >= limit,
+            last_seq: rows.iter().map(|r| r.0).max().unwrap_or(after),
             ..Default::default()
         };
+        let mut stale: std::collections::HashMap<Hash, Vec<i64>> = Default::default();
         let mut seen = std::collections::HashSet::new();
         for (seq, m, recorded, referenced) in rows {
             let first = seen.insert(m);
             match (referenced, recorded) {
                 (true, Some(_)) | (false, None) => out.settled.push(seq),
                 // One row stays to look at it again; its duplicates go.
-                (true, None) if first => out.unrecorded.push(m),
+                (true, None) if first => {}
                 (true, None) => out.settled.push(seq),
                 (false, Some(at)) if at < stale_before => {
-                    out.settled.push(seq);
                     if first {
                         out.stale_manifests.push(m);
                     }
+                    stale.entry(m).or_default().push(seq);
                 }
                 (false, Some(_)) => {}
             }
         }
-        out
+        (out, stale)
+    }
+
+    /// Takes the unreferenced objects of the stale manifests (`(manifest, object, data_len,
+    /// recorded at)`): those recorded before `stale_before` are stale; a manifest with one
+    /// recorded since keeps its rows, to be judged again (its objects too) by a later look.
+    pub(crate) fn take_objects(
+        &mut self,
+        mut stale: std::collections::HashMap<Hash, Vec<i64>>,
+        objects: Vec<(Hash, Hash, u64, i64)>,
+        stale_before: i64,
+    ) {
+        let mut seen = std::collections::HashSet::new();
+        for (m, o, len, at) in objects {
+            if at >= stale_before {
+                stale.remove(&m);
+            } else if seen.insert(o) {
+                self.stale_objects.push((o, len));
+            }
+        }
+        self.settled.extend(stale.into_values().flatten());
     }
 }
 

@@ -479,6 +479,27 @@ impl Engine {
         let mut unreferenced: HashMap<String, u64> = HashMap::new();
         // Change-log rows this pass settles once what they found is condemned.
         let mut settled = vec![];
+        // The change log, in batches of `CHANGES_PER_BATCH` rows up to `CHANGES_PER_PASS` (a
+        // longer backlog is worked off over passes). A reconciliation reads it too, only to
+        // settle it (read before its full mark, so whatever the log found stale the mark finds
+        // stale or referenced again).
+        let (mut log_manifests, mut log_objects) = (vec![], vec![]);
+        let mut unrecorded;
+        let mut after = 0;
+        loop {
+            let ch = cat
+                .gc_changes(tenant, grace_ms, after, CHANGES_PER_BATCH)
+                .await?;
+            report.changes += ch.looked;
+            settled.extend(ch.settled);
+            log_manifests.extend(ch.stale_manifests);
+            log_objects.extend(ch.stale_objects);
+            unrecorded = ch.unrecorded;
+            after = ch.last_seq;
+            if !ch.more || report.changes >= CHANGES_PER_PASS as u64 {
+                break;
+            }
+        }
         let (stale_manifests, stale_objects) = if opts.reconcile {
             let mark = cat.gc_mark(tenant, grace_ms).await?;
             live_manifests.extend(mark.manifests.iter().copied());
@@ -491,14 +512,10 @@ impl Engine {
             report.live_objects += live_objects.len() as u64;
             (mark.stale_manifests, mark.stale_objects)
         } else {
-            let ch = cat.gc_changes(tenant, grace_ms, CHANGES_PER_PASS).await?;
-            report.changes += ch.looked;
-            live_objects.extend(
-                self.unrecorded_objects(tenant, &ch.unrecorded, report)
-                    .await?,
-            );
-            settled = ch.settled;
-            (ch.stale_manifests, ch.stale_objects)
+            // Every referenced manifest without a record, whatever the batches read: their
+            // objects are live, though no record links them.
+            live_objects.extend(self.unrecorded_objects(tenant, &unrecorded, report).await?);
+            (log_manifests, log_objects)
         };
         for m in &stale_manifests {
             if !live_manifests.contains(m) {
@@ -716,8 +733,12 @@ impl Engine {
     }
 }
 
-/// Change-log rows one pass looks at per tenant (a longer log is worked off over passes).
-pub const CHANGES_PER_PASS: usize = 100_000;
+/// Change-log rows one read takes (what a pass holds in memory at once is about this).
+pub const CHANGES_PER_BATCH: usize = 100_000;
+
+/// Change-log rows one pass looks at per tenant at most (a longer backlog is worked off over
+/// passes).
+pub const CHANGES_PER_PASS: usize = 1_000_000;
 
 fn live_in(manifests: &HashSet<Hash>, objects: &HashSet<Hash>, is_obj: bool, id: &Hash) -> bool {
     if is_obj {
@@ -744,10 +765,11 @@ pub fn retention_next(
         if c.version == head || expired.contains(&c.version) {
             continue;
         }
+        // Kept until later: nothing about it changes before then (after, it expires if
+        // labelled, or by count or age if not).
         if let Some(k) = c.keep_until_ms.filter(|k| *k > now_ms) {
             next = next.min(k);
-        }
-        if c.label.is_none() {
+        } else if c.label.is_none() {
             next = next.min(c.created_ms.saturating_add(max_age_ms).saturating_add(1));
         }
     }
@@ -842,6 +864,11 @@ mod tests {
             age_out(100),
             "one passed"
         );
+        // An unlabelled version past max_age kept until later: looked at again then, not at
+        // every pass (its age-out time is behind).
+        let mut old = vec![cp(1, Auto, None, 7200), cp(2, Auto, None, 10)];
+        old[0].keep_until_ms = Some(NOW + 60_000);
+        assert_eq!(retention_next(&old, 2, &[], NOW, &o), NOW + 60_000);
     }
 
     /// Automatic versions and the ones users made are counted apart; the head, labelled

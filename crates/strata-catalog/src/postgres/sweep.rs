@@ -95,12 +95,14 @@ impl PostgresCatalog {
     }
 
     /// The incremental mark (see the trait): the log's rows and their judgement in one
-    /// statement, then the stale manifests' objects in a second (a reference made between the
-    /// two only keeps more objects; the sweep re-marks before it deletes).
+    /// statement, then the stale manifests' objects in a second, then the unrecorded
+    /// references (a reference made between them only keeps more; a reference lost is judged
+    /// by a later look; the sweep re-marks before it deletes).
     pub(super) async fn changes(
         &self,
         tenant: &str,
         grace_ms: u64,
+        after_seq: i64,
         limit: usize,
     ) -> Result<GcChanges> {
         let c = self.conn().await?;
@@ -109,7 +111,7 @@ impl PostgresCatalog {
         let rows = c
             .query(
                 &dollars(&crate::gc_changes_sql()),
-                &[&tenant, &(limit as i64)],
+                &[&tenant, &(limit as i64), &after_seq],
             )
             .await
             .map_err(be)?;
@@ -123,20 +125,33 @@ impl PostgresCatalog {
                 referenced == 1,
             ));
         }
-        let mut out = GcChanges::judge(judged, stale_before, limit);
+        let (mut out, stale) = GcChanges::judge(judged, stale_before, after_seq, limit);
+        let mut objects = vec![];
         if !out.stale_manifests.is_empty() {
             let ms: Vec<String> = out.stale_manifests.iter().map(|h| h.to_hex()).collect();
             for r in c
                 .query(
                     &dollars(&crate::gc_stale_objects_sql("= ANY(?2)")),
-                    &[&tenant, &ms, &stale_before],
+                    &[&tenant, &ms],
                 )
                 .await
                 .map_err(be)?
             {
-                out.stale_objects
-                    .push((hash(r.get(0))?, r.get::<_, i64>(1).max(0) as u64));
+                objects.push((
+                    hash(r.get(0))?,
+                    hash(r.get(1))?,
+                    r.get::<_, i64>(2).max(0) as u64,
+                    r.get::<_, i64>(3),
+                ));
             }
+        }
+        out.take_objects(stale, objects, stale_before);
+        for r in c
+            .query(&dollars(&crate::gc_unrecorded_sql()), &[&tenant])
+            .await
+            .map_err(be)?
+        {
+            out.unrecorded.push(hash(r.get(0))?);
         }
         Ok(out)
     }

@@ -210,6 +210,7 @@ pub(super) async fn gc_changes(
     cat: &SqliteCatalog,
     tenant: &str,
     grace_ms: u64,
+    after_seq: i64,
     limit: usize,
 ) -> Result<GcChanges> {
     let t = tenant.to_string();
@@ -222,7 +223,7 @@ pub(super) async fn gc_changes(
         let mut rows = vec![];
         {
             let mut s = tx.prepare_cached(&crate::gc_changes_sql()).map_err(be)?;
-            let mut q = s.query(params![t, limit as i64]).map_err(be)?;
+            let mut q = s.query(params![t, limit as i64, after_seq]).map_err(be)?;
             while let Some(r) = q.next().map_err(be)? {
                 rows.push((
                     r.get::<_, i64>(0).map_err(be)?,
@@ -232,21 +233,31 @@ pub(super) async fn gc_changes(
                 ));
             }
         }
-        let mut out = GcChanges::judge(rows, stale_before, limit);
+        let (mut out, stale) = GcChanges::judge(rows, stale_before, after_seq, limit);
+        let mut objects = vec![];
         {
             let mut s = tx
                 .prepare_cached(&crate::gc_stale_objects_sql("= ?2"))
                 .map_err(be)?;
-            let mut seen = std::collections::HashSet::new();
             for m in &out.stale_manifests {
-                let mut q = s.query(params![t, m.to_hex(), stale_before]).map_err(be)?;
+                let mut q = s.query(params![t, m.to_hex()]).map_err(be)?;
                 while let Some(r) = q.next().map_err(be)? {
-                    let id = hash(r.get(0).map_err(be)?).map_err(be)?;
-                    if seen.insert(id) {
-                        out.stale_objects
-                            .push((id, r.get::<_, i64>(1).map_err(be)?.max(0) as u64));
-                    }
+                    objects.push((
+                        hash(r.get(0).map_err(be)?).map_err(be)?,
+                        hash(r.get(1).map_err(be)?).map_err(be)?,
+                        r.get::<_, i64>(2).map_err(be)?.max(0) as u64,
+                        r.get::<_, i64>(3).map_err(be)?,
+                    ));
                 }
+            }
+        }
+        out.take_objects(stale, objects, stale_before);
+        {
+            let mut s = tx.prepare_cached(&crate::gc_unrecorded_sql()).map_err(be)?;
+            let mut q = s.query(params![t]).map_err(be)?;
+            while let Some(r) = q.next().map_err(be)? {
+                out.unrecorded
+                    .push(hash(r.get(0).map_err(be)?).map_err(be)?);
             }
         }
         tx.commit().map_err(be)?;

@@ -148,7 +148,7 @@ pub(super) async fn the_change_log_finds_what_the_full_mark_finds(cat: &dyn Cata
         // A GC round with no grace: purge, the incremental mark, the full mark to judge it.
         time.pass(std::time::Duration::from_millis(3)).await;
         cat.purge_expired_checkpoints(T, 0).await.unwrap();
-        let ch = cat.gc_changes(T, 0, 1 << 20).await.unwrap();
+        let ch = cat.gc_changes(T, 0, 0, 1 << 20).await.unwrap();
         assert!(!ch.more);
         let full = cat.gc_mark(T, 0).await.unwrap();
         let live_m: HashSet<Hash> = full.manifests.iter().copied().collect();
@@ -226,9 +226,9 @@ pub(super) async fn the_change_log_finds_what_the_full_mark_finds(cat: &dyn Cata
     // A look with nothing changed since reads nothing but what it must keep looking at
     // (referenced manifests without a record).
     time.pass(std::time::Duration::from_millis(3)).await;
-    let ch = cat.gc_changes(T, 0, 1 << 20).await.unwrap();
+    let ch = cat.gc_changes(T, 0, 0, 1 << 20).await.unwrap();
     cat.gc_settle(T, &ch.settled).await.unwrap();
-    let again = cat.gc_changes(T, 0, 1 << 20).await.unwrap();
+    let again = cat.gc_changes(T, 0, 0, 1 << 20).await.unwrap();
     assert_eq!(again.looked as usize, again.unrecorded.len(), "{again:?}");
     assert!(again.stale_manifests.is_empty() && again.stale_objects.is_empty());
     // A limit shorter than the log: the rest is for the next look.
@@ -237,7 +237,7 @@ pub(super) async fn the_change_log_finds_what_the_full_mark_finds(cat: &dyn Cata
     cat.record_manifest(T, fresh_hash("manifest"), &[])
         .await
         .unwrap();
-    let part = cat.gc_changes(T, 60_000, 1).await.unwrap();
+    let part = cat.gc_changes(T, 60_000, 0, 1).await.unwrap();
     assert!(part.more && part.looked == 1, "{part:?}");
 }
 
@@ -352,5 +352,57 @@ pub(super) async fn retention_is_due_on_change_or_time(cat: &dyn Catalog) {
     assert_eq!(
         cat.compaction_candidates(T, later, false).await.unwrap(),
         [("a".to_string(), h(3))]
+    );
+}
+
+/// The change log's edges (cold review of issue 46): every referenced manifest without a
+/// record is reported whatever the read's limit; a stale manifest whose unreferenced object is
+/// younger than the grace period keeps its rows until that object is stale too, so the object
+/// is judged again rather than forgotten.
+pub(super) async fn the_change_log_keeps_what_it_cannot_judge_yet(cat: &dyn Catalog, time: &Time) {
+    const T: &str = "edge";
+    cat.create_tenant(T).await.unwrap();
+    let m = |n: u8| Hash::of(&[b'm', n]);
+    let o = |n: u8| ObjectRef {
+        id: Hash::of(&[b'o', n]),
+        data_len: 4096,
+    };
+    // Many recorded manifests ahead of two referenced ones without a record.
+    for n in 0..20 {
+        cat.record_manifest(T, m(n), &[]).await.unwrap();
+    }
+    cat.create_workspace(&new_ws(T, "a", m(100))).await.unwrap();
+    cat.create_workspace(&new_ws(T, "b", m(101))).await.unwrap();
+    let first = cat.gc_changes(T, 60_000, 0, 3).await.unwrap();
+    assert!(first.more && first.last_seq > 0, "{first:?}");
+    let mut unrecorded = first.unrecorded.clone();
+    unrecorded.sort();
+    let mut want = vec![m(100), m(101)];
+    want.sort();
+    assert_eq!(unrecorded, want, "beyond the limit too");
+    let next = cat.gc_changes(T, 60_000, first.last_seq, 3).await.unwrap();
+    assert!(next.last_seq > first.last_seq, "paging: {next:?}");
+
+    // M (old) links O; O's row is pruned and recorded again by N: O is younger than M.
+    cat.record_manifest(T, m(50), &[o(1)]).await.unwrap();
+    time.pass(std::time::Duration::from_millis(300)).await;
+    cat.prune_references(T, &[], &[o(1).id]).await.unwrap();
+    cat.record_manifest(T, m(51), &[o(1)]).await.unwrap();
+    // Grace 150 ms: M is stale, O is not.
+    let settle_all = |ch: &GcChanges| ch.settled.clone();
+    let ch = cat.gc_changes(T, 150, 0, 1 << 20).await.unwrap();
+    assert!(ch.stale_manifests.contains(&m(50)), "{ch:?}");
+    assert!(!ch.stale_objects.iter().any(|(id, _)| *id == o(1).id));
+    cat.gc_settle(T, &settle_all(&ch)).await.unwrap();
+    let again = cat.gc_changes(T, 150, 0, 1 << 20).await.unwrap();
+    assert!(
+        again.stale_manifests.contains(&m(50)),
+        "M's rows stay while O is young: {again:?}"
+    );
+    time.pass(std::time::Duration::from_millis(300)).await;
+    let later = cat.gc_changes(T, 150, 0, 1 << 20).await.unwrap();
+    assert!(
+        later.stale_objects.iter().any(|(id, _)| *id == o(1).id),
+        "O judged once stale: {later:?}"
     );
 }

@@ -86,6 +86,7 @@ pub async fn run_all(cat: Arc<dyn Catalog>, time: &Time) {
     tenant_placement(&*cat).await;
     the_change_log_finds_what_the_full_mark_finds(&*cat, time).await;
     retention_is_due_on_change_or_time(&*cat).await;
+    the_change_log_keeps_what_it_cannot_judge_yet(&*cat, time).await;
 }
 
 /// Checks for two handles on the same catalog (two nodes): `a` and `b` must be separate

@@ -377,8 +377,16 @@ impl Catalog for LossyCatalog {
     async fn purge_expired_checkpoints(&self, tenant: &str, grace_ms: u64) -> Result<u64> {
         self.inner.purge_expired_checkpoints(tenant, grace_ms).await
     }
-    async fn gc_changes(&self, tenant: &str, grace_ms: u64, limit: usize) -> Result<GcChanges> {
-        self.inner.gc_changes(tenant, grace_ms, limit).await
+    async fn gc_changes(
+        &self,
+        tenant: &str,
+        grace_ms: u64,
+        after_seq: i64,
+        limit: usize,
+    ) -> Result<GcChanges> {
+        self.inner
+            .gc_changes(tenant, grace_ms, after_seq, limit)
+            .await
     }
     async fn gc_settle(&self, tenant: &str, seqs: &[i64]) -> Result<()> {
         self.inner.gc_settle(tenant, seqs).await
