@@ -422,9 +422,116 @@ async fn main() {
             "gc_p50_ms": gc_p50, "gc_store_requests": requests.load(Relaxed), "kinds": by_kind}),
         );
     }
+    // Saturation: each transaction kind alone, from `BENCH_FLEET_CLIENTS` (default 32)
+    // concurrent clients as fast as they can for `secs / 3` seconds: what one catalog sustains.
+    let clients: usize = env("BENCH_FLEET_CLIENTS", 32);
+    let sat_secs = (secs / 3).max(2);
+    println!("### Saturation: {clients} clients, {sat_secs} s per kind\n");
+    println!("| transaction | per second | p50 ms | p99 ms |");
+    println!("|---|---|---|---|");
+    let mut sat = serde_json::Map::new();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let cat: Arc<dyn Catalog> = match &pg {
+        Some(admin) => {
+            let db = format!("strata_fleet_{}_sat", std::process::id());
+            let url = strata_catalog::create_database(admin, &db).await.unwrap();
+            strata_catalog::open_url(&url, clients.max(4))
+                .await
+                .unwrap()
+        }
+        None => Arc::new(SqliteCatalog::open(&dir.path().join("catalog.db")).unwrap()),
+    };
+    cat.create_tenant(T).await.unwrap();
+    for kind in [
+        "publish (record + head CAS)",
+        "renew leases (batch of 25)",
+        "heartbeat (25 attached)",
+        "read workspace",
+    ] {
+        let st = Arc::new(Stats::default());
+        let ready = Arc::new(tokio::sync::Barrier::new(clients));
+        let tasks: Vec<_> = (0..clients)
+            .map(|c| {
+                let (cat, st, ready) = (cat.clone(), st.clone(), ready.clone());
+                tokio::spawn(async move {
+                    let node = format!("sat-{c}");
+                    let setup = Stats::default();
+                    let mut ws = vec![];
+                    for i in 0..25 {
+                        let w = format!("{}-{c}-{i}", kind.len());
+                        let m = hash(format!("m/{w}/1"));
+                        cat.record_manifest(T, m, &objects(&w, 1)).await.unwrap();
+                        ws.push(create(&*cat, &setup, w, m, &node).await);
+                    }
+                    // Every client set up, then all measure the same window.
+                    ready.wait().await;
+                    let until = Instant::now() + Duration::from_secs(sat_secs);
+                    let mut i = 0;
+                    while Instant::now() < until {
+                        let t = Instant::now();
+                        match kind.as_bytes()[0] {
+                            b'p' => {
+                                publish(&*cat, &setup, &mut ws[i % 25], CheckpointKind::Auto).await
+                            }
+                            b'r' if kind.starts_with("renew") => {
+                                let batch: Vec<LeaseRenewal> = ws
+                                    .iter()
+                                    .map(|w| LeaseRenewal {
+                                        tenant: T.into(),
+                                        workspace: w.name.clone(),
+                                        lease: w.lease.clone(),
+                                    })
+                                    .collect();
+                                cat.renew_leases(&batch, LEASE_TTL_MS).await.unwrap();
+                            }
+                            b'h' => {
+                                let status = NodeStatus {
+                                    node: node.clone(),
+                                    url: None,
+                                    seen_ms: 0,
+                                    seen_ago_ms: 0,
+                                    attached: ws
+                                        .iter()
+                                        .map(|w| AttachedStatus {
+                                            tenant: T.into(),
+                                            workspace: w.name.clone(),
+                                            mode: Mode::Durable,
+                                            epoch: w.lease.epoch,
+                                            head_version: w.version,
+                                            remote_window_bytes: 0,
+                                            remote_window_age_ms: 0,
+                                        })
+                                        .collect(),
+                                };
+                                cat.report_node(&status).await.unwrap();
+                            }
+                            _ => {
+                                cat.get_workspace(T, &ws[i % 25].name).await.unwrap();
+                            }
+                        }
+                        st.add("x", t.elapsed());
+                        i += 1;
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let mut lat = std::mem::take(&mut *st.lat.lock().unwrap());
+        let v = lat.get_mut("x").unwrap();
+        let rate = v.len() as f64 / sat_secs as f64;
+        let (p50, p99) = (pct(v, 0.5), pct(v, 0.99));
+        println!("| {kind} | {rate:.0} | {p50:.2} | {p99:.2} |");
+        sat.insert(
+            kind.into(),
+            json!({"per_s": rate, "p50_ms": p50, "p99_ms": p99}),
+        );
+    }
+    println!();
     if let Ok(path) = std::env::var("BENCH_JSON") {
         let doc = json!({"bench": "fleet", "workspaces_per_node": n_ws, "active": active,
-            "ops_per_node_s": ops, "rows": rows});
+            "ops_per_node_s": ops, "rows": rows, "saturation": {"clients": clients, "secs": sat_secs, "kinds": sat}});
         std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
     }
 }
