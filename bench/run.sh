@@ -17,7 +17,9 @@
 #              (with strata-s3: strata on moto behind the latency proxy)
 #   space      local disk use of the embedded default per live byte: bench/space.sh
 #   gc         one GC pass after no change against the versions retained, and a
-#              reconciliation pass (moto + latency): bench/gc-pass.sh (a Markdown table)
+#              reconciliation pass (moto + latency): bench/gc-pass.sh (a Markdown table); the
+#              same at 100 to 100,000 versions on a simulated store and the fleet simulation
+#              (PostgreSQL when STRATA_TEST_PG is set): crates/strata-engine/benches/{gcpass,fleet}.rs
 #   engine     4. fork/checkpoint/restore scaling, 5. shared cache across 8 forks and
 #                 6. memory per extent: crates/strata-engine/benches/scale.rs; 7. checkpoints
 #                 of a live workspace against dirty data: crates/strata-engine/benches/live.rs
@@ -70,7 +72,11 @@ for s in $scenarios; do
            BENCH_OUT="$tmp/nbd.json" bench/nbd.sh | tee "$tmp/nbd.md" ;;
     space) BENCH_OUT="$tmp/space.json" bench/space.sh | tee "$tmp/space.md" ;;
     gc) if [ "$smoke" = 1 ]; then BENCH_WS=2 BENCH_GC_VERSIONS="4 8" bench/gc-pass.sh | tee "$tmp/gc.md"
-        else bench/gc-pass.sh | tee "$tmp/gc.md"; fi
+          cargo test -q -p strata-engine --bench gcpass; cargo test -q -p strata-engine --bench fleet
+        else bench/gc-pass.sh | tee "$tmp/gc.md"
+          BENCH_JSON="$out/gcpass.json" cargo bench -q -p strata-engine --bench gcpass | tee "$tmp/gcpass.md"
+          BENCH_JSON="$out/fleet.json" cargo bench -q -p strata-engine --bench fleet | tee "$tmp/fleet.md"
+          cp "$tmp/gcpass.md" "$out/gcpass.md"; cp "$tmp/fleet.md" "$out/fleet.md"; fi
         cp "$tmp/gc.md" "$out/gc-pass.md" ;;
     coldstart) BENCH_OUT="$tmp/coldstart.json" bench/coldstart.sh ;;
     *) echo "unknown scenario $s (engine, nbd, coldstart, space, gc)" >&2; exit 2 ;;
