@@ -278,14 +278,20 @@ pub(crate) fn gc_unrecorded_sql() -> String {
     )
 }
 
-/// The objects of the manifests `mo.manifest {is}` names (unreferenced manifests) that no
-/// referenced manifest links: `(manifest, object, data_len, recorded at)`.
+/// The objects of the manifests `manifest {is}` names (unreferenced manifests) that no
+/// referenced manifest links: `(manifest, object, data_len, recorded at)`. Each distinct object
+/// is judged once (materialized: an object every version of a workspace shares is linked by
+/// each of the stale manifests, and judging it means walking its links to a referenced one).
 pub(crate) fn gc_stale_objects_sql(is: &str) -> String {
     format!(
-        "SELECT mo.manifest, o.id, o.data_len, o.created_ms FROM manifest_objects mo \
+        "WITH cand(object) AS MATERIALIZED (SELECT DISTINCT c.object FROM manifest_objects c \
+             WHERE c.tenant = ?1 AND c.manifest {is}), \
+         dead(object) AS MATERIALIZED (SELECT cand.object FROM cand WHERE NOT {}) \
+         SELECT mo.manifest, o.id, o.data_len, o.created_ms FROM manifest_objects mo \
+         JOIN dead ON dead.object = mo.object \
          JOIN objects o ON o.tenant = mo.tenant AND o.id = mo.object \
-         WHERE mo.tenant = ?1 AND mo.manifest {is} AND NOT {}",
-        object_live_sql("mo.object")
+         WHERE mo.tenant = ?1 AND mo.manifest {is}",
+        object_live_sql("cand.object")
     )
 }
 

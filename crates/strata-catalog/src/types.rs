@@ -462,21 +462,33 @@ impl GcChanges {
 
     /// Takes the unreferenced objects of the stale manifests (`(manifest, object, data_len,
     /// recorded at)`): those recorded before `stale_before` are stale; a manifest with one
-    /// recorded since keeps its rows, to be judged again (its objects too) by a later look.
+    /// recorded since is not stale yet: it keeps its rows, to be judged again (its objects
+    /// too) by a later look.
     pub(crate) fn take_objects(
         &mut self,
         mut stale: std::collections::HashMap<Hash, Vec<i64>>,
         objects: Vec<(Hash, Hash, u64, i64)>,
         stale_before: i64,
     ) {
-        let mut seen = std::collections::HashSet::new();
+        let mut young = std::collections::HashSet::new();
+        let mut old = vec![];
         for (m, o, len, at) in objects {
             if at >= stale_before {
-                stale.remove(&m);
-            } else if seen.insert(o) {
+                young.insert(m);
+            } else {
+                old.push((m, o, len));
+            }
+        }
+        // A manifest with a young object is left whole for a later look: neither it nor its
+        // objects are condemned now (its links must stay until the young object is judged).
+        let mut seen = std::collections::HashSet::new();
+        for (m, o, len) in old {
+            if !young.contains(&m) && seen.insert(o) {
                 self.stale_objects.push((o, len));
             }
         }
+        self.stale_manifests.retain(|m| !young.contains(m));
+        stale.retain(|m, _| !young.contains(m));
         self.settled.extend(stale.into_values().flatten());
     }
 }

@@ -484,19 +484,22 @@ impl Engine {
         // settle it (read before its full mark, so whatever the log found stale the mark finds
         // stale or referenced again).
         let (mut log_manifests, mut log_objects) = (vec![], vec![]);
-        let mut unrecorded;
-        let mut after = 0;
+        let mut unrecorded = vec![];
+        let (mut after, mut looked) = (0, 0u64);
         loop {
             let ch = cat
                 .gc_changes(tenant, grace_ms, after, CHANGES_PER_BATCH)
                 .await?;
             report.changes += ch.looked;
+            looked += ch.looked;
             settled.extend(ch.settled);
             log_manifests.extend(ch.stale_manifests);
             log_objects.extend(ch.stale_objects);
-            unrecorded = ch.unrecorded;
+            if after == 0 {
+                unrecorded = ch.unrecorded; // the first batch lists them all
+            }
             after = ch.last_seq;
-            if !ch.more || report.changes >= CHANGES_PER_PASS as u64 {
+            if !ch.more || looked >= CHANGES_PER_PASS as u64 {
                 break;
             }
         }
@@ -667,6 +670,35 @@ impl Engine {
                 Standing::Unreferenced(_) | Standing::Unknown => {} // not yet for long enough
                 Standing::Revived => revived.push(key.clone()),     // referenced again, or gone
             }
+        }
+        // The last look before a delete: a key judged unreferenced earlier in this pass (by a
+        // batch of the log, or the full mark, each read before the condemnation above) may have
+        // been referenced again since; one probe per key about to go.
+        if !doomed.is_empty() {
+            let (mut ms, mut os) = (vec![], vec![]);
+            for (k, _) in &doomed {
+                match key_id(tenant, k) {
+                    Some((true, id)) => os.push(id),
+                    Some((false, id)) => ms.push(id),
+                    None => {}
+                }
+            }
+            let l = cat.gc_live(tenant, &ms, &os).await?;
+            let (again_m, again_o): (HashSet<Hash>, HashSet<Hash>) = (
+                l.manifests.into_iter().collect(),
+                l.objects.into_iter().collect(),
+            );
+            doomed.retain(|(k, _)| match key_id(tenant, k) {
+                Some((false, id)) if again_m.contains(&id) => {
+                    revived.push(k.clone());
+                    false
+                }
+                Some((true, id)) if again_o.contains(&id) => {
+                    revived.push(k.clone());
+                    false
+                }
+                _ => true,
+            });
         }
         // The catalog's rows for what is deleted go first: a failure after leaves a key
         // without rows (deleted by a reconciliation pass), never rows without a key.

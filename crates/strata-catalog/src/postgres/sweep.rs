@@ -127,8 +127,8 @@ impl PostgresCatalog {
         }
         let (mut out, stale) = GcChanges::judge(judged, stale_before, after_seq, limit);
         let mut objects = vec![];
-        if !out.stale_manifests.is_empty() {
-            let ms: Vec<String> = out.stale_manifests.iter().map(|h| h.to_hex()).collect();
+        for chunk in out.stale_manifests.chunks(500) {
+            let ms: Vec<String> = chunk.iter().map(|h| h.to_hex()).collect();
             for r in c
                 .query(
                     &dollars(&crate::gc_stale_objects_sql("= ANY(?2)")),
@@ -146,12 +146,15 @@ impl PostgresCatalog {
             }
         }
         out.take_objects(stale, objects, stale_before);
-        for r in c
-            .query(&dollars(&crate::gc_unrecorded_sql()), &[&tenant])
-            .await
-            .map_err(be)?
-        {
-            out.unrecorded.push(hash(r.get(0))?);
+        // Once per pass (its first batch): the query walks the whole log.
+        if after_seq == 0 {
+            for r in c
+                .query(&dollars(&crate::gc_unrecorded_sql()), &[&tenant])
+                .await
+                .map_err(be)?
+            {
+                out.unrecorded.push(hash(r.get(0))?);
+            }
         }
         Ok(out)
     }

@@ -206,6 +206,9 @@ pub(super) async fn gc_forget(cat: &SqliteCatalog, tenant: &str, keys: &[String]
     .await
 }
 
+/// Stale manifests judged per statement.
+const STALE_CHUNK: usize = 500;
+
 pub(super) async fn gc_changes(
     cat: &SqliteCatalog,
     tenant: &str,
@@ -235,24 +238,29 @@ pub(super) async fn gc_changes(
         }
         let (mut out, stale) = GcChanges::judge(rows, stale_before, after_seq, limit);
         let mut objects = vec![];
-        {
+        // The stale manifests in chunks, each one statement (a JSON array of ids: SQLite has
+        // no array parameters).
+        for chunk in out.stale_manifests.chunks(STALE_CHUNK) {
+            let ids = serde_json::to_string(&chunk.iter().map(|m| m.to_hex()).collect::<Vec<_>>())
+                .map_err(|e| CatalogError::from_source("encoding ids", false, e))?;
             let mut s = tx
-                .prepare_cached(&crate::gc_stale_objects_sql("= ?2"))
+                .prepare_cached(&crate::gc_stale_objects_sql(
+                    "IN (SELECT value FROM json_each(?2))",
+                ))
                 .map_err(be)?;
-            for m in &out.stale_manifests {
-                let mut q = s.query(params![t, m.to_hex()]).map_err(be)?;
-                while let Some(r) = q.next().map_err(be)? {
-                    objects.push((
-                        hash(r.get(0).map_err(be)?).map_err(be)?,
-                        hash(r.get(1).map_err(be)?).map_err(be)?,
-                        r.get::<_, i64>(2).map_err(be)?.max(0) as u64,
-                        r.get::<_, i64>(3).map_err(be)?,
-                    ));
-                }
+            let mut q = s.query(params![t, ids]).map_err(be)?;
+            while let Some(r) = q.next().map_err(be)? {
+                objects.push((
+                    hash(r.get(0).map_err(be)?).map_err(be)?,
+                    hash(r.get(1).map_err(be)?).map_err(be)?,
+                    r.get::<_, i64>(2).map_err(be)?.max(0) as u64,
+                    r.get::<_, i64>(3).map_err(be)?,
+                ));
             }
         }
         out.take_objects(stale, objects, stale_before);
-        {
+        // Once per pass (its first batch): the query walks the whole log.
+        if after_seq == 0 {
             let mut s = tx.prepare_cached(&crate::gc_unrecorded_sql()).map_err(be)?;
             let mut q = s.query(params![t]).map_err(be)?;
             while let Some(r) = q.next().map_err(be)? {
