@@ -180,7 +180,9 @@ impl PostgresCatalog {
         let (ms, os) = (hex(manifests), hex(objects));
         let c = self.conn().await?;
         let mut out = GcLive::default();
-        if !ms.is_empty() {
+        // In chunks: judging an object walks its links to a referenced one, and a statement
+        // must end well inside the catalog's statement timeout.
+        for ms in ms.chunks(1000) {
             let sql = dollars(&format!(
                 "SELECT u.k FROM unnest(?2::TEXT[]) AS u(k) WHERE {}",
                 crate::referenced_sql("u.k")
@@ -189,7 +191,7 @@ impl PostgresCatalog {
                 out.manifests.push(hash(r.get(0))?);
             }
         }
-        if !os.is_empty() {
+        for os in os.chunks(500) {
             let sql = dollars(&format!(
                 "SELECT u.k, {}, o.data_len FROM unnest(?2::TEXT[]) AS u(k) \
                  LEFT JOIN objects o ON o.tenant = ?1 AND o.id = u.k",
