@@ -677,41 +677,11 @@ impl Catalog for PostgresCatalog {
     }
 
     async fn gc_references(&self, tenant: &str, grace_ms: u64) -> Result<Vec<Hash>> {
-        let c = self.conn().await?;
-        c.query(
-            &format!(
-                "SELECT head_manifest FROM workspaces WHERE tenant = $1
-                 UNION SELECT manifest FROM checkpoints WHERE tenant = $1 AND (expired_ms IS NULL OR expired_ms >= ({SERVER_NOW}) - $2)
-                 UNION SELECT manifest FROM templates WHERE tenant = $1"
-            ),
-            &[&tenant, &(grace_ms as i64)],
-        )
-        .await
-        .map_err(be)?
-        .iter()
-        .map(|r| hash(r.get(0)))
-        .collect()
+        self.references(tenant, grace_ms).await
     }
 
     async fn gc_mark(&self, tenant: &str, grace_ms: u64) -> Result<GcMark> {
-        let c = self.conn().await?;
-        // Expiry is on the server's clock; records carry the recording node's (`record_manifest`).
-        let sql = crate::GC_MARK_SQL
-            .replace("?1", "$1")
-            .replace("?2", &format!("({SERVER_NOW}) - $2"))
-            .replace("?3", "$3");
-        let stale_before = now_ms() as i64 - grace_ms as i64;
-        let mut mark = GcMark::default();
-        for r in c
-            .query(&sql, &[&tenant, &(grace_ms as i64), &stale_before])
-            .await
-            .map_err(be)?
-        {
-            // The third column is a BIGINT (the union with `data_len`).
-            let (kind, id, n): (i32, &str, i64) = (r.get(0), r.get(1), r.get(2));
-            mark.take_row(kind.into(), hash(id)?, n);
-        }
-        Ok(mark)
+        self.full_mark(tenant, grace_ms).await
     }
 
     async fn gc_changes(

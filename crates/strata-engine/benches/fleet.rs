@@ -58,6 +58,13 @@ struct Stats {
 }
 
 impl Stats {
+    /// A periodic task ran at `now`, due at `next`: counted late if over half a period after.
+    fn ran(&self, next: Instant, period: Duration, now: Instant) {
+        self.due.fetch_add(1, Relaxed);
+        if now > next + period / 2 {
+            self.late.fetch_add(1, Relaxed);
+        }
+    }
     fn add(&self, kind: &'static str, d: Duration) {
         self.lat.lock().unwrap().entry(kind).or_default().push(d);
     }
@@ -73,6 +80,37 @@ struct Ws {
     name: String,
     lease: LeaseGrant,
     version: u64,
+}
+
+/// A node's heartbeat: one entry per attached workspace.
+fn status<'a>(node: &str, url: Option<String>, ws: impl Iterator<Item = &'a Ws>) -> NodeStatus {
+    NodeStatus {
+        node: node.into(),
+        url,
+        seen_ms: 0,
+        seen_ago_ms: 0,
+        attached: ws
+            .map(|w| AttachedStatus {
+                tenant: T.into(),
+                workspace: w.name.clone(),
+                mode: Mode::Durable,
+                epoch: w.lease.epoch,
+                head_version: w.version,
+                remote_window_bytes: 0,
+                remote_window_age_ms: 0,
+            })
+            .collect(),
+    }
+}
+
+/// One renewal call's batch: every lease the node holds.
+fn renewals<'a>(ws: impl Iterator<Item = &'a Ws>) -> Vec<LeaseRenewal> {
+    ws.map(|w| LeaseRenewal {
+        tenant: T.into(),
+        workspace: w.name.clone(),
+        lease: w.lease.clone(),
+    })
+    .collect()
 }
 
 fn hash(s: String) -> Hash {
@@ -208,49 +246,17 @@ async fn node(
             tokio::time::sleep(wake - now).await;
             continue;
         }
-        let late = |next: Instant, period: Duration| now > next + period / 2;
         if now >= next_beat {
-            st.due.fetch_add(1, Relaxed);
-            if late(next_beat, HEARTBEAT) {
-                st.late.fetch_add(1, Relaxed);
-            }
-            let status = NodeStatus {
-                node: name.clone(),
-                url: Some(format!("http://10.0.{}.{}:7000", id / 250, id % 250)),
-                seen_ms: 0,
-                seen_ago_ms: 0,
-                attached: ws
-                    .iter()
-                    .chain(forks.iter())
-                    .map(|w| AttachedStatus {
-                        tenant: T.into(),
-                        workspace: w.name.clone(),
-                        mode: Mode::Durable,
-                        epoch: w.lease.epoch,
-                        head_version: w.version,
-                        remote_window_bytes: 0,
-                        remote_window_age_ms: 0,
-                    })
-                    .collect(),
-            };
+            st.ran(next_beat, HEARTBEAT, now);
+            let url = Some(format!("http://10.0.{}.{}:7000", id / 250, id % 250));
+            let status = status(&name, url, ws.iter().chain(forks.iter()));
             st.time("heartbeat", cat.report_node(&status))
                 .await
                 .unwrap();
             next_beat += HEARTBEAT;
         } else if now >= next_renew {
-            st.due.fetch_add(1, Relaxed);
-            if late(next_renew, RENEW) {
-                st.late.fetch_add(1, Relaxed);
-            }
-            let batch: Vec<LeaseRenewal> = ws
-                .iter()
-                .chain(forks.iter())
-                .map(|w| LeaseRenewal {
-                    tenant: T.into(),
-                    workspace: w.name.clone(),
-                    lease: w.lease.clone(),
-                })
-                .collect();
+            st.ran(next_renew, RENEW, now);
+            let batch = renewals(ws.iter().chain(forks.iter()));
             st.time(
                 "renew leases (batch)",
                 cat.renew_leases(&batch, LEASE_TTL_MS),
@@ -292,10 +298,7 @@ async fn node(
             }
             next_op += op_gap;
         } else if let Some(i) = (0..next_publish.len()).find(|&i| now >= next_publish[i]) {
-            st.due.fetch_add(1, Relaxed);
-            if late(next_publish[i], PUBLISH) {
-                st.late.fetch_add(1, Relaxed);
-            }
+            st.ran(next_publish[i], PUBLISH, now);
             publish(&*cat, &st, &mut ws[i], CheckpointKind::Auto).await;
             next_publish[i] += PUBLISH;
         }
@@ -442,12 +445,15 @@ async fn main() {
         None => Arc::new(SqliteCatalog::open(&dir.path().join("catalog.db")).unwrap()),
     };
     cat.create_tenant(T).await.unwrap();
-    for kind in [
+    for (k, kind) in [
         "publish (record + head CAS)",
         "renew leases (batch of 25)",
         "heartbeat (25 attached)",
         "read workspace",
-    ] {
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let st = Arc::new(Stats::default());
         let ready = Arc::new(tokio::sync::Barrier::new(clients));
         let tasks: Vec<_> = (0..clients)
@@ -458,7 +464,7 @@ async fn main() {
                     let setup = Stats::default();
                     let mut ws = vec![];
                     for i in 0..25 {
-                        let w = format!("{}-{c}-{i}", kind.len());
+                        let w = format!("{k}-{c}-{i}");
                         let m = hash(format!("m/{w}/1"));
                         cat.record_manifest(T, m, &objects(&w, 1)).await.unwrap();
                         ws.push(create(&*cat, &setup, w, m, &node).await);
@@ -469,40 +475,16 @@ async fn main() {
                     let mut i = 0;
                     while Instant::now() < until {
                         let t = Instant::now();
-                        match kind.as_bytes()[0] {
-                            b'p' => {
+                        match k {
+                            0 => {
                                 publish(&*cat, &setup, &mut ws[i % 25], CheckpointKind::Auto).await
                             }
-                            b'r' if kind.starts_with("renew") => {
-                                let batch: Vec<LeaseRenewal> = ws
-                                    .iter()
-                                    .map(|w| LeaseRenewal {
-                                        tenant: T.into(),
-                                        workspace: w.name.clone(),
-                                        lease: w.lease.clone(),
-                                    })
-                                    .collect();
+                            1 => {
+                                let batch = renewals(ws.iter());
                                 cat.renew_leases(&batch, LEASE_TTL_MS).await.unwrap();
                             }
-                            b'h' => {
-                                let status = NodeStatus {
-                                    node: node.clone(),
-                                    url: None,
-                                    seen_ms: 0,
-                                    seen_ago_ms: 0,
-                                    attached: ws
-                                        .iter()
-                                        .map(|w| AttachedStatus {
-                                            tenant: T.into(),
-                                            workspace: w.name.clone(),
-                                            mode: Mode::Durable,
-                                            epoch: w.lease.epoch,
-                                            head_version: w.version,
-                                            remote_window_bytes: 0,
-                                            remote_window_age_ms: 0,
-                                        })
-                                        .collect(),
-                                };
+                            2 => {
+                                let status = status(&node, None, ws.iter());
                                 cat.report_node(&status).await.unwrap();
                             }
                             _ => {

@@ -545,14 +545,13 @@ impl Engine {
         if !opts.reconcile {
             // The re-mark before a delete: of the condemned keys not found unreferenced just
             // now, those referenced again (one probe each, no store request).
-            let (mut ms, mut os) = (vec![], vec![]);
-            for (k, _) in &condemned {
-                match key_id(tenant, k) {
-                    Some((true, id)) if !unreferenced.contains_key(k) => os.push(id),
-                    Some((false, id)) if !unreferenced.contains_key(k) => ms.push(id),
-                    _ => {}
-                }
-            }
+            let (ms, os) = ids_by_kind(
+                tenant,
+                condemned
+                    .iter()
+                    .map(|(k, _)| k)
+                    .filter(|k| !unreferenced.contains_key(*k)),
+            );
             if !ms.is_empty() || !os.is_empty() {
                 let l = cat.gc_live(tenant, &ms, &os).await?;
                 live_manifests.extend(l.manifests);
@@ -622,25 +621,14 @@ impl Engine {
         // batch of the log, or the full mark, each read before the condemnation above) may have
         // been referenced again since; one probe per key about to go.
         if !doomed.is_empty() {
-            let (mut ms, mut os) = (vec![], vec![]);
-            for (k, _) in &doomed {
-                match key_id(tenant, k) {
-                    Some((true, id)) => os.push(id),
-                    Some((false, id)) => ms.push(id),
-                    None => {}
-                }
-            }
+            let (ms, os) = ids_by_kind(tenant, doomed.iter().map(|(k, _)| k));
             let l = cat.gc_live(tenant, &ms, &os).await?;
             let (again_m, again_o): (HashSet<Hash>, HashSet<Hash>) = (
                 l.manifests.into_iter().collect(),
                 l.objects.into_iter().collect(),
             );
             doomed.retain(|(k, _)| match key_id(tenant, k) {
-                Some((false, id)) if again_m.contains(&id) => {
-                    revived.push(k.clone());
-                    false
-                }
-                Some((true, id)) if again_o.contains(&id) => {
+                Some((is_obj, id)) if live_in(&again_m, &again_o, is_obj, &id) => {
                     revived.push(k.clone());
                     false
                 }
@@ -649,17 +637,12 @@ impl Engine {
         }
         // The catalog's rows for what is deleted go first: a failure after leaves a key
         // without rows (deleted by a reconciliation pass), never rows without a key.
-        let ids: Vec<(bool, Hash)> = doomed
-            .iter()
-            .filter_map(|(k, _)| key_id(tenant, k))
-            .collect();
-        if !ids.is_empty() {
+        let (mans, objs) = ids_by_kind(tenant, doomed.iter().map(|(k, _)| k));
+        if !mans.is_empty() || !objs.is_empty() {
             if !steps.take() {
                 return Ok(false);
             }
-            let (objs, mans): (Vec<_>, Vec<_>) = ids.iter().partition(|(o, _)| *o);
-            let ids = |v: Vec<&(bool, Hash)>| v.into_iter().map(|(_, h)| *h).collect::<Vec<_>>();
-            report.pruned_rows += cat.prune_references(tenant, &ids(mans), &ids(objs)).await?;
+            report.pruned_rows += cat.prune_references(tenant, &mans, &objs).await?;
         }
         let mut deleted = vec![];
         for (key, size) in &doomed {
@@ -718,6 +701,19 @@ pub const CHANGES_PER_BATCH: usize = 100_000;
 /// Change-log rows one pass looks at per tenant at most (a longer backlog is worked off over
 /// passes).
 pub const CHANGES_PER_PASS: usize = 1_000_000;
+
+/// The manifest and object ids among `keys` (other keys skipped).
+fn ids_by_kind<'a>(tenant: &str, keys: impl Iterator<Item = &'a String>) -> (Vec<Hash>, Vec<Hash>) {
+    let (mut manifests, mut objects) = (vec![], vec![]);
+    for k in keys {
+        match key_id(tenant, k) {
+            Some((true, id)) => objects.push(id),
+            Some((false, id)) => manifests.push(id),
+            None => {}
+        }
+    }
+    (manifests, objects)
+}
 
 fn live_in(manifests: &HashSet<Hash>, objects: &HashSet<Hash>, is_obj: bool, id: &Hash) -> bool {
     if is_obj {

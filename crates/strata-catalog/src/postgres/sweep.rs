@@ -1,5 +1,6 @@
-//! GC's bookkeeping in PostgreSQL: condemned keys (the two-phase sweep) and the pruning of
-//! recorded references.
+//! GC's bookkeeping in PostgreSQL: the marks (full and from the change log), condemned keys
+//! (the two-phase sweep), the re-mark, retention and compaction bookkeeping, and the pruning
+//! of recorded references.
 
 use strata_format::Hash;
 
@@ -8,6 +9,46 @@ use super::PostgresCatalog;
 use crate::*;
 
 impl PostgresCatalog {
+    /// Every manifest the tenant references (see the trait's `gc_references`).
+    pub(super) async fn references(&self, tenant: &str, grace_ms: u64) -> Result<Vec<Hash>> {
+        let c = self.conn().await?;
+        c.query(
+            &format!(
+                "SELECT head_manifest FROM workspaces WHERE tenant = $1
+                 UNION SELECT manifest FROM checkpoints WHERE tenant = $1 AND (expired_ms IS NULL OR expired_ms >= ({SERVER_NOW}) - $2)
+                 UNION SELECT manifest FROM templates WHERE tenant = $1"
+            ),
+            &[&tenant, &(grace_ms as i64)],
+        )
+        .await
+        .map_err(be)?
+        .iter()
+        .map(|r| hash(r.get(0)))
+        .collect()
+    }
+
+    /// A reconciliation's full mark (see the trait's `gc_mark`).
+    pub(super) async fn full_mark(&self, tenant: &str, grace_ms: u64) -> Result<GcMark> {
+        let c = self.conn().await?;
+        // Expiry is on the server's clock; records carry the recording node's (`record_manifest`).
+        let sql = crate::GC_MARK_SQL
+            .replace("?1", "$1")
+            .replace("?2", &format!("({SERVER_NOW}) - $2"))
+            .replace("?3", "$3");
+        let stale_before = now_ms() as i64 - grace_ms as i64;
+        let mut mark = GcMark::default();
+        for r in c
+            .query(&sql, &[&tenant, &(grace_ms as i64), &stale_before])
+            .await
+            .map_err(be)?
+        {
+            // The third column is a BIGINT (the union with `data_len`).
+            let (kind, id, n): (i32, &str, i64) = (r.get(0), r.get(1), r.get(2));
+            mark.take_row(kind.into(), hash(id)?, n);
+        }
+        Ok(mark)
+    }
+
     pub(super) async fn condemn(&self, tenant: &str, keys: &[String]) -> Result<()> {
         let c = self.conn().await?;
         c.execute(
