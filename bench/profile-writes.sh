@@ -8,6 +8,7 @@
 #   bench/profile-writes.sh                      # release build of this tree
 #   STRATA_BIN=/path/to/strata bench/profile-writes.sh
 #   BENCH_PERF=0 bench/profile-writes.sh         # IOPS and CPU per write only, no profiler
+#   BENCH_PERF_GRAPH='--call-graph dwarf,16384' bench/profile-writes.sh   # whole Rust stacks
 # Installs nothing: needs perf (unless BENCH_PERF=0), fio (with the nbd engine) and python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +33,7 @@ pid=$!
 for _ in $(seq 100); do [ -S "$work/s.sock" ] && break; sleep 0.1; done
 perf_pid=
 if [ "$use_perf" = 1 ]; then
-  perf record -q -F 999 -g -p "$pid" -o "$data" -- sleep 12 &
+  perf record -q -F ${BENCH_PERF_FREQ:-999} ${BENCH_PERF_GRAPH:--g} -p "$pid" -o "$data" -- sleep 12 &
   perf_pid=$!
 fi
 cpu() { awk '{print $14 + $15}' "/proc/$pid/stat"; }   # utime + stime, clock ticks

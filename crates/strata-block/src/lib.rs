@@ -50,6 +50,20 @@ pub trait BlockDevice: Send + Sync + 'static {
     }
     async fn read(&self, offset: u64, len: u32) -> DevResult<Vec<u8>>;
     async fn write(&self, offset: u64, data: &[u8], fua: bool) -> DevResult<()>;
+    /// Whether [`BlockDevice::write_many`] does better than one write after another: a
+    /// front-end then hands it the writes that arrived together.
+    fn batches_writes(&self) -> bool {
+        false
+    }
+    /// Several writes that arrived together (none with FUA), as if each were written by its own
+    /// concurrent call: one result per write, in order, each meaning what `write`'s would.
+    async fn write_many(&self, writes: &[(u64, &[u8])]) -> Vec<DevResult<()>> {
+        let mut out = Vec::with_capacity(writes.len());
+        for (offset, data) in writes {
+            out.push(self.write(*offset, data, false).await);
+        }
+        out
+    }
     /// Returns when every write completed before the call is as durable as the device promises.
     async fn flush(&self) -> DevResult<()>;
     async fn trim(&self, offset: u64, len: u32, fua: bool) -> DevResult<()>;

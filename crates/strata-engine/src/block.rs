@@ -36,6 +36,16 @@ impl BlockDevice for Volume {
             .await
             .map_err(|e| map(e, true))
     }
+    fn batches_writes(&self) -> bool {
+        true
+    }
+    async fn write_many(&self, writes: &[(u64, &[u8])]) -> Vec<DevResult<()>> {
+        Volume::write_many(self, writes)
+            .await
+            .into_iter()
+            .map(|r| r.map_err(|e| map(e, true)))
+            .collect()
+    }
     async fn flush(&self) -> DevResult<()> {
         Volume::flush(self).await.map_err(|e| map(e, true))
     }

@@ -566,6 +566,21 @@ impl Journal {
         Some(r)
     }
 
+    /// Reserves places for several records (each as [`Journal::reserve`]), stopping at the
+    /// first that cannot be reserved: they lie back to back in the active segment, so one
+    /// write lands them all ([`write_group`]). Items are (lba, blocks, payload bytes) of
+    /// writes.
+    pub fn reserve_many(&mut self, items: &[(u64, u64, u64)]) -> Vec<Reserved> {
+        let mut out = Vec::with_capacity(items.len());
+        for &(lba, n, len) in items {
+            match self.reserve(Kind::Write, lba, n, len) {
+                Some(r) => out.push(r),
+                None => break,
+            }
+        }
+        out
+    }
+
     /// The next record's place in the active segment (not yet taken: see `commit`).
     fn place(&self, kind: Kind, lba: u64, nblocks: u32) -> io::Result<Reserved> {
         let seg = self
@@ -738,6 +753,39 @@ impl Reserved {
         self.file.write_at(&record, self.at)?;
         Ok(self.at + HEADER_LEN as u64)
     }
+}
+
+/// Writes records reserved back to back by [`Journal::reserve_many`] with one write; returns
+/// the offset of each payload. A torn write leaves a prefix of them, which replay reads as it
+/// would the same records written one by one.
+pub(crate) fn write_group(rs: &[Reserved], payloads: &[&[u8]]) -> io::Result<Vec<u64>> {
+    let Some(first) = rs.first() else {
+        return Ok(vec![]);
+    };
+    assert_eq!(rs.len(), payloads.len(), "one payload per record");
+    let len: usize = payloads.iter().map(|p| HEADER_LEN + p.len()).sum();
+    let mut buf = Vec::with_capacity(len);
+    let mut offs = Vec::with_capacity(rs.len());
+    for (r, p) in rs.iter().zip(payloads) {
+        // Reserved back to back in one segment, or the one write would put them elsewhere.
+        assert!(
+            r.seg == first.seg && r.at == first.at + buf.len() as u64,
+            "records of a group are contiguous"
+        );
+        offs.push(r.at + HEADER_LEN as u64);
+        rec::encode_version_into(
+            &mut buf,
+            r.header.version,
+            r.header.nonce,
+            r.kind,
+            r.seq,
+            r.lba,
+            r.nblocks,
+            p,
+        );
+    }
+    first.file.write_at(&buf, first.at)?;
+    Ok(offs)
 }
 
 /// Segments detached from the journal, retired off its lock.

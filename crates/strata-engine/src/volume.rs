@@ -155,6 +155,10 @@ pub struct VolumeStats {
     /// Journal records written outside the writer lock (the fast path of [`Volume::write`]).
     #[serde(default)]
     pub appends_unlocked: u64,
+    /// Of those, the ones written together with others in one journal write (writes that
+    /// arrived together: [`Volume::write_many`]).
+    #[serde(default)]
+    pub appends_grouped: u64,
     /// Of those, the ones whose acknowledgement waited for an older record still being written.
     #[serde(default)]
     pub acks_held: u64,
@@ -212,6 +216,7 @@ struct Counters {
     publishes: AtomicU64,
     bytes_uploaded: AtomicU64,
     appends_unlocked: AtomicU64,
+    appends_grouped: AtomicU64,
     acks_held: AtomicU64,
 }
 
@@ -452,6 +457,7 @@ impl Volume {
             lease_epoch: self.lease().epoch,
             frozen: self.is_frozen(),
             appends_unlocked: self.counters.appends_unlocked.load(SeqCst),
+            appends_grouped: self.counters.appends_grouped.load(SeqCst),
             acks_held: self.counters.acks_held.load(SeqCst),
         }
     }

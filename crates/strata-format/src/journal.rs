@@ -165,6 +165,23 @@ pub fn encode_version(
     nblocks: u32,
     payload: &[u8],
 ) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    encode_version_into(&mut out, version, nonce, kind, seq, lba, nblocks, payload);
+    out
+}
+
+/// [`encode_version`] appended to `out`: records written back to back in one buffer.
+#[allow(clippy::too_many_arguments)]
+pub fn encode_version_into(
+    out: &mut Vec<u8>,
+    version: u32,
+    nonce: u64,
+    kind: Kind,
+    seq: u64,
+    lba: u64,
+    nblocks: u32,
+    payload: &[u8],
+) {
     debug_assert_eq!(
         payload.len() as u64,
         if kind == Kind::Write {
@@ -173,7 +190,8 @@ pub fn encode_version(
             0
         }
     );
-    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    let start = out.len();
+    out.reserve(HEADER_LEN + payload.len());
     out.extend_from_slice(&MAGIC.to_le_bytes());
     out.push(kind as u8);
     out.extend_from_slice(&[0; 3]);
@@ -181,10 +199,9 @@ pub fn encode_version(
     out.extend_from_slice(&lba.to_le_bytes());
     out.extend_from_slice(&nblocks.to_le_bytes());
     out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    let c = check(version, nonce, &out[..32], payload);
+    let c = check(version, nonce, &out[start..start + 32], payload);
     out.extend_from_slice(&c);
     out.extend_from_slice(payload);
-    out
 }
 
 /// Decodes and sanity-checks a header; the payload is checked by [`verify`].

@@ -121,6 +121,15 @@ impl Volume {
         if let Some(wait) = self.budget.pace(data.len() as u64) {
             tokio::time::sleep(wait).await;
         }
+        self.write_now(offset, data).await?;
+        if fua {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    /// [`Volume::write`] once the quota and the rate let it go (without FUA).
+    async fn write_now(&self, offset: u64, data: &[u8]) -> Result<()> {
         {
             let _gate = self.gate.read().await;
             let mut j = self.writer.lock().await;
@@ -179,9 +188,152 @@ impl Volume {
                 self.append(&mut j, Kind::Write, lba, n, &buf)?;
             }
         }
-        if fua {
-            self.flush().await?;
+        Ok(())
+    }
+
+    /// Writes that arrived together (an NBD client's pipelined requests, none with FUA), with
+    /// one result each, in order. Whole-block writes of one record each are reserved back to
+    /// back under one hold of the writer lock and written to the journal with one write
+    /// ([`crate::journal::write_group`]); each is acknowledged exactly when `write` would have
+    /// acknowledged it (its record and every earlier one landed). Anything else, or what the
+    /// active segment has no room for, is written one by one.
+    pub async fn write_many(&self, writes: &[(u64, &[u8])]) -> Vec<Result<()>> {
+        let whole = |&(offset, data): &(u64, &[u8])| {
+            !data.is_empty()
+                && offset.is_multiple_of(BLOCK_SIZE)
+                && (data.len() as u64).is_multiple_of(BLOCK_SIZE)
+                && data.len() as u64 <= MAX_RECORD_BLOCKS as u64 * BLOCK_SIZE
+                && self.check_range(offset, data.len() as u64).is_ok()
+        };
+        if writes.len() < 2 || !writes.iter().all(whole) {
+            let mut out = Vec::with_capacity(writes.len());
+            for (offset, data) in writes {
+                out.push(self.write(*offset, data, false).await);
+            }
+            return out;
         }
+        let total: u64 = writes.iter().map(|(_, d)| d.len() as u64).sum();
+        self.await_budget(total).await;
+        if let Some(wait) = self.budget.pace(total) {
+            tokio::time::sleep(wait).await;
+        }
+        let mut out: Vec<Result<()>> = Vec::with_capacity(writes.len());
+        let group = {
+            let _gate = self.gate.read().await;
+            let mut j = self.writer.lock().await;
+            let admitted = self
+                .writable()
+                .and_then(|()| self.budget.admit(total))
+                .and_then(|()| self.space.admit(total));
+            match admitted {
+                // Each on its own below: one refusal must not fail the others.
+                Err(_) => vec![],
+                Ok(()) => {
+                    let items: Vec<(u64, u64, u64)> = writes
+                        .iter()
+                        .map(|(o, d)| (o / BLOCK_SIZE, d.len() as u64 / BLOCK_SIZE, d.len() as u64))
+                        .collect();
+                    let group = j.reserve_many(&items);
+                    if !group.is_empty() {
+                        // As in `write`: counted before the lock goes.
+                        self.in_flight.fetch_add(group.len() as u64, SeqCst);
+                        lock(&self.unlanded).extend(group.iter().map(|r| r.seq));
+                    }
+                    group
+                }
+            }
+        };
+        let k = group.len();
+        if k > 0 {
+            let last = group[k - 1].seq;
+            let landed = self.land_group(group, &writes[..k]);
+            let acked = match landed {
+                Ok(()) => self.await_prefix(last).await,
+                Err(e) => Err(e),
+            };
+            for _ in 0..k {
+                out.push(match &acked {
+                    Ok(()) => Ok(()),
+                    // The same failure for each (the journal write, or the volume failed).
+                    Err(Error::Io { context, source }) => Err(Error::Io {
+                        context: context.clone(),
+                        source: std::io::Error::new(source.kind(), source.to_string()),
+                    }),
+                    Err(e) => Err(Error::Unavailable(self.name.clone(), e.to_string())),
+                });
+            }
+        }
+        for (offset, data) in &writes[k..] {
+            out.push(self.write_now(*offset, data).await);
+        }
+        out
+    }
+
+    /// [`Volume::land`] for records reserved back to back: one journal write for all of them,
+    /// then the overlay points at each, under one hold of the state's lock.
+    fn land_group(&self, rs: Vec<crate::journal::Reserved>, writes: &[(u64, &[u8])]) -> Result<()> {
+        struct InFlight<'a>(&'a Volume, bool, Vec<u64>);
+        impl Drop for InFlight<'_> {
+            fn drop(&mut self) {
+                if !self.1 {
+                    self.0
+                        .fail("a reserved journal record was never written".into());
+                }
+                let oldest = {
+                    let mut u = lock(&self.0.unlanded);
+                    let oldest = u.first().is_some_and(|s| self.2.contains(s));
+                    for s in &self.2 {
+                        u.remove(s);
+                    }
+                    oldest
+                };
+                if oldest {
+                    self.0.prefix_landed.notify_waiters();
+                }
+                let k = self.2.len() as u64;
+                if self.0.in_flight.fetch_sub(k, SeqCst) == k {
+                    self.0.landed.notify_waiters();
+                }
+            }
+        }
+        let mut guard = InFlight(self, false, rs.iter().map(|r| r.seq).collect());
+        let payloads: Vec<&[u8]> = writes.iter().map(|(_, d)| *d).collect();
+        let offs = match crate::journal::write_group(&rs, &payloads) {
+            Ok(offs) => offs,
+            Err(e) => {
+                self.fail(format!("journal write failed: {e}"));
+                guard.1 = true;
+                return Err(Error::io("appending to journal")(e));
+            }
+        };
+        let mut blocks = 0;
+        {
+            let mut st = self.st_mut();
+            for ((r, off), (offset, data)) in rs.iter().zip(offs).zip(writes) {
+                let n = data.len() as u64 / BLOCK_SIZE;
+                st.active.insert_newer(
+                    offset / BLOCK_SIZE,
+                    n,
+                    r.seq,
+                    Loc::Journal { seg: r.seg, off },
+                );
+                blocks += n;
+            }
+        }
+        if let Some(r) = rs.last() {
+            self.acked_seq.fetch_max(r.seq, SeqCst);
+        }
+        self.count_written(blocks);
+        self.counters
+            .appends_unlocked
+            .fetch_add(rs.len() as u64, SeqCst);
+        if rs.len() > 1 {
+            self.counters
+                .appends_grouped
+                .fetch_add(rs.len() as u64, SeqCst);
+        }
+        guard.1 = true;
+        drop(guard);
         Ok(())
     }
 

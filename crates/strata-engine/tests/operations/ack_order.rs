@@ -78,6 +78,50 @@ async fn a_write_is_acknowledged_only_once_every_older_record_has_landed() {
     assert_eq!(&img[..6], &[1, 2, 3, 4, 5, 6]);
 }
 
+/// The rule above for writes that arrive together ([`strata_engine::Volume::write_many`]):
+/// a group reserved after a stalled record lands in one journal write beside it, and none of
+/// its writes is acknowledged until the stalled record lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_that_arrive_together_wait_for_every_older_record() {
+    let c = Cluster::new().await;
+    let sw = Arc::new(Switches::default());
+    sw.in_place.store(true, SeqCst);
+    let a = c.node_with(c.config("a"), Arc::new(FaultFs(sw.clone())));
+    let v = empty_volume(&a, "group", DISK, Mode::Durable).await;
+    v.prepare_journal().await.unwrap(); // rotates onto a prepared segment
+    v.write(0, &tagged(1, 0), false).await.unwrap();
+    v.flush().await.unwrap();
+    sw.stall_next_write.store(true, SeqCst);
+    let (first, release) = stalled_write(&v, &sw, 4096, tagged(2, 1)).await;
+    let group = {
+        let v = v.clone();
+        tokio::spawn(async move {
+            let blocks: Vec<(u64, Vec<u8>)> =
+                (2..6u64).map(|b| (b * 4096, tagged(b + 1, b))).collect();
+            let writes: Vec<(u64, &[u8])> = blocks.iter().map(|(at, d)| (*at, &d[..])).collect();
+            v.write_many(&writes).await
+        })
+    };
+    assert!(
+        eventually(|| v.stats().appends_grouped >= 4).await,
+        "the group did not land in one write beside the stalled record: {:?}",
+        v.stats()
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !group.is_finished(),
+        "a group was acknowledged past an older record still in flight"
+    );
+    drop(release);
+    first.join().unwrap().unwrap();
+    let results = group.await.unwrap();
+    assert_eq!(results.len(), 4);
+    assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
+    v.flush().await.unwrap();
+    let img = image(&v).await;
+    assert_eq!(&img[..6], &[1, 2, 3, 4, 5, 6]);
+}
+
 /// The kill -9 of the rule above: a record that never lands (its writer died, or its
 /// `pwrite` failed) leaves a hole replay stops at. Writes reserved after it are not
 /// acknowledged, a flush waiting for it fails rather than sync past the hole, and after the

@@ -27,6 +27,7 @@ impl Server {
         // per poll costs every connection a shared lock).
         let export: Arc<str> = neg.name.as_str().into();
         let ro = dev.read_only();
+        let batches = dev.batches_writes();
         let structured = neg.structured;
         let mut stop = self.stopped();
         let result: Result<(), ConnError> = 'conn: loop {
@@ -143,6 +144,59 @@ impl Server {
             let metrics = self.cfg.metrics.clone();
             let max_span = self.cfg.max_request;
             let alive = neg.alive.clone();
+            if req.kind == CMD_WRITE && req.flags == 0 && batches {
+                // Pipelined writes already in the read buffer go to the device together (one
+                // journal write, one task), each still charged and answered on its own.
+                let mut batch = vec![(req, payload, permit)];
+                let mut bytes = len as usize;
+                while batch.len() < MAX_BATCH && bytes < MAX_BATCH_BYTES {
+                    let Some(next) = self.buffered_write(&rd, dev.size(), ro, structured, neg.meta)
+                    else {
+                        break;
+                    };
+                    let charge = next.length.max(MIN_CHARGE);
+                    let Ok(conn_permit) = budget.clone().try_acquire_many_owned(charge) else {
+                        break;
+                    };
+                    let shared = match self.cfg.shared_budget.as_ref() {
+                        Some(s) => match s.clone().try_acquire_many_owned(charge) {
+                            Ok(p) => Some(p),
+                            Err(_) => break,
+                        },
+                        None => None,
+                    };
+                    let at = REQUEST_LEN + next.length as usize;
+                    let payload = rd.buffer()[REQUEST_LEN..at].to_vec();
+                    tokio::io::AsyncBufRead::consume(std::pin::Pin::new(&mut rd), at);
+                    bytes += payload.len();
+                    let permit = Charge {
+                        _conn: conn_permit,
+                        _shared: shared,
+                    };
+                    batch.push((next, payload, permit));
+                }
+                tasks.spawn(async move {
+                    if alive.is_some_and(|a| !a()) {
+                        return; // never answered, as below
+                    }
+                    let started = std::time::Instant::now();
+                    let writes: Vec<(u64, &[u8])> =
+                        batch.iter().map(|(r, p, _)| (r.offset, &p[..])).collect();
+                    let results = dev.write_many(&writes).await;
+                    drop(writes);
+                    for ((req, _, permit), res) in batch.into_iter().zip(results) {
+                        let ok = res.is_ok();
+                        let mut reply: Reply = status_reply(&export, &req, structured, res).into();
+                        if let Some(h) = metrics.as_ref().and_then(|m| m.for_command(CMD_WRITE)) {
+                            let bytes = if ok { req.length as u64 } else { 0 };
+                            h.record(started.elapsed(), bytes, ok);
+                        }
+                        reply.permit = Some(permit);
+                        let _ = tx.send(reply).await;
+                    }
+                });
+                continue;
+            }
             tasks.spawn(async move {
                 let changes = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
                 if changes && alive.is_some_and(|a| !a()) {
@@ -173,6 +227,33 @@ impl Server {
             Err(e) => return Err(io::Error::other(e.to_string()).into()),
         }
         result
+    }
+}
+
+/// At most this many writes, and about this many bytes, go to the device together.
+const MAX_BATCH: usize = 64;
+const MAX_BATCH_BYTES: usize = 1 << 20;
+
+impl Server {
+    /// The next request if it is a plain WRITE (no flags) that is already whole in the read
+    /// buffer and passes every check: it may join a batch. Anything else is left for the
+    /// reader loop to take as usual.
+    fn buffered_write<R: AsyncRead>(
+        &self,
+        rd: &tokio::io::BufReader<R>,
+        size: u64,
+        ro: bool,
+        structured: bool,
+        meta: bool,
+    ) -> Option<Request> {
+        let buf = rd.buffer();
+        let req = parse_request(buf.get(..REQUEST_LEN)?.try_into().ok()?).ok()?;
+        let fits = req.kind == CMD_WRITE
+            && req.flags == 0
+            && req.length <= self.cfg.max_request
+            && buf.len() >= REQUEST_LEN + req.length as usize;
+        (fits && validate(&req, size, ro, structured, meta, self.cfg.max_request).is_none())
+            .then_some(req)
     }
 }
 
@@ -259,16 +340,9 @@ fn enospc_log_due() -> bool {
     now != last && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok()
 }
 
-async fn execute(
-    dev: &dyn BlockDevice,
-    export: &str,
-    req: &Request,
-    payload: Vec<u8>,
-    structured: bool,
-    max_span: u32,
-) -> Reply {
-    let fua = req.flags & CMD_FLAG_FUA != 0;
-    let done = |r: Result<(), DevError>| match r {
+/// The reply to a request that returns no data.
+fn status_reply(export: &str, req: &Request, structured: bool, r: Result<(), DevError>) -> Vec<u8> {
+    match r {
         Ok(()) => simple_reply(0, req.cookie, &[]),
         Err(e) => {
             // A guest at its quota or on a full disk may retry in a tight loop: its ENOSPC
@@ -278,7 +352,19 @@ async fn execute(
             }
             error_reply(structured, req, e.errno, &e.msg)
         }
-    };
+    }
+}
+
+async fn execute(
+    dev: &dyn BlockDevice,
+    export: &str,
+    req: &Request,
+    payload: Vec<u8>,
+    structured: bool,
+    max_span: u32,
+) -> Reply {
+    let fua = req.flags & CMD_FLAG_FUA != 0;
+    let done = |r: Result<(), DevError>| status_reply(export, req, structured, r);
     let head = match req.kind {
         CMD_READ => match dev.read(req.offset, req.length).await {
             Ok(data) if structured => {
