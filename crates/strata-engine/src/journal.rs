@@ -566,6 +566,36 @@ impl Journal {
         Some(r)
     }
 
+    /// [`Journal::append`] for several write records at once, under the lock: one write for
+    /// all of them, in the active segment (rotated first when full; the group may run past
+    /// the segment's size as one long record would). Items are (lba, blocks, payload); returns
+    /// (seq, segment, payload offset) of each. On an error no record is counted.
+    pub fn append_many(&mut self, items: &[(u64, u32, &[u8])]) -> io::Result<Vec<(u64, u64, u64)>> {
+        if self.segments[&self.active].len >= self.max_segment {
+            let r = self.rotate()?;
+            self.rotated.push(r);
+        }
+        let mut rs = Vec::with_capacity(items.len());
+        let mut at = None;
+        for &(lba, n, p) in items {
+            let mut r = self.place(Kind::Write, lba, n)?;
+            // Back to back: each after the one before (`place` sees the segment uncommitted).
+            let here = at.unwrap_or(r.at);
+            r.at = here;
+            r.seq = self.next_seq + rs.len() as u64;
+            at = Some(here + (HEADER_LEN + p.len()) as u64);
+            rs.push(r);
+        }
+        let payloads: Vec<&[u8]> = items.iter().map(|i| i.2).collect();
+        let offs = write_group(&rs, &payloads)?;
+        let mut out = Vec::with_capacity(rs.len());
+        for ((r, off), p) in rs.iter().zip(offs).zip(&payloads) {
+            self.commit(r, p.len() as u64);
+            out.push((r.seq, r.seg, off));
+        }
+        Ok(out)
+    }
+
     /// Reserves places for several records (each as [`Journal::reserve`]), stopping at the
     /// first that cannot be reserved: they lie back to back in the active segment, so one
     /// write lands them all ([`write_group`]). Items are (lba, blocks, payload bytes) of

@@ -155,8 +155,8 @@ pub struct VolumeStats {
     /// Journal records written outside the writer lock (the fast path of [`Volume::write`]).
     #[serde(default)]
     pub appends_unlocked: u64,
-    /// Of those, the ones written together with others in one journal write (writes that
-    /// arrived together: [`Volume::write_many`]).
+    /// Journal records written together with others in one journal write (writes that
+    /// arrived together: [`Volume::write_many`]), outside the writer lock or under it.
     #[serde(default)]
     pub appends_grouped: u64,
     /// Of those, the ones whose acknowledgement waited for an older record still being written.

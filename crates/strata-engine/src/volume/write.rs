@@ -238,6 +238,18 @@ impl Volume {
                         // As in `write`: counted before the lock goes.
                         self.in_flight.fetch_add(group.len() as u64, SeqCst);
                         lock(&self.unlanded).extend(group.iter().map(|r| r.seq));
+                    } else {
+                        // No room written in place (a new segment, not from the pool): the
+                        // records are appended under the lock, as `write`'s slow path does,
+                        // but in one write.
+                        self.await_landed().await;
+                        let res = self
+                            .writable()
+                            .and_then(|()| self.append_group(&mut j, writes));
+                        return match res {
+                            Ok(()) => writes.iter().map(|_| Ok(())).collect(),
+                            Err(e) => writes.iter().map(|_| Err(self.again(&e))).collect(),
+                        };
                     }
                     group
                 }
@@ -254,12 +266,7 @@ impl Volume {
             for _ in 0..k {
                 out.push(match &acked {
                     Ok(()) => Ok(()),
-                    // The same failure for each (the journal write, or the volume failed).
-                    Err(Error::Io { context, source }) => Err(Error::Io {
-                        context: context.clone(),
-                        source: std::io::Error::new(source.kind(), source.to_string()),
-                    }),
-                    Err(e) => Err(Error::Unavailable(self.name.clone(), e.to_string())),
+                    Err(e) => Err(self.again(e)),
                 });
             }
         }
@@ -267,6 +274,73 @@ impl Volume {
             out.push(self.write_now(*offset, data).await);
         }
         out
+    }
+
+    /// The same failure again, for each write of a group that failed together (the journal
+    /// write, a full disk, or the volume failed).
+    fn again(&self, e: &Error) -> Error {
+        match e {
+            Error::Io { context, source } => Error::Io {
+                context: context.clone(),
+                source: std::io::Error::new(source.kind(), source.to_string()),
+            },
+            Error::NoSpace(why) => Error::NoSpace(why.clone()),
+            e => Error::Unavailable(self.name.clone(), e.to_string()),
+        }
+    }
+
+    /// [`Volume::append`] for a group of whole-block writes, one record each: one journal
+    /// write under the writer lock (the caller holds it, with nothing in flight).
+    fn append_group(&self, j: &mut Journal, writes: &[(u64, &[u8])]) -> Result<()> {
+        let items: Vec<(u64, u32, &[u8])> = writes
+            .iter()
+            .map(|(o, d)| (o / BLOCK_SIZE, (d.len() as u64 / BLOCK_SIZE) as u32, *d))
+            .collect();
+        let appended = j.append_many(&items);
+        let rotated = j.take_rotated();
+        if !rotated.is_empty() {
+            let mut st = self.st_mut();
+            for (id, f) in rotated {
+                st.files.insert(id, SegFile::new(f));
+            }
+        }
+        let placed = match appended {
+            Ok(p) => p,
+            // As in `append_inner`: a full disk refuses these requests only.
+            Err(e) if crate::error::is_no_space(&e) => {
+                return Err(Error::NoSpace(format!("the journal of {}: {e}", self.name)));
+            }
+            Err(e) => {
+                self.fail(format!("journal write failed: {e}"));
+                return Err(Error::io("appending to journal")(e));
+            }
+        };
+        let mut blocks = 0;
+        {
+            let mut st = self.st_mut();
+            for ((seq, seg, off), (lba, n, _)) in placed.iter().zip(&items) {
+                st.active.insert(
+                    *lba,
+                    *n as u64,
+                    *seq,
+                    Loc::Journal {
+                        seg: *seg,
+                        off: *off,
+                    },
+                );
+                blocks += *n as u64;
+            }
+        }
+        if let Some((seq, _, _)) = placed.last() {
+            self.acked_seq.fetch_max(*seq, SeqCst);
+        }
+        if placed.len() > 1 {
+            self.counters
+                .appends_grouped
+                .fetch_add(placed.len() as u64, SeqCst);
+        }
+        self.count_written(blocks);
+        Ok(())
     }
 
     /// [`Volume::land`] for records reserved back to back: one journal write for all of them,
