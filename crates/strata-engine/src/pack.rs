@@ -10,7 +10,7 @@ use std::sync::Arc;
 use futures::stream::{FuturesUnordered, StreamExt};
 use strata_format::manifest::{Change, ObjectRef};
 use strata_format::BLOCK_SIZE;
-use strata_store::ObjectReader;
+use strata_store::{ObjectBuf, ObjectReader};
 
 use crate::fs::FsFile;
 use crate::overlay::{Loc, Overlay, Run};
@@ -51,20 +51,20 @@ pub(crate) async fn pack(
     let mut planned: Vec<Planned> = Vec::new();
     let mut uploads = FuturesUnordered::new();
     let mut done: HashMap<usize, ObjectRef> = HashMap::new();
-    let mut buf: Vec<u8> = Vec::new();
+    // Room for the data and the trailer sealed onto it in place.
+    let capacity = (target + strata_format::object::trailer_len(target) + BLOCK_SIZE) as usize;
+    // At an address a local store writes from without a copy (see `ObjectBuf`).
+    let mut buf = ObjectBuf::with_capacity(capacity);
     let mut n_objects = 0usize;
     let mut bytes_uploaded = 0u64;
     let mut chunk = vec![0u8; (READ_CHUNK_BLOCKS * BLOCK_SIZE) as usize];
 
     // One fresh salt per publish: every object it creates is a key that never existed.
     let salt: u32 = rand::random();
-    let upload = move |idx: usize, data: Vec<u8>| async move {
+    let upload = move |idx: usize, data: ObjectBuf| async move {
         let n = data.len() as u64;
-        (idx, n, reader.put_object_salted(tenant, data, salt).await)
+        (idx, n, reader.put_object_buf(tenant, data, salt).await)
     };
-    // Room for the data and the trailer sealed onto it in place.
-    let capacity = (target + strata_format::object::trailer_len(target) + BLOCK_SIZE) as usize;
-    buf.reserve(capacity);
 
     // Journal reads happen on a blocking thread (never stall the runtime serving I/O), batched:
     // up to READ_CHUNK_BLOCKS blocks from any number of runs per task, since a random writer's
@@ -172,7 +172,7 @@ pub(crate) async fn pack(
                             progress,
                         )?;
                     }
-                    let full = std::mem::replace(&mut buf, Vec::with_capacity(capacity));
+                    let full = std::mem::replace(&mut buf, ObjectBuf::with_capacity(capacity));
                     uploads.push(upload(n_objects, full));
                     n_objects += 1;
                 }
@@ -180,7 +180,8 @@ pub(crate) async fn pack(
         }
     }
     if !buf.is_empty() {
-        uploads.push(upload(n_objects, std::mem::take(&mut buf)));
+        let last = std::mem::replace(&mut buf, ObjectBuf::from(Vec::new()));
+        uploads.push(upload(n_objects, last));
     }
     while let Some(r) = uploads.next().await {
         collect(Some(r), &mut done, &mut bytes_uploaded, progress)?;

@@ -65,6 +65,8 @@ pub fn seal_salted(data: Vec<u8>, salt: u32) -> (Hash, Vec<u8>) {
 /// run between them (hashing 8 MiB takes milliseconds).
 pub struct Sealer {
     data: Vec<u8>,
+    /// Bytes of `data` before the object (padding that puts the object at an aligned address).
+    lead: usize,
     data_len: usize,
     next: usize,
     key: Option<[u8; 32]>,
@@ -84,11 +86,19 @@ impl Sealer {
     }
 
     /// A version 2 object (frame hashes and id keyed with `key`), or version 1 without one.
-    pub fn new_keyed(mut data: Vec<u8>, key: Option<[u8; 32]>) -> Sealer {
-        let data_len = data.len();
+    pub fn new_keyed(data: Vec<u8>, key: Option<[u8; 32]>) -> Sealer {
+        Sealer::new_keyed_at(data, 0, key)
+    }
+
+    /// [`Sealer::new_keyed`] for an object that starts `lead` bytes into `data` (the bytes
+    /// before it are not part of it, and stay in the returned buffer).
+    pub fn new_keyed_at(mut data: Vec<u8>, lead: usize, key: Option<[u8; 32]>) -> Sealer {
+        assert!(lead <= data.len(), "the lead is inside the buffer");
+        let data_len = data.len() - lead;
         data.reserve(trailer_len(data_len as u64) as usize);
         Sealer {
             data,
+            lead,
             data_len,
             next: 0,
             key,
@@ -102,14 +112,18 @@ impl Sealer {
         while self.next < end {
             let at = self.next * FRAME_SIZE as usize;
             let stop = (at + FRAME_SIZE as usize).min(self.data_len);
-            let h = hash_with(self.key.as_ref(), &self.data[at..stop]);
+            let h = hash_with(
+                self.key.as_ref(),
+                &self.data[self.lead + at..self.lead + stop],
+            );
             self.data.extend_from_slice(&h);
             self.next += 1;
         }
         self.next == total
     }
 
-    /// The object: id and bytes. Hashes whatever frames are left first.
+    /// The object: id and bytes (after the lead, if any). Hashes whatever frames are left
+    /// first.
     pub fn finish(mut self, salt: u32) -> (Hash, Vec<u8>) {
         while !self.hash_frames(usize::MAX) {}
         let data_len = self.data_len as u64;
@@ -125,7 +139,10 @@ impl Sealer {
         data.extend_from_slice(&data_len.to_le_bytes());
         data.extend_from_slice(&(n_frames(data_len) as u32).to_le_bytes());
         data.extend_from_slice(&salt.to_le_bytes());
-        let id = Hash(hash_with(self.key.as_ref(), &data[self.data_len..]));
+        let id = Hash(hash_with(
+            self.key.as_ref(),
+            &data[self.lead + self.data_len..],
+        ));
         (id, self.data)
     }
 }
@@ -246,6 +263,26 @@ impl FrameTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An object sealed after a lead of padding is the same object, byte for byte, with the
+    /// same id, keyed or not: the lead only moves where it starts in the buffer.
+    #[test]
+    fn an_object_sealed_after_a_lead_is_the_same_object() {
+        for key in [None, Some([7u8; 32])] {
+            for len in [0usize, 1, 4096, FRAME_SIZE as usize + 3] {
+                let data: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
+                let mut s = Sealer::new_keyed(data.clone(), key);
+                while !s.hash_frames(1) {}
+                let (id, plain) = s.finish(9);
+                let mut led = vec![0xAAu8; 100];
+                led.extend_from_slice(&data);
+                let (id2, out) = Sealer::new_keyed_at(led, 100, key).finish(9);
+                assert_eq!(id, id2, "length {len}");
+                assert_eq!(&out[..100], &[0xAAu8; 100][..]);
+                assert_eq!(&out[100..], &plain[..], "length {len}");
+            }
+        }
+    }
 
     #[test]
     fn sealing_in_place_is_the_same_object_as_encoding() {

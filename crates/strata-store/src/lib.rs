@@ -19,7 +19,7 @@ pub use cache::NodeCache;
 pub use local_put::background;
 pub use reader::{ObjectReader, ReaderStats, DEFAULT_READAHEAD_UNITS};
 pub use seal::{DataKey, MasterKey};
-pub use store::{Credentials, Placed, Resolver, Store};
+pub use store::{Credentials, ObjectBuf, Placed, Resolver, Store};
 
 use std::sync::Arc;
 

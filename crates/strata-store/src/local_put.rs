@@ -142,7 +142,7 @@ fn put_queue() -> &'static FairQueue {
 /// The alignment `O_DIRECT` puts keep for their buffer, offsets and lengths: a page, which is at
 /// least the logical block size of any device this runs on (a larger one refuses the writes
 /// with `EINVAL`, and the put falls back to the buffered path).
-const DIRECT_ALIGN: usize = 4096;
+pub(crate) const DIRECT_ALIGN: usize = 4096;
 
 /// Set once a file system refused an `O_DIRECT` put: later puts of the process are buffered.
 static DIRECT_REFUSED: AtomicBool = AtomicBool::new(false);
@@ -393,9 +393,10 @@ fn aligned(v: &mut Vec<u8>, len: usize) -> &mut [u8] {
     &mut v[start..start + len]
 }
 
-/// The `O_DIRECT` path, on the staged file's own handle (never opened again by name): each
-/// piece copied into an aligned buffer and written from there; the last one padded with zeros
-/// to the alignment, the file then cut back to `bytes.len()`. The writes bypass the page cache
+/// The `O_DIRECT` path, on the staged file's own handle (never opened again by name): bytes at
+/// an aligned address written from where they are, others copied piece by piece into an
+/// aligned buffer and written from there; the last piece padded with zeros to the alignment,
+/// the file then cut back to `bytes.len()`. The writes bypass the page cache
 /// but may sit in the device's cache, and the file's size and extents are not durable either:
 /// the caller's fsync makes them so.
 fn write_direct(f: &File, bytes: &[u8], pad_to: usize) -> std::io::Result<()> {
@@ -403,9 +404,21 @@ fn write_direct(f: &File, bytes: &[u8], pad_to: usize) -> std::io::Result<()> {
     {
         use std::os::unix::fs::FileExt;
         set_direct(f, true)?;
+        // Bytes already at an aligned address (an object built in an `ObjectBuf`) are
+        // written from where they are, all but a last partial block: no copy.
+        let mut off = 0u64;
+        let mut bytes = bytes;
+        if bytes.as_ptr().addr().is_multiple_of(DIRECT_ALIGN) {
+            let whole = bytes.len() / pad_to * pad_to;
+            for piece in bytes[..whole].chunks(PIECE) {
+                f.write_all_at(piece, off)?;
+                off += piece.len() as u64;
+            }
+            bytes = &bytes[whole..];
+        }
+        let done = off;
         DIRECT_BUF.with_borrow_mut(|v| {
             let buf = aligned(v, PIECE);
-            let mut off = 0u64;
             for piece in bytes.chunks(PIECE) {
                 let padded = piece.len().next_multiple_of(pad_to);
                 buf[..piece.len()].copy_from_slice(piece);
@@ -413,8 +426,8 @@ fn write_direct(f: &File, bytes: &[u8], pad_to: usize) -> std::io::Result<()> {
                 f.write_all_at(&buf[..padded], off)?;
                 off += padded as u64;
             }
-            if off != bytes.len() as u64 {
-                f.set_len(bytes.len() as u64)?;
+            if off != done + bytes.len() as u64 {
+                f.set_len(done + bytes.len() as u64)?;
             }
             Ok(())
         })

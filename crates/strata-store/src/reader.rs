@@ -351,7 +351,17 @@ impl ObjectReader {
         data: Vec<u8>,
         salt: u32,
     ) -> Result<ObjectRef> {
-        let (r, encoded) = self.store.put_object_salted(tenant, data, salt).await?;
+        self.put_object_buf(tenant, data.into(), salt).await
+    }
+
+    /// [`ObjectReader::put_object_salted`] of an object built in an [`crate::ObjectBuf`].
+    pub async fn put_object_buf(
+        &self,
+        tenant: &str,
+        data: crate::ObjectBuf,
+        salt: u32,
+    ) -> Result<ObjectRef> {
+        let (r, encoded) = self.store.put_object_buf(tenant, data, salt).await?;
         let data = &encoded[..r.data_len as usize];
         self.counters.puts.fetch_add(1, Relaxed);
         self.counters

@@ -122,6 +122,26 @@ fn direct_puts_land_whole_and_cut_back_to_their_length() {
     }
 }
 
+/// The same from bytes at an aligned address (an object built in an `ObjectBuf`), which are
+/// written from where they are: every shape of length lands whole, the unaligned tail too.
+#[test]
+fn direct_puts_from_aligned_bytes_land_whole() {
+    let dir = direct_dir();
+    for (i, len) in [0, 1, 4095, 4096, 4097, PIECE, 2 * PIECE + 4096 + 1]
+        .into_iter()
+        .enumerate()
+    {
+        let path = dir.path().join(format!("t/a/obj/al{i}"));
+        let mut buf = crate::ObjectBuf::with_capacity(len);
+        let data: Vec<u8> = (0..len).map(|j| (j % 251) as u8 ^ i as u8).collect();
+        buf.extend_from_slice(&data);
+        assert_eq!(buf.as_slice().as_ptr().addr() % DIRECT_ALIGN, 0);
+        let wrote = write_durably(&path, buf.as_slice(), Some(DIRECT_ALIGN)).unwrap();
+        assert_eq!(wrote, Wrote::Direct, "length {len}");
+        assert_eq!(std::fs::read(&path).unwrap(), data, "length {len}");
+    }
+}
+
 /// Pages of `path` in the page cache (`mincore` over a mapping of it), and its pages.
 #[allow(unsafe_code)]
 fn resident_pages(path: &Path) -> (usize, usize) {
