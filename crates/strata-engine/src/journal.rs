@@ -587,7 +587,28 @@ impl Journal {
             rs.push(r);
         }
         let payloads: Vec<&[u8]> = items.iter().map(|i| i.2).collect();
-        let offs = write_group(&rs, &payloads)?;
+        let offs = match write_group(&rs, &payloads) {
+            Ok(offs) => offs,
+            Err(e) => {
+                // A short write (a full disk) may have left whole, valid records of this
+                // group past the segment's end, with sequence numbers the next appends will
+                // reuse: one of them could then replay as a later record (a write refused
+                // here applied over one acknowledged after it), or end the journal at a gap
+                // in a sealed segment. Cut the file back to its records; if that fails too,
+                // the error is not a full disk's, and the volume fails.
+                let seg = self
+                    .segments
+                    .get_mut(&self.active)
+                    .ok_or_else(|| io::Error::other("journal has no active segment"))?;
+                if let Err(e2) = seg.file.set_len(seg.len) {
+                    return Err(io::Error::other(format!(
+                        "{e}; cutting the segment back to its records failed: {e2}"
+                    )));
+                }
+                seg.alloc = seg.alloc.min(seg.len);
+                return Err(e);
+            }
+        };
         let mut out = Vec::with_capacity(rs.len());
         for ((r, off), p) in rs.iter().zip(offs).zip(&payloads) {
             self.commit(r, p.len() as u64);

@@ -1,6 +1,7 @@
 //! Power-loss crash tests through the simulated file system.
 //!
-//! Each seeded case attaches a durable workspace, runs random writes, trims, flushes and the
+//! Each seeded case attaches a durable workspace, runs random writes (some arriving together,
+//! in groups), trims, flushes and the
 //! occasional checkpoint or grow of the disk (writes then reach the new end), then "loses
 //! power" at a random point: everything not fsync'd is
 //! dropped, except a random subset of un-synced writes, some torn. A new process (engine)
@@ -61,7 +62,32 @@ async fn case(cluster: &Cluster, seed: u64) -> (u64, u64) {
         if std::env::var("STRATA_CRASH_TRACE").is_ok() {
             eprintln!("op {i}: r={r}");
         }
-        if r < 65 {
+        if r < 20 {
+            // Writes that arrive together (`write_many`: one journal write for the group);
+            // their records are in order, so a torn group keeps a prefix of them, and each
+            // is a state of its own.
+            let k = rng.random_range(2..=5);
+            let mut group: Vec<(u64, Vec<u8>)> = vec![];
+            for w in 0..k {
+                let lba = rng.random_range(0..blocks);
+                let n = rng.random_range(1..=(blocks - lba).min(4));
+                let tag = (seed << 16) | 0x8000 | ((i as u64 + 1) << 3) | w;
+                let mut data = Vec::new();
+                for b in lba..lba + n {
+                    data.extend(tagged(tag, b));
+                    next[b as usize] = tag;
+                }
+                group.push((lba * 4096, data));
+                states.push(next.clone());
+            }
+            if std::env::var("STRATA_CRASH_TRACE").is_ok() {
+                eprintln!("write group of {k}");
+            }
+            let writes: Vec<(u64, &[u8])> = group.iter().map(|(at, d)| (*at, &d[..])).collect();
+            for r in vol.write_many(&writes).await {
+                r.unwrap();
+            }
+        } else if r < 65 {
             let lba = rng.random_range(0..blocks);
             let n = rng.random_range(1..=(blocks - lba).min(6));
             let tag = (seed << 16) | (i as u64 + 1);

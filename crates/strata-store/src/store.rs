@@ -838,7 +838,7 @@ pub struct ObjectBuf {
 
 /// Buffers of objects whose bytes nobody holds any more, kept for the next objects: a fresh
 /// 8 MiB buffer is 2,048 page faults, each clearing its page (a tenth of strata's CPU under
-/// 4 KiB random writes before buffers were kept). At most [`POOL_MAX`] are kept.
+/// 4 KiB random writes before buffers were kept). The [`POOL_MAX`] most recent are kept.
 static POOL: std::sync::Mutex<Vec<Vec<u8>>> = std::sync::Mutex::new(Vec::new());
 const POOL_MAX: usize = 4;
 /// Smaller buffers are not worth keeping.
@@ -858,9 +858,11 @@ impl Drop for Pooled {
         let v = std::mem::take(&mut self.0);
         if v.capacity() >= POOL_MIN_BYTES {
             let mut pool = POOL.lock().unwrap_or_else(|p| p.into_inner());
-            if pool.len() < POOL_MAX {
-                pool.push(v);
+            // The most recent are kept (a buffer of a size no object asks for again ages out).
+            if pool.len() >= POOL_MAX {
+                pool.remove(0);
             }
+            pool.push(v);
         }
     }
 }

@@ -213,13 +213,23 @@ impl Volume {
             return out;
         }
         let total: u64 = writes.iter().map(|(_, d)| d.len() as u64).sum();
-        self.await_budget(total).await;
+        if self.budget.admit(total).is_err() {
+            // Near the tenant's journal quota: each write waits for room on its own, as if
+            // it had come alone (a group larger than the room left would wait for nothing).
+            let mut out = Vec::with_capacity(writes.len());
+            for (offset, data) in writes {
+                out.push(self.write(*offset, data, false).await);
+            }
+            return out;
+        }
         if let Some(wait) = self.budget.pace(total) {
             tokio::time::sleep(wait).await;
         }
         let mut out: Vec<Result<()>> = Vec::with_capacity(writes.len());
+        // Held until the group is acknowledged, as `write` holds it: a freeze, seal or
+        // rollback that takes the gate sees no write of it in flight.
+        let gate = self.gate.read().await;
         let group = {
-            let _gate = self.gate.read().await;
             let mut j = self.writer.lock().await;
             let admitted = self
                 .writable()
@@ -270,6 +280,9 @@ impl Volume {
                 });
             }
         }
+        // Before the rest: each takes the gate again (a second read hold could wait behind a
+        // writer queued for it, which waits for this one).
+        drop(gate);
         for (offset, data) in &writes[k..] {
             out.push(self.write_now(*offset, data).await);
         }

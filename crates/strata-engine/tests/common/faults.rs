@@ -36,6 +36,9 @@ pub struct Switches {
     pub panic_next_sync: AtomicBool,
     /// The next fsync of a journal segment stalls until `release`, then fails (EIO).
     pub stall_then_fail_next_sync: AtomicBool,
+    /// The next write to a journal segment longer than this many bytes writes only its first
+    /// this many, then fails with ENOSPC (a short write on a full disk); 0: off.
+    pub short_next_write: AtomicU64,
     /// Say the file system overwrites in place (records may then be written outside the
     /// journal's lock). Off by default: the injected ENOSPC of `full` fails overwrites too.
     pub in_place: AtomicBool,
@@ -87,6 +90,15 @@ impl FsFile for FaultFile {
         }
         if self.segment && self.sw.stall_next_write.swap(false, SeqCst) {
             self.sw.stall();
+        }
+        let short = self.sw.short_next_write.load(SeqCst) as usize;
+        if self.segment
+            && short > 0
+            && buf.len() > short
+            && self.sw.short_next_write.swap(0, SeqCst) > 0
+        {
+            self.inner.write_at(&buf[..short], off)?;
+            return Err(enospc());
         }
         if self.sw.full.load(SeqCst)
             || (off > 0 && self.sw.full_after_header.load(SeqCst))

@@ -187,3 +187,93 @@ async fn a_record_that_never_lands_leaves_no_acknowledged_write_behind_it() {
     assert_eq!(img[0], 1, "the flushed write was lost");
     b.abandon().await;
 }
+
+/// A group stalled in its journal write is still in flight for a freeze: the freeze waits for
+/// it to land and be acknowledged (it holds the write gate as a single write does), so a
+/// frozen volume acknowledges nothing new.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_freeze_waits_for_a_group_in_flight() {
+    let c = Cluster::new().await;
+    let sw = Arc::new(Switches::default());
+    sw.in_place.store(true, SeqCst);
+    let a = c.node_with(c.config("a"), Arc::new(FaultFs(sw.clone())));
+    let v = empty_volume(&a, "gfreeze", DISK, Mode::Durable).await;
+    v.prepare_journal().await.unwrap(); // rotates onto a prepared segment
+    v.write(0, &tagged(1, 0), false).await.unwrap();
+    sw.stall_next_write.store(true, SeqCst);
+    let group = {
+        let v = v.clone();
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(async {
+                    let blocks: Vec<(u64, Vec<u8>)> =
+                        (1..4u64).map(|b| (b * 4096, tagged(b + 1, b))).collect();
+                    let writes: Vec<(u64, &[u8])> =
+                        blocks.iter().map(|(at, d)| (*at, &d[..])).collect();
+                    v.write_many(&writes).await
+                })
+        })
+    };
+    tokio::task::spawn_blocking({
+        let sw = sw.clone();
+        move || sw.wait_stalled()
+    })
+    .await
+    .unwrap();
+    let release = Release(sw.clone());
+    let freeze = tokio::spawn({
+        let v = v.clone();
+        async move { v.freeze().await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !freeze.is_finished(),
+        "the freeze returned with a group of writes still in flight"
+    );
+    drop(release);
+    let results = group.join().unwrap();
+    assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
+    freeze.await.unwrap();
+    v.thaw().await;
+    assert_eq!(&image(&v).await[..4], &[1, 2, 3, 4]);
+}
+
+/// A group refused by a full disk after a short write (some of its records whole on disk past
+/// the segment's end) leaves nothing that replays: the next write takes the group's first
+/// sequence number, and a stale second record after it would otherwise replay as the next one,
+/// putting back a write that was refused over one acknowledged and flushed before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_cut_short_by_a_full_disk_leaves_nothing_to_replay() {
+    let c = Cluster::new().await;
+    let sw = Arc::new(Switches::default());
+    let cfg = c.config("a");
+    let a = c.node_with(cfg.clone(), Arc::new(FaultFs(sw.clone())));
+    let v = empty_volume(&a, "short", DISK, Mode::Durable).await;
+    v.write(11 * 4096, &tagged(5, 11), false).await.unwrap();
+    v.flush().await.unwrap();
+    // Two of the three records land whole, then the disk is full.
+    sw.short_next_write.store(2 * (40 + 4096), SeqCst);
+    let blocks: Vec<(u64, Vec<u8>)> = (10..13u64).map(|b| (b * 4096, tagged(1, b))).collect();
+    let writes: Vec<(u64, &[u8])> = blocks.iter().map(|(at, d)| (*at, &d[..])).collect();
+    let results = v.write_many(&writes).await;
+    assert!(
+        results.iter().all(|r| matches!(r, Err(Error::NoSpace(_)))),
+        "{results:?}"
+    );
+    assert!(v.failure().is_none(), "a full disk failed the volume");
+    // The same size as the group's first record: written exactly over it.
+    v.write(20 * 4096, &tagged(2, 20), false).await.unwrap();
+    v.flush().await.unwrap();
+    a.abandon().await;
+    drop(v);
+    let b = c.node_with(cfg, Arc::new(FaultFs(Arc::new(Switches::default()))));
+    let v = b.attach(TENANT, "short").await.unwrap();
+    let img = image(&v).await;
+    assert_eq!(img[20], 2, "the flushed write was lost");
+    assert_eq!(img[11], 5, "a refused write replayed over a flushed one");
+    assert_eq!((img[10], img[12]), (0, 0), "a refused write replayed");
+    b.abandon().await;
+}
