@@ -59,6 +59,31 @@ fn start(data: &Path, sock: &Path) -> Child {
     attach(data, sock, Stdio::inherit())
 }
 
+/// Sends every write at once on `conn`, then reads their replies: each must succeed.
+async fn write_pipelined(conn: &mut Client<tokio::net::UnixStream>, writes: &[(u64, u64)]) {
+    use strata_nbd::proto::{encode_request, Request, CMD_WRITE, SIMPLE_REPLY_MAGIC};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut wire = vec![];
+    for (k, &(lba, tag)) in writes.iter().enumerate() {
+        wire.extend(encode_request(&Request {
+            flags: 0,
+            kind: CMD_WRITE,
+            cookie: k as u64,
+            offset: lba * 4096,
+            length: 4096,
+        }));
+        wire.extend(block(tag, lba));
+    }
+    let s = conn.stream();
+    s.write_all(&wire).await.unwrap();
+    for _ in writes {
+        let mut r = [0u8; 16];
+        s.read_exact(&mut r).await.unwrap();
+        assert_eq!(&r[..4], &SIMPLE_REPLY_MAGIC.to_be_bytes());
+        assert_eq!(&r[4..8], &[0, 0, 0, 0], "a pipelined write failed");
+    }
+}
+
 fn cycles() -> u64 {
     std::env::var("STRATA_KILL_CYCLES")
         .ok()
@@ -99,19 +124,31 @@ fn flushed_writes_on_any_connection_survive_kill_9() {
             let mut acked: Vec<(u64, u64)> = vec![];
             let mut tasks = vec![];
             for (i, mut conn) in conns.into_iter().enumerate() {
+                // Odd connections pipeline theirs (all sent, then the replies read: the server
+                // hands the writes to the volume together, one journal write for a group), on
+                // distinct blocks, since writes in flight together land in no set order.
+                let pipelined = i % 2 == 1;
+                let mut seen = std::collections::HashSet::new();
                 let writes: Vec<(u64, u64)> = (0..50)
                     .map(|k| {
-                        (
-                            i as u64 * BLOCKS / CONNS + rng.random_range(0..BLOCKS / CONNS),
-                            cycle * 1000 + i as u64 * 100 + k,
-                        )
+                        let lba = loop {
+                            let lba = i as u64 * BLOCKS / CONNS + rng.random_range(0..BLOCKS / CONNS);
+                            if !pipelined || seen.insert(lba) {
+                                break lba;
+                            }
+                        };
+                        (lba, cycle * 1000 + i as u64 * 100 + k)
                     })
                     .collect();
                 tasks.push(tokio::spawn(async move {
-                    for &(lba, tag) in &writes {
-                        conn.write(lba * 4096, &block(tag, lba), false)
-                            .await
-                            .unwrap();
+                    if pipelined {
+                        write_pipelined(&mut conn, &writes).await;
+                    } else {
+                        for &(lba, tag) in &writes {
+                            conn.write(lba * 4096, &block(tag, lba), false)
+                                .await
+                                .unwrap();
+                        }
                     }
                     (conn, writes)
                 }));
