@@ -132,7 +132,8 @@ fn flushed_writes_on_any_connection_survive_kill_9() {
                 let writes: Vec<(u64, u64)> = (0..50)
                     .map(|k| {
                         let lba = loop {
-                            let lba = i as u64 * BLOCKS / CONNS + rng.random_range(0..BLOCKS / CONNS);
+                            let lba =
+                                i as u64 * BLOCKS / CONNS + rng.random_range(0..BLOCKS / CONNS);
                             if !pipelined || seen.insert(lba) {
                                 break lba;
                             }
