@@ -600,12 +600,20 @@ impl Journal {
                     .segments
                     .get_mut(&self.active)
                     .ok_or_else(|| io::Error::other("journal has no active segment"))?;
-                if let Err(e2) = seg.file.set_len(seg.len) {
+                // Synced at once: a power cut must not bring the stale records back under a
+                // record written over the first of them later.
+                if let Err(e2) = seg
+                    .file
+                    .set_len(seg.len)
+                    .and_then(|()| seg.file.sync_data())
+                {
                     return Err(io::Error::other(format!(
                         "{e}; cutting the segment back to its records failed: {e2}"
                     )));
                 }
-                seg.alloc = seg.alloc.min(seg.len);
+                // A growing file from here on (nothing past its records is written), so that a
+                // prepared file is taken as soon as there is one.
+                seg.alloc = 0;
                 return Err(e);
             }
         };

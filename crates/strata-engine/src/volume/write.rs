@@ -229,6 +229,7 @@ impl Volume {
         // Held until the group is acknowledged, as `write` holds it: a freeze, seal or
         // rollback that takes the gate sees no write of it in flight.
         let gate = self.gate.read().await;
+        let mut refused = false;
         let group = {
             let mut j = self.writer.lock().await;
             let admitted = self
@@ -237,7 +238,10 @@ impl Volume {
                 .and_then(|()| self.space.admit(total));
             match admitted {
                 // Each on its own below: one refusal must not fail the others.
-                Err(_) => vec![],
+                Err(_) => {
+                    refused = true;
+                    vec![]
+                }
                 Ok(()) => {
                     let items: Vec<(u64, u64, u64)> = writes
                         .iter()
@@ -284,7 +288,13 @@ impl Volume {
         // writer queued for it, which waits for this one).
         drop(gate);
         for (offset, data) in &writes[k..] {
-            out.push(self.write_now(*offset, data).await);
+            out.push(if refused {
+                // The quota or the disk refused the group: each waits for room as `write`
+                // does (the quota may free some) and is refused alone.
+                self.write(*offset, data, false).await
+            } else {
+                self.write_now(*offset, data).await
+            });
         }
         out
     }
