@@ -11,15 +11,17 @@
 mod cache;
 pub mod keys;
 mod local_put;
+mod object_buf;
 mod reader;
 mod seal;
 mod store;
 
 pub use cache::NodeCache;
 pub use local_put::background;
+pub use object_buf::ObjectBuf;
 pub use reader::{ObjectReader, ReaderStats, DEFAULT_READAHEAD_UNITS};
 pub use seal::{DataKey, MasterKey};
-pub use store::{Credentials, ObjectBuf, Placed, Resolver, Store};
+pub use store::{Credentials, Placed, Resolver, Store};
 
 use std::sync::Arc;
 

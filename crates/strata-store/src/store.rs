@@ -10,6 +10,8 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::Bytes;
+
+use crate::ObjectBuf;
 use object_store::local::LocalFileSystem;
 use object_store::memory::InMemory;
 use object_store::path::Path;
@@ -496,7 +498,7 @@ impl Store {
         data: ObjectBuf,
         salt: u32,
     ) -> Result<(ObjectRef, Bytes)> {
-        let ObjectBuf { vec: data, lead } = data;
+        let (data, lead) = data.into_parts();
         let data_len = (data.len() - lead) as u64;
         // Hashing runs on the caller's runtime thread, 1 MiB at a time with a yield between:
         // an 8 MiB object would otherwise hold a worker (and the requests queued on it) for
@@ -511,7 +513,7 @@ impl Store {
         }
         let (id, encoded) = sealer.finish(salt);
         // Its buffer goes back to the pool once the last holder of these bytes lets go.
-        let encoded = Bytes::from_owner(Pooled(encoded, lead));
+        let encoded = crate::object_buf::pooled(encoded, lead);
         let key = Self::object_key(tenant, &id);
         self.put_verified(&key, encoded.clone()).await?;
         Ok((ObjectRef { id, data_len }, encoded))
@@ -824,88 +826,3 @@ fn open_s3(url: &str, rest: &str, creds: &Credentials) -> Result<Arc<dyn ObjectS
 
 #[cfg(test)]
 mod tests;
-
-/// The bytes of an object being built, starting at an address aligned for direct I/O, so that
-/// a local store writes the sealed object with `O_DIRECT` from where it is instead of copying
-/// it into an aligned buffer (a copy that cost a tenth of strata's CPU under 4 KiB random
-/// writes: the source is cold and misaligned against the destination). Aligned as long as it
-/// stays within the capacity it was made with.
-pub struct ObjectBuf {
-    vec: Vec<u8>,
-    /// Padding before the object's first byte.
-    lead: usize,
-}
-
-/// Buffers of objects whose bytes nobody holds any more, kept for the next objects: a fresh
-/// 8 MiB buffer is 2,048 page faults, each clearing its page (a tenth of strata's CPU under
-/// 4 KiB random writes before buffers were kept). The [`POOL_MAX`] most recent are kept.
-static POOL: std::sync::Mutex<Vec<Vec<u8>>> = std::sync::Mutex::new(Vec::new());
-const POOL_MAX: usize = 4;
-/// Smaller buffers are not worth keeping.
-const POOL_MIN_BYTES: usize = 1 << 20;
-
-/// An object's bytes, `lead` bytes into a buffer that goes back to [`POOL`] when dropped.
-struct Pooled(Vec<u8>, usize);
-
-impl AsRef<[u8]> for Pooled {
-    fn as_ref(&self) -> &[u8] {
-        &self.0[self.1..]
-    }
-}
-
-impl Drop for Pooled {
-    fn drop(&mut self) {
-        let v = std::mem::take(&mut self.0);
-        if v.capacity() >= POOL_MIN_BYTES {
-            let mut pool = POOL.lock().unwrap_or_else(|p| p.into_inner());
-            // The most recent are kept (a buffer of a size no object asks for again ages out).
-            if pool.len() >= POOL_MAX {
-                pool.remove(0);
-            }
-            pool.push(v);
-        }
-    }
-}
-
-impl ObjectBuf {
-    /// Room for `cap` bytes (the object and its trailer) without moving: a kept buffer of
-    /// about that size if there is one (its old bytes are never exposed: the object is written
-    /// over them from its start), else a new one.
-    pub fn with_capacity(cap: usize) -> ObjectBuf {
-        let align = crate::local_put::DIRECT_ALIGN;
-        let want = cap + align;
-        let kept = {
-            let mut pool = POOL.lock().unwrap_or_else(|p| p.into_inner());
-            pool.iter()
-                .position(|v| v.capacity() >= want && v.capacity() <= 2 * want)
-                .map(|i| pool.swap_remove(i))
-        };
-        let mut vec: Vec<u8> = kept.unwrap_or_else(|| Vec::with_capacity(want));
-        vec.clear();
-        let lead = vec.as_ptr().addr().next_multiple_of(align) - vec.as_ptr().addr();
-        vec.resize(lead, 0);
-        ObjectBuf { vec, lead }
-    }
-
-    pub fn len(&self) -> usize {
-        self.vec.len() - self.lead
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    pub fn extend_from_slice(&mut self, bytes: &[u8]) {
-        self.vec.extend_from_slice(bytes);
-    }
-
-    pub fn as_slice(&self) -> &[u8] {
-        &self.vec[self.lead..]
-    }
-}
-
-impl From<Vec<u8>> for ObjectBuf {
-    fn from(vec: Vec<u8>) -> ObjectBuf {
-        ObjectBuf { vec, lead: 0 }
-    }
-}

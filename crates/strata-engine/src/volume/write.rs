@@ -49,25 +49,7 @@ impl Volume {
                 Kind::Zero => &[][..],
             };
             let appended = j.append(kind, lba + done, k as u32, payload);
-            let rotated = j.take_rotated();
-            if !rotated.is_empty() {
-                let mut st = self.st_mut();
-                for (id, f) in rotated {
-                    st.files.insert(id, SegFile::new(f));
-                }
-            }
-            let (seq, seg, off) = match appended {
-                Ok(r) => r,
-                // A full disk refuses this request only: the failed record was never counted
-                // (the next append overwrites it), so the journal stays a clean prefix.
-                Err(e) if crate::error::is_no_space(&e) => {
-                    return Err(Error::NoSpace(format!("the journal of {}: {e}", self.name)));
-                }
-                Err(e) => {
-                    self.fail(format!("journal write failed: {e}"));
-                    return Err(Error::io("appending to journal")(e));
-                }
-            };
+            let (seq, seg, off) = self.appended(j, appended)?;
             let loc = match kind {
                 Kind::Write => Loc::Journal { seg, off },
                 Kind::Zero => Loc::Zero,
@@ -82,6 +64,31 @@ impl Volume {
             self.count_written(n);
         }
         Ok(())
+    }
+
+    /// After an append under the lock: the segments it rotated into join the volume's files
+    /// (even when the append failed: later records land in them), and its error is the
+    /// request's. A full disk refuses the request only: a failed record was never counted (the
+    /// next append overwrites it), so the journal stays a clean prefix; any other failure
+    /// fails the volume.
+    fn appended<T>(&self, j: &mut Journal, appended: std::io::Result<T>) -> Result<T> {
+        let rotated = j.take_rotated();
+        if !rotated.is_empty() {
+            let mut st = self.st_mut();
+            for (id, f) in rotated {
+                st.files.insert(id, SegFile::new(f));
+            }
+        }
+        match appended {
+            Ok(r) => Ok(r),
+            Err(e) if crate::error::is_no_space(&e) => {
+                Err(Error::NoSpace(format!("the journal of {}: {e}", self.name)))
+            }
+            Err(e) => {
+                self.fail(format!("journal write failed: {e}"));
+                Err(Error::io("appending to journal")(e))
+            }
+        }
     }
 
     /// Counts `n` blocks of new guest data and widens the remote window by them.
@@ -320,24 +327,7 @@ impl Volume {
             .map(|(o, d)| (o / BLOCK_SIZE, (d.len() as u64 / BLOCK_SIZE) as u32, *d))
             .collect();
         let appended = j.append_many(&items);
-        let rotated = j.take_rotated();
-        if !rotated.is_empty() {
-            let mut st = self.st_mut();
-            for (id, f) in rotated {
-                st.files.insert(id, SegFile::new(f));
-            }
-        }
-        let placed = match appended {
-            Ok(p) => p,
-            // As in `append_inner`: a full disk refuses these requests only.
-            Err(e) if crate::error::is_no_space(&e) => {
-                return Err(Error::NoSpace(format!("the journal of {}: {e}", self.name)));
-            }
-            Err(e) => {
-                self.fail(format!("journal write failed: {e}"));
-                return Err(Error::io("appending to journal")(e));
-            }
-        };
+        let placed = self.appended(j, appended)?;
         let mut blocks = 0;
         {
             let mut st = self.st_mut();
